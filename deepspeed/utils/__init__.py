@@ -1,0 +1,4 @@
+"""Utility names that scripts and integrations import from ``deepspeed.utils``."""
+from deepspeed.utils.logging import log_dist, logger
+
+__all__ = ["logger", "log_dist"]
