@@ -1,0 +1,1 @@
+"""Training monitors (TensorBoard, Weights & Biases, CSV, Comet); config models live in ``monitor.config``."""

@@ -1,0 +1,1 @@
+"""Activation checkpointing (``deepspeed.checkpointing``); the config model lives in ``.config``."""

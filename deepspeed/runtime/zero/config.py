@@ -1,0 +1,247 @@
+"""``zero_optimization`` block: upstream keys, aliases, defaults and deprecations, plus three lean switches.
+
+``ZeroStageEnum`` must stay importable from this module: upstream checkpoints pickle it (optimizer-state key
+``zero_stage``), so ``torch.load`` of an upstream checkpoint resolves ``deepspeed.runtime.zero.config.ZeroStageEnum``.
+"""
+from __future__ import annotations
+
+import sys
+from enum import IntEnum
+from typing import Any, ClassVar
+
+from pydantic import Field, field_validator, model_validator
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel, pp_int
+from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                   DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum)
+
+ZERO_OPTIMIZATION = "zero_optimization"
+
+
+class ZeroStageEnum(IntEnum):
+    """ZeRO stages: what is partitioned across data-parallel ranks."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+def _cpu_offload_optimizer(enabled: bool | None) -> dict | None:
+    return {"device": OffloadDeviceEnum.cpu.value} if enabled else None
+
+
+def _cpu_offload_param(enabled: bool | None) -> dict | None:
+    return {"device": OffloadDeviceEnum.cpu.value} if enabled else None
+
+
+class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
+    """``zero_optimization.leaf_module``: modules ZeRO-3 treats as one unit (gathered/freed together)."""
+
+    config_block: ClassVar[str] = "zero_optimization.leaf_module"
+
+    classes: list[str] = Field(default_factory=list)
+    """Class names (or fully qualified names) of leaf modules."""
+
+    names: list[str] = Field(default_factory=list)
+    """Exact module names (as in ``named_modules()``) of leaf modules."""
+
+    name_suffixes: list[str] = Field(default_factory=list)
+    """Module-name suffixes selecting leaf modules."""
+
+
+class DeepSpeedZeroConfig(DeepSpeedConfigModel):
+    """The ``zero_optimization`` block.
+
+    ``"zero_optimization": true/false`` (legacy boolean form) means stage 1 / stage 0.
+    """
+
+    config_block: ClassVar[str] = ZERO_OPTIMIZATION
+
+    stage: ZeroStageEnum = 0
+    """0 = off, 1 = partition optimizer states, 2 = + gradients, 3 = + parameters."""
+
+    contiguous_gradients: bool = True
+    """Copy gradients into a contiguous bucket buffer as they are produced (less fragmentation)."""
+
+    reduce_scatter: bool = True
+    """Reduce gradients with reduce-scatter to their owning rank (otherwise all-reduce)."""
+
+    reduce_bucket_size: int = Field(pp_int(5e8), ge=0)
+    """Elements reduced per gradient bucket."""
+
+    use_multi_rank_bucket_allreduce: bool = True
+    """Reduce a bucket holding gradients owned by several ranks with one all-reduce."""
+
+    allgather_partitions: bool = True
+    """ZeRO-1/2: all-gather updated partitions (otherwise broadcast each partition)."""
+
+    allgather_bucket_size: int = Field(pp_int(5e8), ge=0)
+    """Elements all-gathered at a time after the ZeRO-1/2 step; must be even for stages 1–2."""
+
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with backward; unset means true for stage 3, false otherwise."""
+
+    load_from_fp32_weights: bool = True
+    """On load, restore fp32 masters from the checkpoint's fp32 partitions (not from 16-bit weights)."""
+
+    elastic_checkpoint: bool = False
+    """Save ZeRO-1/2 optimizer state in a world-size-independent layout."""
+
+    offload_param: DeepSpeedZeroOffloadParamConfig | None = None
+    """Parameter offload (ZeRO-3); see ``offload_param`` keys."""
+
+    offload_optimizer: DeepSpeedZeroOffloadOptimizerConfig | None = None
+    """Optimizer-state offload; see ``offload_optimizer`` keys."""
+
+    sub_group_size: int = Field(pp_int(1e9), ge=0)
+    """ZeRO-3: elements per optimizer sub-group stepped at a time."""
+
+    cpu_offload_param: bool | None = Field(
+        None, json_schema_extra={"deprecated": True, "new_param": "offload_param", "new_param_fn": _cpu_offload_param})
+    """Deprecated: ``true`` means ``offload_param: {device: cpu}``."""
+
+    cpu_offload_use_pin_memory: bool | None = Field(
+        None, json_schema_extra={"deprecated": True, "new_param": "offload_param or offload_optimizer",
+                                 "set_new_param": False})
+    """Deprecated: use ``pin_memory`` inside the offload blocks."""
+
+    cpu_offload: bool | None = Field(
+        None, json_schema_extra={"deprecated": True, "new_param": "offload_optimizer",
+                                 "new_param_fn": _cpu_offload_optimizer})
+    """Deprecated: ``true`` means ``offload_optimizer: {device: cpu}``."""
+
+    prefetch_bucket_size: int = Field(pp_int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
+    """ZeRO-3: elements of parameters prefetched ahead of use."""
+
+    param_persistence_threshold: int = Field(pp_int(1e5), ge=0, alias="stage3_param_persistence_threshold")
+    """ZeRO-3: parameters with fewer elements stay gathered (not partitioned)."""
+
+    model_persistence_threshold: int = Field(pp_int(sys.maxsize, "sys.maxsize"), ge=0,
+                                             alias="stage3_model_persistence_threshold")
+    """ZeRO-3: cap on the total elements of persistent (unpartitioned) parameters."""
+
+    max_live_parameters: int = Field(pp_int(1e9), ge=0, alias="stage3_max_live_parameters")
+    """ZeRO-3: most parameter elements gathered at once before prefetching stops."""
+
+    max_reuse_distance: int = Field(pp_int(1e9), ge=0, alias="stage3_max_reuse_distance")
+    """ZeRO-3: keep a gathered parameter if it is used again within this many elements of the trace."""
+
+    gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
+    """ZeRO-3: gather full 16-bit weights for ``save_16bit_model`` / consolidated state dicts."""
+
+    module_granularity_threshold: int = Field(pp_int(0), ge=0, alias="stage3_module_granularity_threshold")
+    """ZeRO-3: modules with fewer parameter elements than this are made leaf modules (0 = off)."""
+
+    use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
+    """ZeRO-3: gather parameters with all-reduce instead of all-gather."""
+
+    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
+    """ZeRO-3: gather parameters one at a time instead of coalesced."""
+
+    stage3_gather_fp16_weights_on_model_save: bool = Field(
+        False, json_schema_extra={"deprecated": True, "new_param": "gather_16bit_weights_on_model_save"})
+    """Deprecated spelling of ``gather_16bit_weights_on_model_save``."""
+
+    ignore_unused_parameters: bool = True
+    """Do not fail when some parameters get no gradient in a step."""
+
+    legacy_stage1: bool = False
+    """Upstream legacy stage-1 implementation switch (accepted; ignored)."""
+
+    round_robin_gradients: bool = False
+    """ZeRO-1/2: order parameters round-robin across ranks for balanced gradient copies."""
+
+    zero_hpz_partition_size: int = Field(1, ge=0)
+    """ZeRO++ hierarchical partitioning group size (1 = off)."""
+
+    zero_quantized_weights: bool = False
+    """ZeRO++ quantized weight all-gather."""
+
+    zero_quantized_nontrainable_weights: bool = False
+    """ZeRO++ quantized storage of frozen weights."""
+
+    zero_quantized_gradients: bool = False
+    """ZeRO++ quantized gradient reduction."""
+
+    zeropp_loco_param: dict[str, Any] | None = None
+    """ZeRO++ LoCo error-feedback parameters."""
+
+    mics_shard_size: int = -1
+    """MiCS shard group size (-1 = off)."""
+
+    mics_hierarchical_params_gather: bool = False
+    """MiCS hierarchical parameter gather."""
+
+    memory_efficient_linear: bool = True
+    """ZeRO-3: use a linear layer that does not keep gathered weights alive for backward."""
+
+    pipeline_loading_checkpoint: bool = False
+    """Load checkpoints for pipeline-parallel ZeRO-3 runs layer by layer."""
+
+    override_module_apply: bool = True
+    """ZeRO-3 ``zero.Init``: gather parameters around ``Module.apply`` calls."""
+
+    log_trace_cache_warnings: bool = False
+    """ZeRO-3: log when the recorded prefetch trace is invalidated."""
+
+    enable_sanity_checks: bool = False
+    """Run extra (slow) consistency checks."""
+
+    save_muon_momentum_buffer_in_memory: bool = False
+    """Muon optimizer: keep the momentum buffer in memory (upstream switch)."""
+
+    leaf_module: DeepSpeedZeroLeafModuleConfig = Field(default_factory=DeepSpeedZeroLeafModuleConfig)
+    """ZeRO-3 leaf-module selection."""
+
+    zenflow: dict[str, Any] | None = None
+    """ZenFlow sub-config (accepted as a raw dict; not implemented by deepspeed-lean)."""
+
+    lean_inplace_flatten: bool = True
+    """deepspeed-lean: ZeRO-1/2 flatten parameters into their flat buffer on the accelerator, chunk by chunk,
+    never through host memory. ``false`` reproduces upstream's copy-through-CPU path (for A/B comparisons)."""
+
+    lean_eager_grad_release: bool = True
+    """deepspeed-lean: free each autograd ``.grad`` as soon as it is folded into its reduction bucket, instead of
+    holding all gradients until the bucket flush. ``false`` reproduces upstream's retention (for A/B)."""
+
+    lean_stream_ordered_release: bool = True
+    """deepspeed-lean: ZeRO-3 frees gathered parameters on an event-ordered schedule rather than via
+    ``record_stream``, so freed memory is reusable immediately. ``false`` mimics upstream's late reuse (for A/B)."""
+
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _stage_in_range(cls, value: Any) -> Any:
+        # Checked here so the message lists the stages once (the enum has an alias for 3).
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or value not in (0, 1, 2, 3):
+            raise ValueError(f"must be one of 0, 1, 2, 3; got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _resolve_and_check(self) -> "DeepSpeedZeroConfig":
+        # Assign through __dict__: validate_assignment would otherwise re-enter this validator.
+        if self.overlap_comm is None:
+            self.__dict__["overlap_comm"] = self.stage == ZeroStageEnum.weights
+        if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
+            raise ValueError(f"offload_optimizer.ratio < 1.0 (got {self.offload_optimizer.ratio}) is supported "
+                             f"only with stage 3; stage is {self.stage}")
+        if self.stage in (1, 2) and self.allgather_bucket_size % 2:
+            raise ValueError(f"allgather_bucket_size must be even for stages 1 and 2; got {self.allgather_bucket_size}")
+        return self
+
+
+def read_zero_config_deprecated(param_dict: dict) -> dict:
+    """Translate the legacy ``"zero_optimization": true/false`` form into a block dict."""
+    legacy = param_dict[ZERO_OPTIMIZATION]
+    return {"stage": 1 if legacy else 0}
+
+
+def get_zero_config(param_dict: dict) -> DeepSpeedZeroConfig:
+    """Build the ``zero_optimization`` block from a whole DeepSpeed config dict."""
+    block = param_dict.get(ZERO_OPTIMIZATION, {})
+    if isinstance(block, bool):
+        block = read_zero_config_deprecated(param_dict)
+    return DeepSpeedZeroConfig(**block)
