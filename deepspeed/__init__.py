@@ -1,12 +1,135 @@
-"""deepspeed-lean: a memory-lean, DeepSpeed-compatible ZeRO training engine (temporary façade; wired up as modules land)."""
+"""deepspeed-lean: a memory-lean, drop-in DeepSpeed-compatible ZeRO training engine.
+
+The public surface (``initialize``, ``init_distributed``, ``add_config_arguments``, ``zero``, ``comm``,
+version attributes) matches upstream DeepSpeed; the implementation lives in ``deepspeed._core``.
+"""
 import os as _os
 
-# Importing must never create a CUDA context.
+# Importing must never create a CUDA context (NVML answers device queries instead).
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
+from typing import Any  # noqa: E402
+
+from packaging import version as _pkg_version  # noqa: E402
+
+from deepspeed import comm  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+from deepspeed.comm import init_distributed  # noqa: E402
 from deepspeed.git_version_info import git_branch, git_hash, version  # noqa: E402
+from deepspeed.runtime import lr_schedules  # noqa: E402,F401  (accelerate reads deepspeed.runtime.lr_schedules)
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: E402
+from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from deepspeed.utils.logging import log_dist, logger  # noqa: E402
 
 __version__ = version
 __git_hash__ = git_hash
 __git_branch__ = git_branch
+_parsed = _pkg_version.parse(__version__)
+__version_major__, __version_minor__, __version_patch__ = _parsed.major, _parsed.minor, _parsed.micro
+
+# Set to ``deepspeed.comm`` by ``initialize`` (upstream contract).
+dist = None
+
+
+def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
+    """Pick the config source exactly as upstream does (``config`` / ``config_params`` / ``args``)."""
+    if config is None and config_params is not None:
+        config = config_params
+    if args is not None and getattr(args, "deepscale_config", None) is not None:
+        logger.warning("--deepscale_config is deprecated, use --deepspeed_config")
+        if getattr(args, "deepspeed_config", None) is None:
+            args.deepspeed_config = args.deepscale_config
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None and config is not None:
+        raise AssertionError(
+            "Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments and "
+            "deepspeed.initialize() function call"
+        )
+    config = config if config is not None else from_args
+    if config is None:
+        raise AssertionError("DeepSpeed requires --deepspeed_config to specify configuration file")
+    return config
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: Any = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple:
+    """Wrap ``model`` for training and return ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    Args:
+        args: an argparse namespace; ``args.deepspeed_config`` may name the config, ``args.local_rank``
+            is checked against and overwritten by the launcher's ``LOCAL_RANK``.
+        model: the ``torch.nn.Module`` to train (required).
+        optimizer: a torch optimizer, or a callable taking the parameters and returning one.
+        model_parameters: parameters (or parameter groups) to optimize; default all of ``model``'s.
+        training_data: a dataset; when given, a distributed data loader of micro-batches is returned.
+        lr_scheduler: a scheduler, or a callable taking the inner optimizer and returning one.
+        distributed_port: master port when the process group still has to be created.
+        mpu: model-parallel unit (``get_data_parallel_group`` etc.).
+        dist_init_required: ``False`` forbids creating a process group here.
+        collate_fn: collate function of the returned data loader.
+        config: dict, JSON/hjson file path, or base64 JSON string; ``config_params`` is an alias.
+        mesh_param: accepted for signature compatibility (device meshes are not supported yet).
+    """
+    if model is None:
+        raise AssertionError("deepspeed.initialize requires a model")
+    if mesh_param is not None:
+        raise NotImplementedError("mesh_param (sequence-parallel device meshes) is not supported by deepspeed-lean yet")
+    global dist
+    dist = comm
+    config = _resolve_config(args, config, config_params)
+    comm.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=distributed_port,
+        dist_init_required=dist_init_required,
+    )
+    engine = DeepSpeedEngine(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=config,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: Any) -> Any:
+    """Add the ``DeepSpeed`` argument group (``--deepspeed``, ``--deepspeed_config``) to ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="Enable DeepSpeed")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help="Deprecated alias of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated alias of --deepspeed_config")
+    return parser
+
+
+__all__ = [
+    "initialize",
+    "init_distributed",
+    "add_config_arguments",
+    "comm",
+    "DeepSpeedEngine",
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+    "get_accelerator",
+    "log_dist",
+    "logger",
+    "__version__",
+]

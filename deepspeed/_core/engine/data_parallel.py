@@ -1,0 +1,137 @@
+"""Stage 0: plain data parallelism with optional fp16/bf16 master weights.
+
+Every rank keeps whole parameters and gradients. Gradients accumulate in ``.grad`` across micro-steps
+and are all-reduced (bucketed, overlapped with the boundary backward) before the step. With fp16 or
+bf16 working weights the inner optimizer steps on fp32 masters (:class:`MasterWeights`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepspeed._core.engine.clipping import NormScope, clip_, global_norm
+from deepspeed._core.engine.grad_sync import BucketedAllReduce, ReduceScaling
+from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan
+from deepspeed._core.plan import RunPlan
+
+
+class DataParallelOptimizer(EngineOptimizer):
+    """Wraps a torch optimizer for stage 0.
+
+    Args:
+        optimizer: the inner optimizer, built over the model's (working) parameters.
+        plan: the run plan (precision, gradient policy, bucket sizes).
+        loss_scaler: a loss scaler for fp16, else ``None``.
+        dp_group: data-parallel group; ``None`` = world.
+        dp_world_size: size of ``dp_group``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        plan: RunPlan,
+        loss_scaler: Any,
+        dp_group: Any,
+        dp_world_size: int,
+    ) -> None:
+        self.optimizer = optimizer
+        self.plan = plan
+        self.loss_scaler = loss_scaler
+        precision = plan.precision
+        needs_master = precision.param_dtype != precision.master_dtype
+        self.masters = MasterWeights(optimizer, precision.master_dtype) if needs_master else None
+        self.params = self._working_params()
+        self.sync: BucketedAllReduce | None = None
+        if dp_world_size > 1:
+            self.sync = BucketedAllReduce(
+                [p for p in self.params if p.requires_grad],
+                plan.zero.buckets.reduce_bucket_size,
+                precision.comm_dtype,
+                ReduceScaling.from_policy(plan.grads, dp_world_size),
+                dp_group,
+            )
+        self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
+
+    def _working_params(self) -> list[torch.nn.Parameter]:
+        if self.masters is not None:
+            return self.masters.working_params()
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def prepare_backward(self, kind: MicroStepKind) -> None:
+        """Arm the overlapped all-reduce when this backward ends the accumulation window."""
+        if kind is MicroStepKind.REDUCE and self.sync is not None:
+            self.sync.arm()
+
+    def finish_backward(self) -> None:
+        """Complete the all-reduce of this window's gradients (no-op between boundaries)."""
+        if self.sync is not None:
+            self.sync.finish()
+
+    def step(self, closure: Any = None) -> bool:
+        """Check overflow, unscale, clip, step the inner optimizer and refresh working weights."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        # After the all-reduce every rank holds the same sums, so an inf on any rank is seen by all
+        # and they all skip together without an extra collective.
+        self.overflow = self.check_overflow and has_inf_or_nan(grads)
+        if self.overflow:
+            self._global_grad_norm = None
+            self.zero_grad()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            return False
+        scale = self.cur_scale
+        if self.masters is not None:
+            self.masters.grads_to_masters(scale)
+            grads = [m.grad for _, m in self.masters.pairs if m.grad is not None]
+        elif scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        self._global_grad_norm = global_norm(grads, NormScope.REPLICATED)
+        clip_(grads, self._global_grad_norm, self.plan.grads.clip_norm)
+        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if self.masters is not None:
+            self.masters.masters_to_working()
+            self.masters.drop_master_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the working gradients (and masters' gradients, if any)."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        if self.masters is not None:
+            self.masters.drop_master_grads()
+
+    def destroy(self) -> None:
+        """Remove the all-reduce hooks."""
+        if self.sync is not None:
+            self.sync.remove_hooks()
+            self.sync = None
+
+    def state_dict(self) -> dict:
+        """Inner optimizer state plus loss-scaler state and fp32 masters (when present)."""
+        sd: dict = {"optimizer_state_dict": self.optimizer.state_dict()}
+        if self.loss_scaler is not None:
+            sd["loss_scaler"] = self.loss_scaler
+            sd["dynamic_loss_scale"] = bool(getattr(self.loss_scaler, "dynamic", False))
+        if self.masters is not None:
+            sd["fp32_groups"] = [m.detach().clone() for _, m in self.masters.pairs]
+        sd["overflow"] = self.overflow
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict` output (masters refreshed from the saved fp32 copies)."""
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        if "loss_scaler" in state_dict and self.loss_scaler is not None:
+            self.loss_scaler = state_dict["loss_scaler"]
+        if self.masters is not None and "fp32_groups" in state_dict:
+            with torch.no_grad():
+                for (_, master), saved in zip(self.masters.pairs, state_dict["fp32_groups"]):
+                    master.copy_(saved)
+            self.masters.masters_to_working()
+        self.overflow = bool(state_dict.get("overflow", False))

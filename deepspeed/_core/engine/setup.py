@@ -1,0 +1,63 @@
+"""Engine set-up steps that need no public façade: device, module preparation, optimizer wrapping.
+
+The façade (``deepspeed.runtime.engine``) composes these with the public factories (optimizers from
+``deepspeed.ops``, schedulers from ``deepspeed.runtime.lr_schedules``) in one short, ordered function.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from deepspeed._core.engine.data_parallel import DataParallelOptimizer
+from deepspeed._core.engine.optimizer_base import EngineOptimizer
+from deepspeed._core.engine.precision import cast_module_params
+from deepspeed._core.plan import RunPlan
+from deepspeed.accelerator import get_accelerator
+
+
+def local_rank_from_env() -> int:
+    """The process's local rank as the launcher (or mpirun) exported it."""
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def resolve_device(local_rank: int) -> torch.device:
+    """The device this rank trains on; selects it on accelerators that have a current device."""
+    acc = get_accelerator()
+    name = acc.device_name(local_rank)
+    if name.startswith("cpu"):
+        return torch.device("cpu")
+    acc.set_device(local_rank)
+    return torch.device(name)
+
+
+def prepare_module(module: torch.nn.Module, plan: RunPlan, device: torch.device | None) -> None:
+    """Move the module to ``device`` (unless ``None``) and cast its parameters to the working dtype."""
+    if device is not None:
+        module.to(device)
+    cast_module_params(module, plan.precision)
+
+
+def check_trainable(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+    """Fail early, with a clear message, when there is nothing to train."""
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"the model {type(module).__name__} has no trainable parameters (every parameter has "
+            "requires_grad=False); training needs at least one"
+        )
+
+
+def wrap_optimizer(
+    basic: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any, dp_world_size: int
+) -> EngineOptimizer:
+    """Wrap the inner optimizer for the configured ZeRO stage."""
+    stage = plan.zero.stage
+    if stage == 0:
+        return DataParallelOptimizer(basic, plan, loss_scaler, dp_group, dp_world_size)
+    raise NotImplementedError(
+        f"zero_optimization.stage={stage} is not available in this build yet; valid stages here: [0]"
+    )

@@ -1,0 +1,145 @@
+"""The training loop the engine façade delegates to: forward, backward, step, accumulation.
+
+It talks to one :class:`EngineOptimizer`, whatever the ZeRO stage, and keeps the counters that
+integrations read (``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from deepspeed._core.engine.accumulation import AccumulationState
+from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.engine.precision import cast_inputs
+from deepspeed._core.engine.progress import ProgressReporter
+from deepspeed._core.plan import RunPlan
+
+
+class TrainingLoop:
+    """Owns the micro-step state machine of one engine.
+
+    Args:
+        module: the user's model (already on its device, already cast).
+        optimizer: the wrapped optimizer, or ``None`` for an inference-only engine.
+        lr_scheduler: a scheduler stepped after every applied optimizer step, or ``None``.
+        plan: the run plan.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, optimizer: EngineOptimizer | None, lr_scheduler: Any, plan: RunPlan
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.plan = plan
+        self.accumulation = AccumulationState(plan.batch.gradient_accumulation_steps)
+        self.progress = ProgressReporter(plan.steps_per_print, plan.batch.train_batch_size)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.step_applied = False
+        self._sync_disabled = False
+        self._backward_pending = False
+
+    # --- forward / backward -----------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module, casting floating inputs when fp16 ``auto_cast`` is on."""
+        if self.plan.precision.auto_cast:
+            inputs = cast_inputs(inputs, self.plan.precision.param_dtype)
+            kwargs = cast_inputs(kwargs, self.plan.precision.param_dtype)
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of one micro-batch's loss; returns the (GAS-scaled) loss for logging."""
+        if self.optimizer is None:
+            raise RuntimeError("backward() needs an optimizer: pass one to deepspeed.initialize or configure one")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"backward() expects a scalar loss tensor, got {type(loss).__name__}")
+        self.accumulation.on_backward()
+        if scale_wrt_gas and self.accumulation.gas > 1:
+            loss = loss / self.accumulation.gas
+        self.optimizer.prepare_backward(self._micro_step_kind())
+        self.optimizer.backward(loss, retain_graph=retain_graph)
+        self.optimizer.finish_backward()
+        return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss`` scaled for a caller-run ``loss.backward()`` (arms the reduction as backward would)."""
+        if self.optimizer is None:
+            raise RuntimeError("scale() needs an optimizer")
+        self.accumulation.on_backward()
+        loss = loss / self.accumulation.gas if self.accumulation.gas > 1 else loss
+        self.optimizer.prepare_backward(self._micro_step_kind())
+        self._backward_pending = True
+        scale = self.optimizer.cur_scale
+        return loss * scale if scale != 1.0 else loss
+
+    def _micro_step_kind(self) -> MicroStepKind:
+        if self.accumulation.is_boundary() and not self._sync_disabled:
+            return MicroStepKind.REDUCE
+        return MicroStepKind.ACCUMULATE
+
+    # --- step ------------------------------------------------------------------------------------
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Advance one micro-step; at the boundary apply the optimizer and the scheduler."""
+        if self._sync_disabled:
+            raise RuntimeError("step() was called inside no_sync(); leave the no_sync() context first")
+        if self._backward_pending and self.optimizer is not None:
+            self.optimizer.finish_backward()
+            self._backward_pending = False
+        self.step_applied = False
+        if self.accumulation.is_boundary() and self.optimizer is not None:
+            self._take_model_step(lr_kwargs)
+        self.accumulation.on_step()
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        applied = self.optimizer.step()
+        if applied:
+            self.step_applied = True
+            if self.lr_scheduler is not None:
+                _step_scheduler(self.lr_scheduler, lr_kwargs, self.plan.batch.train_batch_size)
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.plan.batch.train_batch_size
+        self.progress.maybe_report(
+            self.global_steps, self.optimizer.cur_scale, self.get_lr(), self.optimizer._global_grad_norm
+        )
+
+    def zero_grad(self) -> None:
+        """Drop gradients of the module's parameters (upstream: no arguments)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        for p in self.module.parameters():
+            p.grad = None
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of each parameter group."""
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @contextlib.contextmanager
+    def no_sync(self, zero_stage: int) -> Iterator[None]:
+        """Skip gradient reduction for the enclosed backwards (stage 0/1 only, not re-entrant)."""
+        if zero_stage >= 2:
+            raise AssertionError(f"no_sync() is incompatible with ZeRO stage {zero_stage} (partitioned gradients)")
+        if self._sync_disabled:
+            raise AssertionError("no_sync() context manager is not re-entrant")
+        self._sync_disabled = True
+        try:
+            yield
+        finally:
+            self._sync_disabled = False
+
+
+def _step_scheduler(scheduler: Any, lr_kwargs: dict | None, train_batch_size: int) -> None:
+    """Step ``scheduler``; schedulers that need an increment get ``train_batch_size`` (upstream rule)."""
+    try:
+        scheduler.step(**(lr_kwargs or {}))
+    except TypeError:
+        scheduler.step(train_batch_size)

@@ -1,0 +1,333 @@
+"""``DeepSpeedEngine``: upstream's engine API over the private training loop in ``deepspeed._core.engine``.
+
+Construction is one ordered list of ``_apply_*`` steps (config → process group → device → module →
+optimizer → scheduler → data loader); the training methods delegate to :class:`TrainingLoop`, and the
+many upstream getters read the validated config.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed._core.engine import setup
+from deepspeed._core.engine.loss_scaling import from_policy as loss_scaler_from_policy
+from deepspeed._core.engine.optimizer_base import EngineOptimizer
+from deepspeed._core.engine.training import TrainingLoop
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_scheduler
+from deepspeed.utils.logging import log_dist
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """Wraps a model for distributed, mixed-precision, ZeRO-partitioned training.
+
+    Users normally get one from :func:`deepspeed.initialize`. Unknown attributes fall through to the
+    wrapped ``module``.
+    """
+
+    def __init__(
+        self,
+        args: Any,
+        model: torch.nn.Module,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        training_data: Any = None,
+        lr_scheduler: Any = None,
+        mpu: Any = None,
+        dist_init_required: bool | None = None,
+        collate_fn: Any = None,
+        config: Any = None,
+        config_class: DeepSpeedConfig | None = None,
+        mesh_device: Any = None,
+        dont_change_device: bool = False,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.mpu = mpu
+        self.client_model_parameters = model_parameters
+        self._apply_config(args, config, config_class, mpu)
+        self._apply_process_group(dist_init_required)
+        self._apply_device(args, dont_change_device)
+        self._apply_optimizer(optimizer, model_parameters)
+        self._apply_scheduler(lr_scheduler)
+        self._loop = TrainingLoop(self.module, self.optimizer, self.lr_scheduler, self.plan)
+        self.training_dataloader = self._build_dataloader(training_data, collate_fn) if training_data else None
+        log_dist(
+            f"DeepSpeedEngine ready: stage={self.zero_optimization_stage()} dtype={self.plan.precision.param_dtype} "
+            f"dp_world_size={self.dp_world_size} gas={self.gradient_accumulation_steps()}",
+            ranks=[0],
+        )
+
+    # --- set-up steps, in order ------------------------------------------------------------------
+    def _apply_config(self, args: Any, config: Any, config_class: DeepSpeedConfig | None, mpu: Any) -> None:
+        if config_class is None:
+            if config is None:
+                config = getattr(args, "deepspeed_config", None)
+            config_class = DeepSpeedConfig(config, mpu)
+        self._config = config_class
+        self.config = config_class._param_dict
+        self.plan = config_class.plan
+
+    def _apply_process_group(self, dist_init_required: bool | None) -> None:
+        if not dist.is_initialized():
+            if dist_init_required is False:
+                raise RuntimeError("dist_init_required=False but no process group is initialized")
+            from deepspeed.accelerator import get_accelerator
+
+            dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.dp_group = self.mpu.get_data_parallel_group() if self.mpu is not None else None
+        self.dp_world_size = dist.get_world_size(group=self.dp_group)
+        self.mp_world_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
+
+    def _apply_device(self, args: Any, dont_change_device: bool) -> None:
+        self.local_rank = setup.local_rank_from_env()
+        arg_rank = getattr(args, "local_rank", None)
+        if isinstance(arg_rank, int) and arg_rank >= 0 and arg_rank != self.local_rank:
+            raise ValueError(
+                f"args.local_rank={arg_rank} does not match the LOCAL_RANK environment variable ({self.local_rank})"
+            )
+        if args is not None and hasattr(args, "local_rank"):
+            args.local_rank = self.local_rank
+        self.device = setup.resolve_device(self.local_rank)
+        setup.prepare_module(self.module, self.plan, None if dont_change_device else self.device)
+
+    def _apply_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
+        params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
+        self.basic_optimizer = build_basic_optimizer(client_optimizer, params, self._config, self.module)
+        self.optimizer: EngineOptimizer | None = None
+        if self.basic_optimizer is None:
+            return
+        setup.check_trainable(self.module, [p for g in self.basic_optimizer.param_groups for p in g["params"]])
+        loss_scaler = None
+        if self.plan.precision.loss_scale is not None:
+            loss_scaler = loss_scaler_from_policy(self.plan.precision.loss_scale)
+        self.optimizer = setup.wrap_optimizer(
+            self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size
+        )
+
+    def _apply_scheduler(self, client_scheduler: Any) -> None:
+        self.lr_scheduler = build_lr_scheduler(client_scheduler, self.basic_optimizer, self._config)
+
+    def _build_dataloader(self, dataset: Any, collate_fn: Any) -> DeepSpeedDataLoader:
+        return DeepSpeedDataLoader(
+            dataset,
+            batch_size=self.train_micro_batch_size_per_gpu(),
+            pin_memory=False,
+            local_rank=self.local_rank,
+            tput_timer=None,
+            collate_fn=collate_fn,
+            data_parallel_world_size=self.dp_world_size,
+            data_parallel_rank=dist.get_rank(group=self.dp_group),
+            dataloader_drop_last=bool(self.config.get("dataloader_drop_last", False)),
+        )
+
+    # --- attribute fall-through ------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
+
+    # --- training ---------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module's forward."""
+        return self._loop.forward(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss``; gradients are divided by the accumulation steps when ``scale_wrt_gas``."""
+        return self._loop.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Scale ``loss`` for a caller-run ``loss.backward()`` (accumulation and fp16 loss scale)."""
+        return self._loop.scale(loss)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """End a micro-step; at the accumulation boundary apply the optimizer and scheduler."""
+        self._loop.step(lr_kwargs)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the model's parameters."""
+        self._loop.zero_grad()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step ends an accumulation window."""
+        return self._loop.accumulation.is_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force whether the current micro-step is a boundary (accelerate drives accumulation this way)."""
+        self._loop.accumulation.set_boundary(is_boundary)
+
+    def no_sync(self) -> Any:
+        """Context in which backwards skip gradient reduction (ZeRO stage 0/1 only)."""
+        return self._loop.no_sync(self.zero_optimization_stage())
+
+    def was_step_applied(self) -> bool:
+        """True when the last ``step()`` updated the weights (False on overflow or mid-window)."""
+        return self._loop.step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm of the last applied step (``None`` before the first step)."""
+        return None if self.optimizer is None else self.optimizer._global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of each parameter group."""
+        return self._loop.get_lr()
+
+    def get_mom(self) -> list[Any]:
+        """Momentum (``betas`` or ``momentum``) of each parameter group."""
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_type(self) -> list[str]:
+        """Inner optimizer class name per parameter group."""
+        if self.basic_optimizer is None:
+            return []
+        return [type(self.basic_optimizer).__name__ for _ in self.basic_optimizer.param_groups]
+
+    def destroy(self) -> None:
+        """Remove every hook and drop optimizer state so the memory can be reclaimed."""
+        if self.optimizer is not None:
+            self.optimizer.destroy()
+            self.optimizer.optimizer.state.clear()
+        self.optimizer = None
+        self.basic_optimizer = None
+        self.lr_scheduler = None
+        self._loop.optimizer = None
+        self._loop.lr_scheduler = None
+
+    # --- counters (checkpoint loading writes them) -------------------------------------------------
+    global_steps = property(lambda self: self._loop.global_steps, lambda self, v: setattr(self._loop, "global_steps", v))
+    global_samples = property(
+        lambda self: self._loop.global_samples, lambda self, v: setattr(self._loop, "global_samples", v)
+    )
+    skipped_steps = property(
+        lambda self: self._loop.skipped_steps, lambda self, v: setattr(self._loop, "skipped_steps", v)
+    )
+    micro_steps = property(
+        lambda self: self._loop.accumulation.micro_steps,
+        lambda self, v: setattr(self._loop.accumulation, "micro_steps", v),
+    )
+
+    # --- config getters (upstream exposes these as methods) ----------------------------------------
+    def zero_optimization_stage(self) -> int:
+        """The configured ZeRO stage (0-3)."""
+        return self.plan.zero.stage
+
+    def zero_optimization(self) -> bool:
+        """True when ZeRO (stage ≥ 1) is on."""
+        return self.plan.zero.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        """True in fp16 mode."""
+        return self.plan.precision.fp16
+
+    def bfloat16_enabled(self) -> bool:
+        """True in bf16 mode."""
+        return self.plan.precision.bf16
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.plan.batch.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        """Global samples per optimizer step."""
+        return self.plan.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-step per rank."""
+        return self.plan.batch.micro_batch_per_gpu
+
+    def gradient_clipping(self) -> float:
+        """Global-norm clip value (0 = off)."""
+        return self.plan.grads.clip_norm
+
+    def steps_per_print(self) -> float | None:
+        """Progress-report period in optimizer steps."""
+        return self.plan.steps_per_print
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        b = self.plan.batch
+        return b.train_batch_size, b.micro_batch_per_gpu, b.gradient_accumulation_steps
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """ZeRO-3: gather full 16-bit weights when saving the model."""
+        return self.plan.zero.stage3.gather_16bit_weights_on_model_save
+
+    def dynamic_loss_scale(self) -> bool:
+        """True when fp16 uses a dynamic loss scale."""
+        ls = self.plan.precision.loss_scale
+        return ls is not None and ls.dynamic
+
+    def loss_scale(self) -> float:
+        """The static loss scale (0 when dynamic), as upstream reports it."""
+        ls = self.plan.precision.loss_scale
+        return 0.0 if ls is None or ls.dynamic else ls.static_scale
+
+    def communication_data_type(self) -> torch.dtype:
+        """dtype gradients are reduced in."""
+        return self.plan.precision.comm_dtype
+
+    def wall_clock_breakdown(self) -> bool:
+        """Whether per-phase timers were requested."""
+        return self.plan.wall_clock_breakdown
+
+    def memory_breakdown(self) -> bool:
+        """Whether per-phase memory reports were requested."""
+        return self.plan.memory_breakdown
+
+    def zero_allow_untested_optimizer(self) -> bool:
+        """Whether client optimizers outside the tested list are allowed with ZeRO."""
+        return self.plan.zero_allow_untested_optimizer
+
+    def module_state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict:
+        """State dict of the wrapped module (frozen parameters optionally left out)."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the accumulation steps (micro batch fixed)."""
+        b = self.plan.batch
+        per_step = b.micro_batch_per_gpu * b.dp_world_size
+        if train_batch_size % per_step:
+            raise ValueError(
+                f"train_batch_size {train_batch_size} is not divisible by micro batch × data-parallel size ({per_step})"
+            )
+        self._replace_batch(train_batch_size // per_step, b.micro_batch_per_gpu)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch (accumulation steps fixed)."""
+        self._replace_batch(self.plan.batch.gradient_accumulation_steps, micro_batch_size)
+
+    def _replace_batch(self, gas: int, micro: int) -> None:
+        import dataclasses
+
+        batch = dataclasses.replace(
+            self.plan.batch,
+            gradient_accumulation_steps=gas,
+            micro_batch_per_gpu=micro,
+            train_batch_size=gas * micro * self.plan.batch.dp_world_size,
+        )
+        self.plan = dataclasses.replace(self.plan, batch=batch)
+        self._loop.plan = self.plan
+        self._loop.accumulation.gas = gas
+        self._loop.progress.train_batch_size = batch.train_batch_size
