@@ -17,11 +17,12 @@ from deepspeed._core.engine.optimizer_base import EngineOptimizer
 from deepspeed._core.engine.training import TrainingLoop
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+from deepspeed.runtime.engine_checkpointing import EngineCheckpointMixin
 from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_scheduler
 from deepspeed.utils.logging import log_dist
 
 
-class DeepSpeedEngine(torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
     """Wraps a model for distributed, mixed-precision, ZeRO-partitioned training.
 
     Users normally get one from :func:`deepspeed.initialize`. Unknown attributes fall through to the
@@ -101,13 +102,18 @@ class DeepSpeedEngine(torch.nn.Module):
         self.basic_optimizer = build_basic_optimizer(client_optimizer, params, self._config, self.module)
         self.optimizer: EngineOptimizer | None = None
         if self.basic_optimizer is None:
+            if self.zero_optimization_stage() in (1, 2):
+                raise ValueError(
+                    f"ZeRO stage {self.zero_optimization_stage()} requires an optimizer: pass one to "
+                    "deepspeed.initialize or add an 'optimizer' block to the config"
+                )
             return
         setup.check_trainable(self.module, [p for g in self.basic_optimizer.param_groups for p in g["params"]])
         loss_scaler = None
         if self.plan.precision.loss_scale is not None:
             loss_scaler = loss_scaler_from_policy(self.plan.precision.loss_scale)
         self.optimizer = setup.wrap_optimizer(
-            self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size
+            self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size, self.module
         )
 
     def _apply_scheduler(self, client_scheduler: Any) -> None:

@@ -1,4 +1,4 @@
-"""Stage-0 engine parity with the single-process reference loop (fp32, bf16, fp16), on gloo.
+"""Engine parity (stages 0, 1, 2) with the single-process reference loop (fp32, bf16, fp16), on gloo.
 
 Each world size runs one spawn that trains every configuration in turn, to keep process start-up
 cost (the dominant cost on a 2-core CI machine) to one per world size.
@@ -69,9 +69,10 @@ def _reference(gas: int, clip: float, world_size: int, dtype: torch.dtype) -> di
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_stage0_parity(world_size: int) -> None:
-    results = run_distributed(_train_cases, world_size, world_size, 0)
+def test_parity_with_reference(world_size: int, stage: int) -> None:
+    results = run_distributed(_train_cases, world_size, world_size, stage)
     for name, gas, clip, precision in CASES:
         dtype = torch.bfloat16 if "bf16" in precision else torch.float32
         ref = _reference(gas, clip, world_size, dtype)
@@ -82,7 +83,11 @@ def test_stage0_parity(world_size: int) -> None:
         for k, v in ref.items():
             got = results[0][name][k]
             if not precision:
-                torch.testing.assert_close(got, v, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}/{k}: {m}")
+                # "1e-6 relative" over the tensor; summation order differs (buckets, ranks, micro-steps),
+                # and Adam can stretch a rounding difference on an element whose second moment is tiny.
+                rel = float((got - v).norm() / v.norm())
+                assert rel < 1e-6, f"{name}/{k}: relative error {rel:.3g} vs the fp32 reference"
+                torch.testing.assert_close(got, v, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}/{k}: {m}")
             else:
                 # Same recipe as the bf16 reference; only summation order differs (bucketed all-reduce).
                 rel = float((got - v).norm() / v.norm())

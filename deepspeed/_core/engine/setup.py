@@ -14,6 +14,7 @@ from deepspeed._core.engine.data_parallel import DataParallelOptimizer
 from deepspeed._core.engine.optimizer_base import EngineOptimizer
 from deepspeed._core.engine.precision import cast_module_params
 from deepspeed._core.plan import RunPlan
+from deepspeed._core.zero.stage12 import ZeroOptimizer
 from deepspeed.accelerator import get_accelerator
 
 
@@ -52,12 +53,20 @@ def check_trainable(module: torch.nn.Module, params: list[torch.nn.Parameter]) -
 
 
 def wrap_optimizer(
-    basic: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any, dp_world_size: int
+    basic: torch.optim.Optimizer,
+    plan: RunPlan,
+    loss_scaler: Any,
+    dp_group: Any,
+    dp_world_size: int,
+    module: torch.nn.Module,
 ) -> EngineOptimizer:
     """Wrap the inner optimizer for the configured ZeRO stage."""
     stage = plan.zero.stage
     if stage == 0:
         return DataParallelOptimizer(basic, plan, loss_scaler, dp_group, dp_world_size)
+    if stage in (1, 2):
+        names = {p: n for n, p in module.named_parameters()}
+        return ZeroOptimizer(basic, plan, loss_scaler, dp_group, names)
     raise NotImplementedError(
-        f"zero_optimization.stage={stage} is not available in this build yet; valid stages here: [0]"
+        f"zero_optimization.stage={stage} is not available in this build yet; valid stages here: 0, 1, 2"
     )

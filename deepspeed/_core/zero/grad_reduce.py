@@ -1,0 +1,294 @@
+"""Bucketed gradient reduction for ZeRO-1/2, with the gradient buffers' lifetime as a policy.
+
+[Note: gradient lifetime] (user report 1). Autograd hands each parameter's gradient to a
+post-accumulate-grad hook. What happens next is the :class:`GradPath`:
+
+- ``STAGE2_FREE`` (lean ZeRO-2): the gradient is copied into its bucket's communication buffer and
+  ``param.grad`` is dropped at once; the bucket is reduced to the owning ranks as soon as it is complete and
+  its buffer freed after the owner has folded its slice into the fp32 partition gradient. No full-size
+  gradient outlives its bucket, whatever ``gradient_accumulation_steps`` is.
+- ``STAGE2_RETAIN`` (upstream behaviour, for A/B): same reduction, but autograd's ``.grad`` buffers are
+  kept (zeroed) until the step ends.
+- ``STAGE1_ACCUMULATE`` (lean ZeRO-1): gradients are folded into one persistent full-size accumulator and
+  dropped at once; the accumulator is reduced bucket by bucket during the boundary backward.
+- ``STAGE1_AUTOGRAD`` (upstream behaviour, for A/B): gradients accumulate in ``.grad`` and are reduced from
+  there at the boundary.
+
+Buckets are fixed at construction, ordered like backward produces gradients, and launched strictly in that
+order once complete, so every rank issues the same collectives in the same sequence even when parameters
+receive gradients in different orders or not at all ([Note: launch order]).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed._core.engine.grad_sync import ReduceScaling
+from deepspeed._core.engine.optimizer_base import MicroStepKind
+from deepspeed._core.zero.layout import GroupLayout, Range, plan_buckets
+
+
+class GradPath(enum.Enum):
+    """Where gradients go between autograd and the partition gradient (see module docstring)."""
+
+    STAGE2_FREE = "stage2_free"
+    STAGE2_RETAIN = "stage2_retain"
+    STAGE1_ACCUMULATE = "stage1_accumulate"
+    STAGE1_AUTOGRAD = "stage1_autograd"
+
+    @staticmethod
+    def select(stage: int, eager_release: bool) -> GradPath:
+        """The path for a ZeRO stage (1 or 2) and the ``lean_eager_grad_release`` switch."""
+        if stage >= 2:
+            return GradPath.STAGE2_FREE if eager_release else GradPath.STAGE2_RETAIN
+        return GradPath.STAGE1_ACCUMULATE if eager_release else GradPath.STAGE1_AUTOGRAD
+
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        """Stage 2 reduces each micro-batch's gradients; stage 1 only at the boundary."""
+        return self in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN)
+
+
+class ReduceMode(enum.Enum):
+    """``reduce_scatter: true`` reduces each slice to its owner; otherwise every rank gets the full sum."""
+
+    TO_OWNERS = "to_owners"
+    ALL_REDUCE = "all_reduce"
+
+
+@dataclass
+class GroupGrads:
+    """The gradient-side state of one flat parameter group on this rank."""
+
+    layout: GroupLayout
+    params: list[torch.nn.Parameter]
+    rank: int
+    accum_dtype: torch.dtype
+    partition_grad: torch.Tensor | None = None  # fp32, this rank's partition (stage 2 and stage-1 A/B path)
+    accumulator: torch.Tensor | None = None  # full padded group, accum dtype (lean stage 1)
+
+    @property
+    def partition(self) -> Range:
+        """This rank's range of the flat group."""
+        return self.layout.partition(self.rank)
+
+    def ensure_partition_grad(self, device: torch.device) -> torch.Tensor:
+        """The fp32 partition gradient, allocated (zeroed) on first use in a step."""
+        if self.partition_grad is None:
+            self.partition_grad = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+        return self.partition_grad
+
+    def ensure_accumulator(self, device: torch.device) -> torch.Tensor:
+        """The full-size accumulator (lean stage 1), allocated (zeroed) on first use in a step."""
+        if self.accumulator is None:
+            self.accumulator = torch.zeros(self.layout.padded_numel, dtype=self.accum_dtype, device=device)
+        return self.accumulator
+
+    def release(self) -> None:
+        """Drop this step's gradient buffers."""
+        self.partition_grad = None
+        self.accumulator = None
+
+
+@dataclass
+class _Bucket:
+    index: int
+    group: int
+    slots: tuple[int, ...]
+    range: Range
+    pending: int = 0
+    ready: set[int] = field(default_factory=set)
+    data: torch.Tensor | None = None
+    handles: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """Static settings of a :class:`GradReducer`."""
+
+    path: GradPath
+    mode: ReduceMode
+    bucket_numel: int
+    comm_dtype: torch.dtype
+    scaling: ReduceScaling
+    device: torch.device
+
+
+class GradReducer:
+    """Reduces gradients of every ZeRO-1/2 group, bucket by bucket, in one global launch order.
+
+    Args:
+        groups: per-group gradient state (layouts and parameters in slot order).
+        config: path, reduction mode, bucket size, dtypes and scaling.
+        group: the data-parallel process group.
+        observer: optional callback ``(event, bucket_index)`` for tests and memory accounting.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[GroupGrads],
+        config: ReducerConfig,
+        group: Any = None,
+        observer: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.groups = list(groups)
+        self.config = config
+        self.group = group
+        self.observer = observer or (lambda event, index: None)
+        self.buckets = self._plan()
+        # parameter id -> (bucket index, group index, slot index)
+        self._where: dict[int, tuple[int, int, int]] = {}
+        for bucket in self.buckets:
+            for s in bucket.slots:
+                self._where[id(self.groups[bucket.group].params[s])] = (bucket.index, bucket.group, s)
+        self._next_launch = 0
+        self._reducing = False
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
+        ]
+
+    def _plan(self) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        for g in reversed(range(len(self.groups))):
+            layout = self.groups[g].layout
+            for planned in plan_buckets(layout.slots, max(1, self.config.bucket_numel)):
+                slots = [layout.slots[i] for i in planned.slot_indices]
+                span = Range(min(s.offset for s in slots), max(s.range.end for s in slots))
+                buckets.append(_Bucket(len(buckets), g, planned.slot_indices, span))
+        return buckets
+
+    # --- micro-step protocol ------------------------------------------------------------------------
+    def begin(self, kind: MicroStepKind) -> None:
+        """Prepare for a backward; ``REDUCE`` marks the last micro-step of an accumulation window."""
+        self._reducing = kind is MicroStepKind.REDUCE or self.config.path.reduces_every_micro_step
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.slots)
+            bucket.ready.clear()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        bucket_index, g, s = self._where[id(param)]
+        bucket, grads = self.buckets[bucket_index], self.groups[g]
+        path = self.config.path
+        if path is GradPath.STAGE1_ACCUMULATE:
+            acc = grads.ensure_accumulator(self.config.device)
+            acc[grads.layout.slots[s].range.as_slice()].add_(param.grad.reshape(-1))
+            param.grad = None
+        elif path in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN):
+            self._stage(bucket, s, param.grad)
+            if path is GradPath.STAGE2_FREE:
+                param.grad = None
+            else:
+                param.grad.zero_()
+        if self._reducing and s not in bucket.ready:
+            bucket.ready.add(s)
+            bucket.pending -= 1
+            self._launch_ready_prefix()
+
+    def _stage(self, bucket: _Bucket, slot_index: int, grad: torch.Tensor) -> None:
+        if bucket.data is None:
+            bucket.data = torch.zeros(bucket.range.size, dtype=self.config.comm_dtype, device=self.config.device)
+            self.observer("staging_alloc", bucket.index)
+        slot = self.groups[bucket.group].layout.slots[slot_index]
+        local = slot.range.shift(-bucket.range.start)
+        bucket.data[local.as_slice()].add_(grad.reshape(-1))
+
+    def _launch_ready_prefix(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    # --- one bucket ---------------------------------------------------------------------------------
+    def _bucket_data(self, bucket: _Bucket) -> torch.Tensor:
+        path, grads = self.config.path, self.groups[bucket.group]
+        if path is GradPath.STAGE1_ACCUMULATE:
+            acc = grads.ensure_accumulator(self.config.device)[bucket.range.as_slice()]
+            return acc if acc.dtype == self.config.comm_dtype else acc.to(self.config.comm_dtype)
+        if path is GradPath.STAGE1_AUTOGRAD:
+            pieces = []
+            for s in sorted(bucket.slots):
+                p = grads.params[s]
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                pieces.append(g.reshape(-1).to(self.config.comm_dtype))
+            return torch.cat(pieces)
+        if bucket.data is None:  # no parameter of the bucket got a gradient on this rank
+            return torch.zeros(bucket.range.size, dtype=self.config.comm_dtype, device=self.config.device)
+        return bucket.data
+
+    def _launch(self, bucket: _Bucket) -> None:
+        data = self._bucket_data(bucket)
+        bucket.data = data
+        if self.config.scaling.pre != 1.0:
+            data.mul_(self.config.scaling.pre)
+        layout = self.groups[bucket.group].layout
+        if self.config.mode is ReduceMode.ALL_REDUCE:
+            bucket.handles = [dist.all_reduce(data, group=self.group, async_op=True)]
+        else:
+            bucket.handles = []
+            for r in range(layout.world_size):
+                piece = bucket.range.intersect(layout.partition(r))
+                if piece.is_empty:
+                    continue
+                dst = dist.get_global_rank(self.group, r) if self.group is not None else r
+                view = data[piece.shift(-bucket.range.start).as_slice()]
+                bucket.handles.append(dist.reduce(view, dst=dst, group=self.group, async_op=True))
+        self.observer("launched", bucket.index)
+
+    def _finish_bucket(self, bucket: _Bucket) -> None:
+        for handle in bucket.handles:
+            handle.wait()
+        grads = self.groups[bucket.group]
+        owned = bucket.range.intersect(grads.partition)
+        if not owned.is_empty:
+            piece = bucket.data[owned.shift(-bucket.range.start).as_slice()]
+            if self.config.scaling.post != 1.0:
+                piece.mul_(self.config.scaling.post)
+            self._sink(grads, owned, piece)
+        bucket.data, bucket.handles = None, []
+        self.observer("reduced", bucket.index)
+
+    def _sink(self, grads: GroupGrads, owned: Range, piece: torch.Tensor) -> None:
+        path = self.config.path
+        if path is GradPath.STAGE1_ACCUMULATE:
+            acc = grads.ensure_accumulator(self.config.device)
+            target = acc[owned.as_slice()]
+            if target.data_ptr() != piece.data_ptr():
+                target.copy_(piece)
+            return
+        local = owned.shift(-grads.partition.start)
+        target = grads.ensure_partition_grad(self.config.device)[local.as_slice()]
+        if path is GradPath.STAGE1_AUTOGRAD:
+            target.copy_(piece)
+        else:
+            target.add_(piece)
+
+    def finish(self) -> None:
+        """End of a backward: launch what is left (if reducing), wait for everything, fold into partitions."""
+        if not self._reducing:
+            return
+        for bucket in self.buckets[self._next_launch :]:
+            self._launch(bucket)
+        self._next_launch = len(self.buckets)
+        for bucket in self.buckets:
+            if bucket.handles or bucket.data is not None:
+                self._finish_bucket(bucket)
+        self._reducing = False
+
+    def discard(self) -> None:
+        """Drop every in-flight buffer without folding (used after an overflow or by destroy)."""
+        for bucket in self.buckets:
+            for handle in bucket.handles:
+                handle.wait()
+            bucket.data, bucket.handles = None, []
+        self._reducing = False
+
+    def remove_hooks(self) -> None:
+        """Detach the post-accumulate-grad hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

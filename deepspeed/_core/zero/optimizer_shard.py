@@ -1,0 +1,65 @@
+"""This rank's fp32 master partition of one flat group, and the post-step all-gather of bit16 weights.
+
+The inner optimizer sees exactly one parameter per group: the fp32 master partition. Its ``.grad`` is
+the partition gradient the reducer produced (fp32), handed over without a copy, so the step never
+materialises a second copy of the gradient partition (memory_targets.md, report 1).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed._core.zero.flat_buffer import FlatBuffer
+from deepspeed._core.zero.layout import Range, partition_windows
+
+
+class MasterPartition:
+    """fp32 copy of ``rank``'s partition of a bit16 :class:`FlatBuffer`.
+
+    Args:
+        flat: the group's working-precision flat buffer.
+        rank: this rank's index in the data-parallel group.
+        master_dtype: dtype of the master copy (fp32).
+    """
+
+    def __init__(self, flat: FlatBuffer, rank: int, master_dtype: torch.dtype) -> None:
+        self.flat = flat
+        self.rank = rank
+        part = flat.layout.partition(rank)
+        master = torch.empty(part.size, dtype=master_dtype, device=flat.device)
+        flat.copy_out(part, master)  # copy_out converts dtype per piece: no bit16 temporary of the partition
+        self.param = torch.nn.Parameter(master, requires_grad=False)
+
+    @property
+    def partition(self) -> Range:
+        """This rank's range of the flat group."""
+        return self.flat.layout.partition(self.rank)
+
+    def write_back(self) -> None:
+        """Copy the updated master values into this rank's slice of the working flat buffer."""
+        with torch.no_grad():
+            self.flat.copy_in(self.partition, self.param.data)
+
+
+def all_gather_partitions(flat: FlatBuffer, window_numel: int, group: Any) -> None:
+    """Rebuild every rank's partition of ``flat`` from its owner, ``window_numel`` elements per rank at a time.
+
+    Each window is one ``all_gather_into_tensor`` over a staging buffer of ``world_size * window``
+    elements (the ``allgather_bucket_size`` transient), copied out into the (possibly segmented) buffer.
+    """
+    layout = flat.layout
+    world = layout.world_size
+    if world == 1:
+        return
+    rank = dist.get_rank(group=group)
+    for window in partition_windows(layout, max(1, window_numel)):
+        mine = torch.empty(window.size, dtype=flat.dtype, device=flat.device)
+        flat.copy_out(window.shift(layout.partition(rank).start), mine)
+        gathered = torch.empty(window.size * world, dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        for r in range(world):
+            if r == rank:
+                continue
+            flat.copy_in(window.shift(layout.partition(r).start), gathered[r * window.size : (r + 1) * window.size])

@@ -1,0 +1,213 @@
+"""ZeRO stages 1 and 2: flat bit16 groups, partitioned fp32 optimizer state, bucketed gradient reduction.
+
+Set-up, per optimizer parameter group: the trainable parameters are flattened on their own device
+(lean: in place, chunk by chunk, [Note: layout]; A/B: via host memory as upstream did), this rank's
+partition is copied to an fp32 master that replaces the group's parameters in the inner optimizer, and
+gradient hooks are installed ([Note: gradient lifetime] in grad_reduce.py). A step checks overflow and
+the global norm with one scalar all-reduce, unscales and clips the fp32 partition gradient in place,
+steps the inner optimizer, writes the masters back and all-gathers the bit16 partitions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed._core.engine.clipping import local_sq_norm
+from deepspeed._core.engine.grad_sync import ReduceScaling
+from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.plan import RunPlan
+from deepspeed._core.zero.flat_buffer import FlatBuffer
+from deepspeed._core.zero.grad_reduce import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
+from deepspeed._core.zero.inplace_flatten import FlattenPath, flatten_params
+from deepspeed._core.zero.layout import plan_group
+from deepspeed._core.zero.optimizer_shard import MasterPartition, all_gather_partitions
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils.logging import logger
+
+
+@dataclass
+class ZeroGroup:
+    """One flat group: its parameters (slot order), working flat buffer, master partition and gradients."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    flat: FlatBuffer
+    master: MasterPartition
+    grads: GroupGrads
+
+
+def _trainable_unique(group_params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Trainable parameters of a group, each once (tied weights appear once)."""
+    seen: set[int] = set()
+    out = []
+    for p in group_params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class ZeroOptimizer(EngineOptimizer):
+    """The ZeRO-1/2 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer``).
+
+    Args:
+        optimizer: inner optimizer built over the model's working parameters.
+        plan: run plan (stage, buckets, lean switches, precision, gradient policy).
+        loss_scaler: fp16 loss scaler or ``None``.
+        dp_group: data-parallel process group (``None`` = world).
+        param_names: optional ``{param: name}`` used for checkpoint ``param_shapes``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        plan: RunPlan,
+        loss_scaler: Any,
+        dp_group: Any,
+        param_names: dict[torch.nn.Parameter, str] | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.plan = plan
+        self.loss_scaler = loss_scaler
+        self.dp_group = dp_group
+        self.world_size = dist.get_world_size(group=dp_group)
+        self.rank = dist.get_rank(group=dp_group)
+        self.path = GradPath.select(plan.zero.stage, plan.zero.lean.eager_grad_release)
+        self.groups = [self._build_group(g, param_names or {}) for g in optimizer.param_groups]
+        self.reducer = GradReducer([g.grads for g in self.groups], self._reducer_config(), dp_group)
+        precision = plan.precision
+        self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
+        self._cleared_after_step = True
+
+    # --- set-up ---------------------------------------------------------------------------------------
+    def _build_group(self, param_group: dict, names: dict[torch.nn.Parameter, str]) -> ZeroGroup:
+        params = _trainable_unique(param_group["params"])
+        if not params:
+            raise ValueError("a ZeRO optimizer parameter group has no trainable parameters")
+        device = params[0].device
+        layout = plan_group([tuple(p.shape) for p in params], self.world_size)
+        lean = self.plan.zero.lean
+        flat = flatten_params(
+            params,
+            layout,
+            device,
+            chunk_numel=self.plan.zero.buckets.allgather_bucket_size,
+            path=FlattenPath.IN_PLACE if lean.inplace_flatten else FlattenPath.VIA_HOST,
+            trim_cache=get_accelerator().empty_cache if device.type != "cpu" else None,
+        )
+        master = MasterPartition(flat, self.rank, self.plan.precision.master_dtype)
+        param_group["params"] = [master.param]
+        grads = GroupGrads(layout, params, self.rank, self.plan.precision.grad_accum_dtype)
+        return ZeroGroup(params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads)
+
+    def _reducer_config(self) -> ReducerConfig:
+        buckets = self.plan.zero.buckets
+        return ReducerConfig(
+            path=self.path,
+            mode=ReduceMode.TO_OWNERS if buckets.reduce_scatter else ReduceMode.ALL_REDUCE,
+            bucket_numel=buckets.reduce_bucket_size,
+            comm_dtype=self.plan.precision.comm_dtype,
+            scaling=ReduceScaling.from_policy(self.plan.grads, self.world_size),
+            device=self.groups[0].flat.device,
+        )
+
+    # --- micro-step protocol ----------------------------------------------------------------------------
+    def prepare_backward(self, kind: MicroStepKind) -> None:
+        """Arm the reducer (stage 2 reduces every micro-step; stage 1 only at the boundary)."""
+        self._cleared_after_step = False
+        self.reducer.begin(kind)
+
+    def finish_backward(self) -> None:
+        """Flush this backward's buckets into the partition gradients."""
+        self.reducer.finish()
+
+    def _grad_partition(self, group: ZeroGroup) -> torch.Tensor | None:
+        """fp32 gradient of this rank's partition, without copying when it is already fp32."""
+        grads = group.grads
+        if self.path is GradPath.STAGE1_ACCUMULATE:
+            if grads.accumulator is None:
+                return None
+            part = grads.accumulator[group.master.partition.as_slice()]
+            return part if part.dtype == torch.float32 else part.float()
+        return grads.partition_grad
+
+    def step(self, closure: Any = None) -> bool:
+        """Overflow check + global norm (one all-reduce), unscale and clip, inner step, write back, all-gather."""
+        parts = [self._grad_partition(g) for g in self.groups]
+        sq = local_sq_norm([p for p in parts if p is not None]).to(self.groups[0].flat.device)
+        if self.world_size > 1:
+            dist.all_reduce(sq, group=self.dp_group)
+        scale = self.cur_scale
+        norm = math.sqrt(float(sq)) / scale if math.isfinite(float(sq)) else float("inf")
+        self.overflow = self.check_overflow and not math.isfinite(norm)
+        if self.overflow:
+            self._global_grad_norm = None
+            self._clear_grads()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            return False
+        self._global_grad_norm = norm
+        coef = 1.0 / scale
+        clip = self.plan.grads.clip_norm
+        if clip > 0 and norm > clip:
+            coef *= clip / (norm + 1e-6)
+        for group, part in zip(self.groups, parts):
+            if part is None:
+                part = torch.zeros_like(group.master.param)
+            elif coef != 1.0:
+                part.mul_(coef)
+            group.master.param.grad = part
+        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._publish_weights()
+        self._clear_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True
+
+    def _publish_weights(self) -> None:
+        window = max(1, self.plan.zero.buckets.allgather_bucket_size // max(1, self.world_size))
+        for group in self.groups:
+            group.master.write_back()
+            all_gather_partitions(group.flat, window, self.dp_group)
+
+    def _clear_grads(self) -> None:
+        for group in self.groups:
+            group.master.param.grad = None
+            group.grads.release()
+            for p in group.params:
+                p.grad = None
+        self._cleared_after_step = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient buffer of the current window (partition gradients and ``.grad``)."""
+        self.reducer.discard()
+        self._clear_grads()
+
+    def destroy(self) -> None:
+        """Remove hooks and drop gradient buffers."""
+        self.reducer.discard()
+        self.reducer.remove_hooks()
+        self._clear_grads()
+
+    # --- introspection for tests, checkpoints and safe_get_* helpers -------------------------------------
+    def live_grad_buffers(self) -> dict[str, int]:
+        """Counts of gradient buffers alive now: autograd ``.grad``, partition grads, accumulators, staging."""
+        return {
+            "param_grads": sum(p.grad is not None for g in self.groups for p in g.params),
+            "partition_grads": sum(g.grads.partition_grad is not None for g in self.groups),
+            "accumulators": sum(g.grads.accumulator is not None for g in self.groups),
+            "staging": sum(b.data is not None for b in self.reducer.buckets),
+        }
+
+    def log_layout(self) -> None:
+        """One line per group: sizes, padding and this rank's partition."""
+        for i, g in enumerate(self.groups):
+            lay = g.flat.layout
+            logger.info(
+                f"ZeRO group {i}: {len(g.params)} params, numel {lay.numel}, padded {lay.padded_numel}, "
+                f"partition {g.master.partition} of {lay.world_size}, {len(g.flat.segments)} segment(s)"
+            )
