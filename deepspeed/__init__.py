@@ -8,18 +8,49 @@ import os as _os
 # Importing must never create a CUDA context (NVML answers device queries instead).
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
+import importlib as _importlib  # noqa: E402
 from typing import Any  # noqa: E402
 
 from packaging import version as _pkg_version  # noqa: E402
 
-from deepspeed import comm  # noqa: E402
-from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.comm import init_distributed  # noqa: E402
 from deepspeed.git_version_info import git_branch, git_hash, version  # noqa: E402
-from deepspeed.runtime import lr_schedules  # noqa: E402,F401  (accelerate reads deepspeed.runtime.lr_schedules)
-from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: E402
-from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from deepspeed.utils.logging import log_dist, logger  # noqa: E402
+
+# Heavy names resolve on first access (PEP 562), so `import deepspeed` stays cheap for the launcher,
+# whose processes never need torch. Each entry: public name -> (module, attribute or None for the module).
+_LAZY = {
+    "comm": ("deepspeed.comm", None),
+    "init_distributed": ("deepspeed.comm", "init_distributed"),
+    "get_accelerator": ("deepspeed.accelerator", "get_accelerator"),
+    "DeepSpeedConfig": ("deepspeed.runtime.config", "DeepSpeedConfig"),
+    "DeepSpeedConfigError": ("deepspeed.runtime.config", "DeepSpeedConfigError"),
+    "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
+    "DeepSpeedOptimizer": ("deepspeed._core.engine.optimizer_base", "EngineOptimizer"),
+    "DeepSpeedDataLoader": ("deepspeed.runtime.dataloader", "DeepSpeedDataLoader"),
+    "runtime": ("deepspeed.runtime.lr_schedules", "__package__"),
+    "ops": ("deepspeed.ops", None),
+    "accelerator": ("deepspeed.accelerator", None),
+    "utils": ("deepspeed.utils", None),
+    "checkpoint": ("deepspeed.checkpoint", None),
+    "launcher": ("deepspeed.launcher", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'deepspeed' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = _importlib.import_module(module_name)
+    if attr == "__package__":  # `deepspeed.runtime` with lr_schedules already imported, as accelerate expects
+        value = _importlib.import_module(module.__package__)
+    else:
+        value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __version__ = version
 __git_hash__ = git_hash
@@ -87,6 +118,10 @@ def initialize(
         raise AssertionError("deepspeed.initialize requires a model")
     if mesh_param is not None:
         raise NotImplementedError("mesh_param (sequence-parallel device meshes) is not supported by deepspeed-lean yet")
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     global dist
     dist = comm
     config = _resolve_config(args, config, config_params)
