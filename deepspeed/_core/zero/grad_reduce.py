@@ -117,6 +117,8 @@ class ReducerConfig:
     comm_dtype: torch.dtype
     scaling: ReduceScaling
     device: torch.device
+    grad_device: torch.device  # where partition gradients live: the master's device (host when offloading)
+    max_in_flight: int = 1  # buckets reduced concurrently (2 with overlap_comm: double buffering)
 
 
 class GradReducer:
@@ -148,6 +150,7 @@ class GradReducer:
                 self._where[id(self.groups[bucket.group].params[s])] = (bucket.index, bucket.group, s)
         self._next_launch = 0
         self._reducing = False
+        self._in_flight: list[_Bucket] = []
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
         ]
@@ -202,6 +205,12 @@ class GradReducer:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
+            self._drain(self.config.max_in_flight)
+
+    def _drain(self, keep: int) -> None:
+        """Finish the oldest launched buckets until at most ``keep`` remain in flight (bounds staging memory)."""
+        while len(self._in_flight) > keep:
+            self._finish_bucket(self._in_flight.pop(0))
 
     # --- one bucket ---------------------------------------------------------------------------------
     def _bucket_data(self, bucket: _Bucket) -> torch.Tensor:
@@ -237,6 +246,7 @@ class GradReducer:
                 dst = dist.get_global_rank(self.group, r) if self.group is not None else r
                 view = data[piece.shift(-bucket.range.start).as_slice()]
                 bucket.handles.append(dist.reduce(view, dst=dst, group=self.group, async_op=True))
+        self._in_flight.append(bucket)
         self.observer("launched", bucket.index)
 
     def _finish_bucket(self, bucket: _Bucket) -> None:
@@ -261,7 +271,10 @@ class GradReducer:
                 target.copy_(piece)
             return
         local = owned.shift(-grads.partition.start)
-        target = grads.ensure_partition_grad(self.config.device)[local.as_slice()]
+        target = grads.ensure_partition_grad(self.config.grad_device)[local.as_slice()]
+        if target.device != piece.device:
+            # Optimizer offload: a blocking device-to-host copy keeps the host-side add correct.
+            piece = piece.to(target.device)
         if path is GradPath.STAGE1_AUTOGRAD:
             target.copy_(piece)
         else:
@@ -273,10 +286,9 @@ class GradReducer:
             return
         for bucket in self.buckets[self._next_launch :]:
             self._launch(bucket)
+            self._drain(self.config.max_in_flight)
         self._next_launch = len(self.buckets)
-        for bucket in self.buckets:
-            if bucket.handles or bucket.data is not None:
-                self._finish_bucket(bucket)
+        self._drain(0)
         self._reducing = False
 
     def discard(self) -> None:
@@ -285,6 +297,7 @@ class GradReducer:
             for handle in bucket.handles:
                 handle.wait()
             bucket.data, bucket.handles = None, []
+        self._in_flight.clear()
         self._reducing = False
 
     def remove_hooks(self) -> None:

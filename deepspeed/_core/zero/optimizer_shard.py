@@ -6,6 +6,7 @@ materialises a second copy of the gradient partition (memory_targets.md, report 
 """
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
@@ -13,6 +14,15 @@ import torch
 from deepspeed import comm as dist
 from deepspeed._core.zero.flat_buffer import FlatBuffer
 from deepspeed._core.zero.layout import Range, partition_windows
+from deepspeed.accelerator import get_accelerator
+
+
+class MasterPlacement(enum.Enum):
+    """Where a master partition lives."""
+
+    DEVICE = "device"
+    HOST = "host"  # offload_optimizer.device == cpu, pin_memory false
+    PINNED_HOST = "pinned_host"  # offload_optimizer.device == cpu, pin_memory true
 
 
 class MasterPartition:
@@ -22,14 +32,19 @@ class MasterPartition:
         flat: the group's working-precision flat buffer.
         rank: this rank's index in the data-parallel group.
         master_dtype: dtype of the master copy (fp32).
+        placement: where the master lives (the flat buffer's device, or pinned host memory when the
+            optimizer is offloaded).
     """
 
-    def __init__(self, flat: FlatBuffer, rank: int, master_dtype: torch.dtype) -> None:
+    def __init__(self, flat: FlatBuffer, rank: int, master_dtype: torch.dtype, placement: MasterPlacement) -> None:
         self.flat = flat
         self.rank = rank
         part = flat.layout.partition(rank)
-        master = torch.empty(part.size, dtype=master_dtype, device=flat.device)
-        flat.copy_out(part, master)  # copy_out converts dtype per piece: no bit16 temporary of the partition
+        device = flat.device if placement is MasterPlacement.DEVICE else torch.device("cpu")
+        master = torch.empty(part.size, dtype=master_dtype, device=device)
+        if placement is MasterPlacement.PINNED_HOST and flat.device.type != "cpu":
+            master = get_accelerator().pin_memory(master)
+        flat.copy_out(part, master)  # converts dtype per piece: no bit16 temporary of the partition
         self.param = torch.nn.Parameter(master, requires_grad=False)
 
     @property

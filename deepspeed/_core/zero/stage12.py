@@ -24,7 +24,7 @@ from deepspeed._core.zero.flat_buffer import FlatBuffer
 from deepspeed._core.zero.grad_reduce import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
 from deepspeed._core.zero.inplace_flatten import FlattenPath, flatten_params
 from deepspeed._core.zero.layout import plan_group
-from deepspeed._core.zero.optimizer_shard import MasterPartition, all_gather_partitions
+from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, all_gather_partitions
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import logger
 
@@ -99,7 +99,11 @@ class ZeroOptimizer(EngineOptimizer):
             path=FlattenPath.IN_PLACE if lean.inplace_flatten else FlattenPath.VIA_HOST,
             trim_cache=get_accelerator().empty_cache if device.type != "cpu" else None,
         )
-        master = MasterPartition(flat, self.rank, self.plan.precision.master_dtype)
+        offload = self.plan.zero.offload_optimizer
+        placement = MasterPlacement.DEVICE
+        if offload.enabled:
+            placement = MasterPlacement.PINNED_HOST if offload.pin_memory else MasterPlacement.HOST
+        master = MasterPartition(flat, self.rank, self.plan.precision.master_dtype, placement)
         param_group["params"] = [master.param]
         grads = GroupGrads(layout, params, self.rank, self.plan.precision.grad_accum_dtype)
         return ZeroGroup(params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads)
@@ -113,6 +117,8 @@ class ZeroOptimizer(EngineOptimizer):
             comm_dtype=self.plan.precision.comm_dtype,
             scaling=ReduceScaling.from_policy(self.plan.grads, self.world_size),
             device=self.groups[0].flat.device,
+            grad_device=self.groups[0].master.param.device,
+            max_in_flight=2 if buckets.overlap_comm else 1,
         )
 
     # --- micro-step protocol ----------------------------------------------------------------------------
@@ -132,12 +138,13 @@ class ZeroOptimizer(EngineOptimizer):
             if grads.accumulator is None:
                 return None
             part = grads.accumulator[group.master.partition.as_slice()]
-            return part if part.dtype == torch.float32 else part.float()
+            return part.to(device=group.master.param.device, dtype=torch.float32)  # no copy when already there
         return grads.partition_grad
 
     def step(self, closure: Any = None) -> bool:
         """Overflow check + global norm (one all-reduce), unscale and clip, inner step, write back, all-gather."""
         parts = [self._grad_partition(g) for g in self.groups]
+        # The scalar travels on the communication device even when the partitions live on the host.
         sq = local_sq_norm([p for p in parts if p is not None]).to(self.groups[0].flat.device)
         if self.world_size > 1:
             dist.all_reduce(sq, group=self.dp_group)
@@ -194,6 +201,10 @@ class ZeroOptimizer(EngineOptimizer):
         self._clear_grads()
 
     # --- introspection for tests, checkpoints and safe_get_* helpers -------------------------------------
+    def observe(self, callback: Any) -> None:
+        """Register ``callback(event, bucket_index)`` for reducer events ("launched", "reduced", ...)."""
+        self.reducer.observer = callback
+
     def live_grad_buffers(self) -> dict[str, int]:
         """Counts of gradient buffers alive now: autograd ``.grad``, partition grads, accumulators, staging."""
         return {

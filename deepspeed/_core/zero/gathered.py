@@ -1,0 +1,114 @@
+"""Gathering driven by user code rather than by module hooks: ``GatheredParameters`` and external parameters.
+
+:class:`GatheredContext` holds a set of parameters gathered for the duration of a ``with`` block and, when a
+modifier rank is given, makes that rank's values every rank's shards on exit ([Note: zero3-gathered] in
+``docs/design/zero3.md``). :func:`register_external` records that a module uses a parameter it does not own, so
+the module's fetch unit gathers it too.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import MethodType, TracebackType
+from typing import Any, Self
+
+from torch import nn
+
+from deepspeed._core.zero.collectives import broadcast_from
+from deepspeed._core.zero.manager import EXTERNAL_PARAMS_ATTR
+from deepspeed._core.zero.param import ZeroParam, zero_state
+
+
+@dataclass(frozen=True)
+class ModifierRank:
+    """The group rank whose values win on exit; ``rank=None`` means read-only (changes are discarded)."""
+
+    rank: int | None = None
+
+
+def collect_states(params: Any) -> list[ZeroParam]:
+    """The ZeRO states of ``params`` (one parameter or an iterable), de-duplicated and sorted by ``ds_id``.
+
+    Parameters that are not partitioned are skipped.
+    """
+    items = [params] if isinstance(params, nn.Parameter) else list(params)
+    states = {}
+    for item in items:
+        state = zero_state(item)
+        if state is not None:
+            states[state.ds_id] = state
+    return [states[key] for key in sorted(states)]
+
+
+def _by_gatherer(states: list[ZeroParam]) -> list[list[ZeroParam]]:
+    groups: dict[int, list[ZeroParam]] = {}
+    for state in states:
+        groups.setdefault(id(state.gatherer), []).append(state)
+    return list(groups.values())
+
+
+class GatheredContext:
+    """Keep ``states`` gathered inside a ``with`` block; publish the modifier rank's values on exit."""
+
+    def __init__(self, states: list[ZeroParam], modifier: ModifierRank) -> None:
+        """``states`` as returned by :func:`collect_states`."""
+        self.states = states
+        self.modifier = modifier
+
+    def __enter__(self) -> Self:
+        overlapping = [s.ds_id for s in self.states if s.context_holds]
+        if overlapping:
+            raise RuntimeError(f"GatheredParameters: parameters {overlapping} are already gathered by an enclosing "
+                               "GatheredParameters context; overlapping nested contexts are not supported")
+        for state in self.states:
+            state.context_holds += 1
+        for batch in _by_gatherer(self.states):
+            batch[0].gatherer.gather(batch)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # With an exception in flight other ranks may not reach this point: skip the broadcast, only release.
+        if self.modifier.rank is not None and exc_type is None:
+            for state in self.states:
+                full = state.full_view()
+                broadcast_from(full, state.group, self.modifier.rank)
+                state.write_shard_from(full)
+        for state in self.states:
+            state.context_holds -= 1
+        for batch in _by_gatherer(self.states):
+            batch[0].gatherer.release(batch)
+
+
+def _external_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(str(key), param) for key, param in getattr(module, EXTERNAL_PARAMS_ATTR, {}).items()]
+
+
+def _all_parameters(module: nn.Module) -> Iterable[nn.Parameter]:
+    yield from module.parameters(recurse=False)
+    for _, param in _external_parameters(module):
+        yield param
+
+
+def register_external(module: nn.Module, parameter: Any) -> None:
+    """Record that ``module``'s forward uses ``parameter`` although another module owns it."""
+    if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
+        raise RuntimeError(  # noqa: TRY004
+            f"register_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
+    if EXTERNAL_PARAMS_ATTR not in module.__dict__:
+        module.__dict__[EXTERNAL_PARAMS_ATTR] = {}
+        module.ds_external_parameters = MethodType(_external_parameters, module)
+        module.all_parameters = MethodType(_all_parameters, module)
+    module.__dict__[EXTERNAL_PARAMS_ATTR][id(parameter)] = parameter
+    state = zero_state(parameter)
+    if state is not None:
+        state.external = True
+
+
+def unregister_external(module: nn.Module, parameter: Any) -> None:
+    """Undo :func:`register_external` (no-op when it was not registered)."""
+    if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
+        raise RuntimeError(  # noqa: TRY004
+            f"unregister_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
+    registry = module.__dict__.get(EXTERNAL_PARAMS_ATTR, {})
+    registry.pop(id(parameter), None)

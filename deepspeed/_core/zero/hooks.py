@@ -1,0 +1,166 @@
+"""Every module hook, gradient hook and autograd.Function of ZeRO-3: the only place hooks are registered.
+
+Per module, four forward-time hooks ([Note: zero3-hooks] in ``docs/design/zero3.md``):
+
+* forward pre-hook -> ``target.pre_forward(module)`` (fetch);
+* forward post-hook -> ``target.post_forward(module)`` (release);
+* forward pre-hook that routes the module's grad-requiring inputs through :class:`_PostBackward`, whose
+  backward runs once the gradients of all those inputs exist, i.e. after the module's backward
+  -> ``target.post_backward(module)``;
+* forward post-hook that puts a multi-grad hook ("any") on the grad-requiring outputs, which fires before any
+  of the module's backward runs -> ``target.pre_backward(module)``.
+
+Both backward hooks are set up per call, so a module called twice gets two pre/post-backward pairs; the unit's
+use count in the manager keeps its parameters gathered until the last one. The first pre-backward of a backward
+pass queues an engine callback -> ``target.backward_finished()``, which releases what no post-backward reached
+(modules whose inputs need no gradient, such as an embedding). Per trainable parameter a post-accumulate-grad
+hook -> ``target.grad_ready(param)`` is the "full gradient is ready" seam for the ZeRO-3 optimizer.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+
+class HookTarget(Protocol):
+    """What the hooks call; implemented by the parameter manager."""
+
+    def pre_forward(self, module: nn.Module) -> None:
+        """Before ``module.forward``."""
+
+    def post_forward(self, module: nn.Module) -> None:
+        """After ``module.forward``."""
+
+    def pre_backward(self, module: nn.Module) -> None:
+        """Before any backward computation of one call of ``module``."""
+
+    def post_backward(self, module: nn.Module) -> None:
+        """After the backward of one call of ``module`` produced its input gradients."""
+
+    def backward_finished(self) -> None:
+        """The autograd engine finished the current backward pass."""
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """``param.grad`` holds this backward's full gradient."""
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward signals that the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, hooks: ModuleHooks, module: nn.Module, *tensors: torch.Tensor) -> tuple:
+        ctx.hooks = hooks
+        ctx.module = module
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.hooks.on_post_backward(ctx.module)
+        return (None, None, *grads)
+
+
+def _grad_tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+class ModuleHooks:
+    """Installs and removes the ZeRO-3 hooks of a module tree.
+
+    ``forward_hooks`` and ``backward_hooks`` are the handle lists upstream exposes on ``parameter_offload``
+    (TRL removes and re-adds them around generation).
+    """
+
+    def __init__(self, target: HookTarget) -> None:
+        """Route every hook to ``target``."""
+        self.target = target
+        self.forward_hooks: list[RemovableHandle] = []
+        self.backward_hooks: list[RemovableHandle] = []
+        self.grad_hooks: list[RemovableHandle] = []
+        self._end_queued = False
+
+    # ---------------------------------------------------------------- registration
+    def register_module(self, root: nn.Module, stop_below: Callable[[nn.Module], bool]) -> int:
+        """Hook ``root`` and its descendants, not descending below modules where ``stop_below`` is true.
+
+        Returns the number of modules hooked.
+        """
+        count = 0
+        stack = [root]
+        while stack:
+            module = stack.pop()
+            self._hook_one(module)
+            count += 1
+            if not stop_below(module):
+                stack.extend(reversed(list(module.children())))
+        return count
+
+    def _hook_one(self, module: nn.Module) -> None:
+        target = self.target
+
+        def fetch(mod: nn.Module, args: Any) -> None:
+            target.pre_forward(mod)
+
+        def release(mod: nn.Module, args: Any, output: Any) -> None:
+            target.post_forward(mod)
+
+        self.forward_hooks.append(module.register_forward_pre_hook(fetch))
+        self.forward_hooks.append(module.register_forward_hook(release))
+        self.backward_hooks.append(module.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True))
+        self.backward_hooks.append(module.register_forward_hook(self._watch_outputs))
+
+    def register_grad_hooks(self, params: Iterable[nn.Parameter]) -> None:
+        """Call ``target.grad_ready(param)`` after each backward accumulated ``param``'s gradient."""
+        seen: set[int] = set()
+        for param in params:
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                self.grad_hooks.append(param.register_post_accumulate_grad_hook(self.target.grad_ready))
+
+    def remove(self) -> None:
+        """Remove every hook this object registered."""
+        for handle in (*self.forward_hooks, *self.backward_hooks, *self.grad_hooks):
+            handle.remove()
+        self.forward_hooks.clear()
+        self.backward_hooks.clear()
+        self.grad_hooks.clear()
+
+    # ---------------------------------------------------------------- backward plumbing
+    def _wrap_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not positions:
+            return None
+        wrapped = _PostBackward.apply(self, module, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            flat[i] = tensor
+        return pytree.tree_unflatten(flat, spec)
+
+    def _watch_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = _grad_tensors(pytree.tree_leaves(output))
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.on_pre_backward(module),
+                                                          mode="any")
+
+    def on_pre_backward(self, module: nn.Module) -> None:
+        """Pre-backward of one call of ``module`` (runs inside the autograd engine)."""
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        self.target.pre_backward(module)
+
+    def on_post_backward(self, module: nn.Module) -> None:
+        """Post-backward of one call of ``module`` (runs inside the autograd engine)."""
+        self.target.post_backward(module)
+
+    def _on_backward_end(self) -> None:
+        self._end_queued = False
+        self.target.backward_finished()

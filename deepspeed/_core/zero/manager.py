@@ -1,0 +1,319 @@
+"""The ZeRO-3 parameter manager: partitions a module's parameters and drives fetch/release from the hooks.
+
+``ZeroParamManager`` is the one object the engine (and the ZeRO-3 optimizer) talks to for the parameter side:
+it owns the :class:`~deepspeed._core.zero.param_group.GatherEngine`, one
+:class:`~deepspeed._core.zero.param_group.FetchUnit` per module, the prefetch
+:class:`~deepspeed._core.zero.prefetch.StepTrace` and the :class:`~deepspeed._core.zero.hooks.ModuleHooks`.
+See [Note: zero3-manager] in ``docs/design/zero3.md`` for the optimizer seam.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepspeed._core.plan import LeanPolicy, OffloadPolicy, Stage3Policy
+from deepspeed._core.zero.codec import IDENTITY_CODEC, ShardCodec
+from deepspeed._core.zero.hooks import ModuleHooks
+from deepspeed._core.zero.offload_param import ShardPlacement
+from deepspeed._core.zero.param import (
+    Persistence,
+    ShardedState,
+    ShardGroup,
+    ZeroParam,
+    zero_state,
+)
+from deepspeed._core.zero.param_group import (
+    FetchUnit,
+    GatherEngine,
+    ReleaseMode,
+    UnitState,
+)
+from deepspeed._core.zero.prefetch import PrefetchBudget, StepTrace
+from deepspeed._core.zero.streams import StreamSet
+
+Z3_LEAF_ATTR = "_z3_leaf"
+"""Module attribute marking a ZeRO-3 leaf: its whole subtree is fetched as one unit (``set_z3_leaf_modules``)."""
+EXTERNAL_PARAMS_ATTR = "_external_params"
+"""Module attribute (dict keyed by ``id``) of parameters registered with ``register_external_parameter``."""
+
+GradReadyCallback = Callable[[nn.Parameter, ZeroParam], None]
+BackwardEndCallback = Callable[[], None]
+
+
+def is_z3_leaf(module: nn.Module) -> bool:
+    """True when ``module`` is fetched as one unit together with all its descendants."""
+    return bool(getattr(module, Z3_LEAF_ATTR, False))
+
+
+def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters fetched for ``module``: its own (the whole subtree for a leaf) plus external ones."""
+    own = module.parameters() if is_z3_leaf(module) else module.parameters(recurse=False)
+    found: dict[int, nn.Parameter] = {id(p): p for p in own}
+    for param in getattr(module, EXTERNAL_PARAMS_ATTR, {}).values():
+        found.setdefault(id(param), param)
+    return list(found.values())
+
+
+def release_mode_of(lean: LeanPolicy) -> ReleaseMode:
+    """``STREAM_ORDERED`` for the lean switch on, the upstream-like ``DEFERRED`` baseline when off."""
+    return ReleaseMode.STREAM_ORDERED if lean.stream_ordered_release else ReleaseMode.DEFERRED
+
+
+@dataclass(frozen=True)
+class GatheredCounts:
+    """Gathered memory at one instant (non-persistent parameters only).
+
+    Attributes:
+        event: which hook took the sample (``pre_forward``, ``post_backward``, ...).
+        module: qualified name of the module at the boundary.
+        units_alive: units holding any gathered memory (in flight, gathered, or freed but not yet returned).
+        units_active: units currently in use by a forward/backward call.
+        params_alive: parameters holding gathered memory.
+        numel_alive: elements of those parameters.
+    """
+
+    event: str
+    module: str
+    units_alive: int
+    units_active: int
+    params_alive: int
+    numel_alive: int
+
+
+class _CallbackHandle:
+    def __init__(self, registry: list, callback: Callable) -> None:
+        self._registry = registry
+        self._callback = callback
+
+    def remove(self) -> None:
+        """Unsubscribe."""
+        if self._callback in self._registry:
+            self._registry.remove(self._callback)
+
+
+class ZeroParamManager:
+    """Partition ``module``'s parameters over ``group`` and gather/release them around each use."""
+
+    def __init__(self, module: nn.Module, group: ShardGroup, stage3: Stage3Policy, lean: LeanPolicy,
+                 streams: StreamSet | None = None, codec: ShardCodec = IDENTITY_CODEC,
+                 offload_param: OffloadPolicy | None = None) -> None:
+        """Partition every parameter (adopting those ``zero.Init`` already partitioned) and install hooks.
+
+        ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]).
+        """
+        self.module = module
+        self.group = group
+        self.policy = stage3
+        self.engine = GatherEngine(streams if streams is not None else StreamSet(), codec, release_mode_of(lean),
+                                   ShardPlacement.from_policy(offload_param or OffloadPolicy()))
+        self.trace = StepTrace(PrefetchBudget.from_policy(stage3))
+        self.units: dict[int, FetchUnit] = {}
+        self._unit_by_module: dict[int, FetchUnit] = {}
+        self._names = {id(m): name or "<root>" for name, m in module.named_modules()}
+        self.states: dict[int, ZeroParam] = {}
+        self._grad_callbacks: list[GradReadyCallback] = []
+        self._backward_end_callbacks: list[BackwardEndCallback] = []
+        self.boundary_samples: list[GatheredCounts] | None = None
+        self.in_backward = False
+        self._adopt_parameters(module.parameters())
+        self._mark_persistent()
+        self.hooks = ModuleHooks(self)
+        self.register_module(module)
+
+    # ---------------------------------------------------------------- setup
+    def _adopt(self, param: nn.Parameter) -> ZeroParam:
+        state = zero_state(param)
+        if state is None:
+            state = self.engine.partition(param, self.group)
+        state.gatherer = self.engine
+        self.states.setdefault(state.ds_id, state)
+        return state
+
+    def _adopt_parameters(self, params: object) -> None:
+        for param in params:
+            self._adopt(param)
+
+    def _mark_persistent(self) -> None:
+        budget = self.policy.model_persistence_threshold
+        persistent = []
+        for state in self.states.values():
+            if state.numel <= self.policy.param_persistence_threshold and state.numel <= budget:
+                budget -= state.numel
+                persistent.append(state)
+        self.engine.gather(persistent)
+        for state in persistent:
+            state.persistence = Persistence.PERSISTENT
+
+    def register_module(self, module: nn.Module) -> None:
+        """Install hooks on ``module``'s tree and give each hooked module a fetch unit (upstream
+        ``_register_deepspeed_module``)."""
+        for name, sub in module.named_modules():
+            self._names.setdefault(id(sub), name or "<root>")
+        self.hooks.register_module(module, is_z3_leaf)
+        self.hooks.register_grad_hooks(p for p in module.parameters() if zero_state(p) is not None)
+        stack = [module]
+        while stack:
+            sub = stack.pop()
+            self._unit_of(sub)
+            for param in getattr(sub, EXTERNAL_PARAMS_ATTR, {}).values():
+                self._adopt(param).external = True
+            if not is_z3_leaf(sub):
+                stack.extend(reversed(list(sub.children())))
+
+    def _unit_of(self, module: nn.Module) -> FetchUnit:
+        unit = self._unit_by_module.get(id(module))
+        if unit is None:
+            unit = FetchUnit(len(self.units), self._names.get(id(module), type(module).__name__), self.engine,
+                             lambda: [self._adopt(p) for p in unit_parameters(module)])
+            self.units[unit.unit_id] = unit
+            self._unit_by_module[id(module)] = unit
+        return unit
+
+    # ---------------------------------------------------------------- fetch / release
+    def fetch(self, module: nn.Module) -> None:
+        """Make ``module``'s parameters available (and start prefetching what the trace says comes next)."""
+        unit = self._unit_of(module)
+        self.engine.drain()
+        if unit.numel():
+            self.trace.observe(unit.unit_id)
+        unit.acquire()
+        unit.unshard()
+        self._prefetch()
+        unit.wait_for_unshard()
+
+    def _prefetch(self) -> None:
+        live = sum(s.numel for s in self.states.values() if not s.is_persistent and s.state is not ShardedState.SHARDED)
+        for unit_id in self.trace.prefetch_candidates(self._unit_numel, self._unit_gathered, live):
+            self.units[unit_id].unshard()
+
+    def _unit_numel(self, unit_id: int) -> int:
+        return self.units[unit_id].numel()
+
+    def _unit_gathered(self, unit_id: int) -> bool:
+        return self.units[unit_id].is_gathered()
+
+    def release(self, module: nn.Module) -> None:
+        """One use of ``module`` ended; release its parameters when it was the last (unless reused soon)."""
+        unit = self._unit_by_module.get(id(module))
+        if unit is None or unit.refs == 0 or unit.drop() > 0:
+            return
+        if unit.numel() and self.trace.reused_soon(unit.unit_id, self._unit_numel):
+            unit.keep()
+        else:
+            unit.reshard()
+        self._sweep_kept()
+
+    def _sweep_kept(self) -> None:
+        for unit in self.units.values():
+            if unit.state is UnitState.KEPT and not self.trace.reused_soon(unit.unit_id, self._unit_numel):
+                unit.reshard()
+
+    def release_all(self) -> None:
+        """Return every non-persistent parameter to the partitioned state (upstream ``empty_partition_cache``).
+
+        Parameters held by an open ``GatheredParameters`` context stay gathered.
+        """
+        for unit in self.units.values():
+            while unit.refs:
+                unit.drop()
+            unit.reshard()
+        states = [s for s in self.states.values() if not s.is_persistent]
+        self.engine.finish_gather(states)
+        self.engine.release(states)
+
+    def destroy(self) -> None:
+        """Remove every hook, release gathered and persistent parameters, drop buffers and units."""
+        self.release_all()
+        self.hooks.remove()
+        for state in self.states.values():
+            if state.is_persistent:
+                state.persistence = Persistence.PARTITIONED
+                self.engine.release([state])
+        self.engine.shutdown()
+        self.units.clear()
+        self._unit_by_module.clear()
+        self._grad_callbacks.clear()
+        self._backward_end_callbacks.clear()
+
+    def refresh_persistent(self) -> None:
+        """Re-gather persistent parameters after the optimizer rewrote their shards."""
+        persistent = [s for s in self.states.values() if s.is_persistent]
+        for state in persistent:
+            state.persistence = Persistence.PARTITIONED
+            self.engine.release([state])
+        self.engine.gather(persistent)
+        for state in persistent:
+            state.persistence = Persistence.PERSISTENT
+
+    # ---------------------------------------------------------------- optimizer seam
+    def on_grad_ready(self, callback: GradReadyCallback) -> _CallbackHandle:
+        """Call ``callback(param, state)`` when a backward has accumulated ``param``'s full gradient.
+
+        The gradient (``param.grad``, full shape) is complete for this backward pass at that moment; the
+        subscriber may reduce-scatter it into ``state.receive_grad_shard(...)`` and set ``param.grad = None``.
+        """
+        self._grad_callbacks.append(callback)
+        return _CallbackHandle(self._grad_callbacks, callback)
+
+    def on_backward_end(self, callback: BackwardEndCallback) -> _CallbackHandle:
+        """Call ``callback()`` once per backward pass, after every gradient hook ran (flush partial buckets)."""
+        self._backward_end_callbacks.append(callback)
+        return _CallbackHandle(self._backward_end_callbacks, callback)
+
+    # ---------------------------------------------------------------- HookTarget
+    def pre_forward(self, module: nn.Module) -> None:
+        """Forward pre-hook: a root call starts a new step (trace replay, leftovers released)."""
+        if module is self.module and not self.in_backward and self._unit_of(module).refs == 0:
+            self.release_all()
+            self.trace.begin_step()
+        self.fetch(module)
+        self._sample("pre_forward", module)
+
+    def post_forward(self, module: nn.Module) -> None:
+        """Forward post-hook: release; a root forward without autograd (eval) releases everything."""
+        self.release(module)
+        if module is self.module and not self.in_backward and not torch.is_grad_enabled():
+            self.release_all()
+        self._sample("post_forward", module)
+
+    def pre_backward(self, module: nn.Module) -> None:
+        """Before one call's backward: fetch again."""
+        self.in_backward = True
+        self.fetch(module)
+        self._sample("pre_backward", module)
+
+    def post_backward(self, module: nn.Module) -> None:
+        """After one call's backward: release."""
+        self.release(module)
+        self._sample("post_backward", module)
+
+    def backward_finished(self) -> None:
+        """End of the backward pass: release what no post-backward reached, notify subscribers."""
+        self.in_backward = False
+        self.release_all()
+        for callback in list(self._backward_end_callbacks):
+            callback()
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: forward to the optimizer's subscribers."""
+        state = zero_state(param)
+        for callback in list(self._grad_callbacks):
+            callback(param, state)
+
+    # ---------------------------------------------------------------- instrumentation
+    def count_gathered(self, event: str = "now", module: nn.Module | None = None) -> GatheredCounts:
+        """How much gathered memory exists right now (see :class:`GatheredCounts`)."""
+        pending = set(self.engine.deferred.pending_keys())
+        alive = {s.ds_id: s for s in self.states.values()
+                 if not s.is_persistent and (s.state is not ShardedState.SHARDED or s.ds_id in pending)}
+        units_alive = sum(1 for u in self.units.values() if any(s.ds_id in alive for s in u.managed_states()))
+        units_active = sum(1 for u in self.units.values() if u.refs and u.numel())
+        name = "" if module is None else self._names.get(id(module), type(module).__name__)
+        return GatheredCounts(event, name, units_alive, units_active, len(alive), sum(s.numel for s in alive.values()))
+
+    def _sample(self, event: str, module: nn.Module) -> None:
+        if self.boundary_samples is not None:
+            self.boundary_samples.append(self.count_gathered(event, module))

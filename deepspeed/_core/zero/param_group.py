@@ -1,0 +1,294 @@
+"""Fetch units: the parameters of one module, gathered and released together.
+
+Two objects live here. :class:`GatherEngine` owns the mechanics shared by every caller (module hooks, prefetch,
+``GatheredParameters``, ``param.all_gather()``): partitioning a parameter, split-phase gathers
+(:meth:`GatherEngine.start_gather` / :meth:`GatherEngine.finish_gather`) and releasing gathered storage in one
+of two :class:`ReleaseMode` s. :class:`FetchUnit` is one module's parameters with a use count, driven by the
+manager through ``unshard`` / ``wait_for_unshard`` / ``reshard``.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from deepspeed._core.zero.codec import IDENTITY_CODEC, ShardCodec
+from deepspeed._core.zero.collectives import (
+    AllGatherResult,
+    finish_all_gather,
+    start_all_gather,
+)
+from deepspeed._core.zero.flat_buffer import alloc_storage, free_storage
+from deepspeed._core.zero.layout import Stage3ParamLayout
+from deepspeed._core.zero.offload_param import ShardPlacement, allocate_shard
+from deepspeed._core.zero.param import (
+    ShardedState,
+    ShardGroup,
+    ZeroParam,
+    attach_ds_view,
+    placeholder,
+    zero_state,
+)
+from deepspeed._core.zero.streams import (
+    DeferredFreeQueue,
+    Handoff,
+    StreamRole,
+    StreamSet,
+)
+
+_DS_IDS = itertools.count()
+
+
+def next_ds_id() -> int:
+    """A new parameter id; ranks that build the same model in the same order draw the same ids."""
+    return next(_DS_IDS)
+
+
+class ReleaseMode(enum.Enum):
+    """How gathered storage goes back to the allocator ([Note: streams-release]).
+
+    ``STREAM_ORDERED``: gathered storage is allocated and freed on the compute stream at the point of last use
+    (lean mechanism 3). ``DEFERRED``: allocated on the all-gather stream and freed only once an event recorded at
+    release time has completed -- what ``record_stream`` does upstream; kept as the A/B baseline.
+    """
+
+    STREAM_ORDERED = "stream_ordered"
+    DEFERRED = "deferred"
+
+
+class PendingGather:
+    """One issued collective and the states it will fill."""
+
+    def __init__(self, result: AllGatherResult, states: list[ZeroParam]) -> None:
+        """Pair ``result`` with ``states`` (already marked GATHERING by the caller)."""
+        self.result: AllGatherResult | None = result
+        self.states = states
+
+
+def _group_key(state: ZeroParam) -> tuple:
+    return (state.shard.dtype, state.shard.device, state.full.device, state.group)
+
+
+class GatherEngine:
+    """Partition, gather and release parameters; implements :class:`~deepspeed._core.zero.param.ParamGatherer`."""
+
+    def __init__(self, streams: StreamSet, codec: ShardCodec = IDENTITY_CODEC,
+                 release_mode: ReleaseMode = ReleaseMode.STREAM_ORDERED,
+                 placement: ShardPlacement | None = None) -> None:
+        """Use ``streams`` for collectives and copies, ``codec`` for the wire format, ``placement`` for shards."""
+        self.streams = streams
+        self.codec = codec
+        self.release_mode = release_mode
+        self.placement = placement if placement is not None else ShardPlacement()
+        self.deferred = DeferredFreeQueue()
+        self._flat: Handoff | None = None
+        self._last_copy_in: Any = None
+
+    # ---------------------------------------------------------------- partitioning
+    def partition(self, param: nn.Parameter, group: ShardGroup, ds_id: int | None = None) -> ZeroParam:
+        """Turn ``param`` into a partitioned parameter (no-op for one that already is); frees its full data."""
+        existing = zero_state(param)
+        if existing is not None:
+            return existing
+        data = param.data
+        layout = Stage3ParamLayout(data.numel(), group.world_size)
+        shard = allocate_shard(layout.partition_numel, data.dtype, data.device, self.placement)
+        shard.ds_numel = layout.partition_numel  # upstream readers use ds_tensor.ds_numel
+        state = ZeroParam(param, next_ds_id() if ds_id is None else ds_id, group, shard, data.shape, data.device,
+                          self)
+        state.write_shard_from(data)
+        attach_ds_view(param, state)
+        param.data = placeholder(state.full)
+        return state
+
+    # ---------------------------------------------------------------- split-phase gather
+    def start_gather(self, states: Sequence[ZeroParam]) -> None:
+        """Issue all-gathers for the ``SHARDED`` states (one collective per dtype/device/group)."""
+        batches: dict[tuple, list[ZeroParam]] = {}
+        seen: set[int] = set()
+        for state in states:
+            if state.state is ShardedState.SHARDED and state.ds_id not in seen:
+                seen.add(state.ds_id)
+                batches.setdefault(_group_key(state), []).append(state)
+        for batch in batches.values():
+            self._retire_flat()
+            result = start_all_gather([s.shard for s in batch], [s.numel for s in batch], batch[0].group,
+                                      self.streams, self.codec, batch[0].full.device)
+            self._last_copy_in = result.event
+            pending = PendingGather(result, batch)
+            for state in batch:
+                state.mark_gathering(pending)
+
+    def finish_gather(self, states: Sequence[ZeroParam]) -> None:
+        """Complete every collective that a ``GATHERING`` state in ``states`` waits on."""
+        seen: set[int] = set()
+        for state in states:
+            pending = state.pending
+            if state.state is ShardedState.GATHERING and id(pending) not in seen:
+                seen.add(id(pending))
+                self._copy_out(pending)
+
+    def _copy_out(self, pending: PendingGather) -> None:
+        role = StreamRole.COMPUTE if self.release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
+        with self.streams.use(role):
+            for state in pending.states:
+                # DEFERRED: a cancelled free may have left the storage allocated; reuse it as is.
+                if not state.holds_memory:
+                    alloc_storage(state.full)
+        result = pending.result
+        assert result is not None, "pending gather finished twice"
+        done = finish_all_gather(result, [s.full for s in pending.states], self.streams, role, self.codec)
+        self._retire_flat()
+        self._flat = Handoff(result.flat, done, StreamRole.ALL_GATHER)
+        pending.result = None
+        for state in pending.states:
+            state.mark_full()
+
+    def _retire_flat(self) -> None:
+        # [Note: streams-flat]: the previous flat buffer is dropped once the all-gather stream is ordered after
+        # the copy-out that read it, so the allocator reuses it only for later work on that stream.
+        if self._flat is not None:
+            self._flat.release(self.streams)
+            self._flat = None
+
+    def gather(self, states: Sequence[ZeroParam]) -> None:
+        """Bring every state to ``FULL`` now (``ParamGatherer``)."""
+        self.cancel_pending_frees(states)
+        self.start_gather(states)
+        self.finish_gather(states)
+
+    def cancel_pending_frees(self, states: Sequence[ZeroParam]) -> None:
+        """DEFERRED mode: keep storage whose free has not run yet, since it is about to be refilled."""
+        if len(self.deferred):
+            for state in states:
+                if state.state is ShardedState.SHARDED:
+                    self.deferred.cancel(state.ds_id)
+
+    # ---------------------------------------------------------------- release
+    def release(self, states: Sequence[ZeroParam]) -> None:
+        """Release every ``FULL`` state that no module or context uses and that is not persistent."""
+        for state in states:
+            if state.state is ShardedState.FULL and not state.in_use and not state.is_persistent:
+                self.free(state)
+
+    def free(self, state: ZeroParam) -> None:
+        """FULL -> SHARDED and give the gathered storage back according to :attr:`release_mode`."""
+        state.mark_sharded()
+        if self.release_mode is ReleaseMode.STREAM_ORDERED:
+            # [Note: streams-release]: the storage was allocated on the compute stream and its last use is
+            # queued there, so freeing it now lets the allocator reuse it in stream order.
+            free_storage(state.full)
+            return
+        event = self.streams.record(StreamRole.COMPUTE)
+        full = state.full
+        self.deferred.push(state.ds_id, event, lambda: free_storage(full))
+
+    def commit(self, states: Sequence[ZeroParam]) -> None:
+        """Write each ``FULL`` state's gathered values into its shard (``partition(has_been_updated=True)``)."""
+        for state in states:
+            if state.state is ShardedState.FULL:
+                state.write_shard_from(state.full_view())
+
+    def sync_shard_reads(self) -> None:
+        """Block the host until every issued copy-in has read its shard (before a host write to offloaded shards).
+
+        The only host wait of the parameter side; see [Note: zero3-offload].
+        """
+        if self._last_copy_in is not None:
+            self._last_copy_in.synchronize()
+            self._last_copy_in = None
+
+    def drain(self) -> None:
+        """Run the deferred frees whose events have completed (DEFERRED mode; cheap no-op otherwise)."""
+        if len(self.deferred):
+            self.deferred.drain()
+
+    def shutdown(self) -> None:
+        """Drop the retained flat buffer and run every deferred free (teardown)."""
+        self._retire_flat()
+        self.deferred.flush()
+
+
+class UnitState(enum.Enum):
+    """Use state of a :class:`FetchUnit`."""
+
+    IDLE = "idle"
+    ACTIVE = "active"
+    KEPT = "kept"
+
+
+class FetchUnit:
+    """The parameters one module needs, fetched and released together, with a use count.
+
+    The count makes modules called twice, activation-checkpoint recomputation and nested fetches safe: the
+    parameters go back to ``SHARDED`` only when the last user is done ([Note: zero3-hooks]).
+    """
+
+    def __init__(self, unit_id: int, name: str, engine: GatherEngine,
+                 states_of: Callable[[], list[ZeroParam]]) -> None:
+        """``states_of`` lists the unit's states at call time (external params may be registered later)."""
+        self.unit_id = unit_id
+        self.name = name
+        self.engine = engine
+        self._states_of = states_of
+        self.refs = 0
+        self.state = UnitState.IDLE
+
+    def states(self) -> list[ZeroParam]:
+        """The unit's parameter states, in registration order."""
+        return self._states_of()
+
+    def managed_states(self) -> list[ZeroParam]:
+        """The non-persistent states: what fetch and release actually move."""
+        return [s for s in self.states() if not s.is_persistent]
+
+    def numel(self) -> int:
+        """Elements the unit's non-persistent parameters occupy when gathered."""
+        return sum(s.numel for s in self.managed_states())
+
+    def is_gathered(self) -> bool:
+        """True when every non-persistent parameter is ``FULL`` or already on its way."""
+        return all(s.state is not ShardedState.SHARDED for s in self.managed_states())
+
+    def acquire(self) -> None:
+        """Register one more user; the parameters now count the unit among their active modules."""
+        self.refs += 1
+        self.state = UnitState.ACTIVE
+        for state in self.states():
+            state.active_modules.add(self.unit_id)
+
+    def drop(self) -> int:
+        """Unregister one user and return how many remain."""
+        assert self.refs > 0, f"unit {self.name}: released more often than fetched"
+        self.refs -= 1
+        if self.refs == 0:
+            self.state = UnitState.IDLE
+            for state in self.states():
+                state.active_modules.discard(self.unit_id)
+        return self.refs
+
+    def unshard(self) -> None:
+        """Issue the all-gather of the unit's sharded parameters (returns before the data is there)."""
+        states = self.managed_states()
+        self.engine.cancel_pending_frees(states)
+        self.engine.start_gather(states)
+
+    def wait_for_unshard(self) -> None:
+        """Finish the unit's gathers; the parameters are ``FULL`` afterwards."""
+        self.engine.finish_gather(self.managed_states())
+
+    def keep(self) -> None:
+        """Leave an unused unit gathered because it is needed again soon (prefetch budget permitting)."""
+        assert self.refs == 0, f"unit {self.name}: kept while in use"
+        self.state = UnitState.KEPT
+
+    def reshard(self) -> None:
+        """Release the parameters no other unit or context is using."""
+        assert self.refs == 0, f"unit {self.name}: resharded while in use"
+        self.state = UnitState.IDLE
+        states = self.managed_states()
+        self.engine.finish_gather(states)
+        self.engine.release(states)

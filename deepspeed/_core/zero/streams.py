@@ -1,0 +1,183 @@
+"""Named streams in one context object, and event-carrying handoffs between them.
+
+Every cross-stream lifetime in ZeRO-3 is expressed with an event that travels with the data ([Note: streams] in
+``docs/design/streams.md``): the producer records an event after writing a tensor, the consumer stream waits on
+that event, and memory is released only on a stream that is already ordered after the last use. ``record_stream``
+is never used.
+
+The device runtime is reached through a :class:`StreamBackend`, so tests can inject fake streams and events (for
+example events that stay "not complete" for a while, emulating a GPU that lags far behind the CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from deepspeed.accelerator import get_accelerator
+
+
+class StreamRole(enum.Enum):
+    """What a stream is for; :class:`StreamSet` holds one stream per role."""
+
+    COMPUTE = "compute"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+class StreamBackend(Protocol):
+    """The four stream/event primitives the ZeRO-3 schedule needs."""
+
+    def new_stream(self) -> Any:
+        """A fresh side stream."""
+
+    def new_event(self) -> Any:
+        """A fresh, unrecorded event."""
+
+    def current_stream(self) -> Any:
+        """The stream work is queued on right now."""
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Context manager making ``stream`` current."""
+
+
+class AcceleratorStreams:
+    """:class:`StreamBackend` over ``get_accelerator()`` (no-op streams and events on CPU)."""
+
+    def new_stream(self) -> Any:
+        """A new accelerator stream."""
+        return get_accelerator().Stream()
+
+    def new_event(self) -> Any:
+        """A new accelerator event (no timing)."""
+        return get_accelerator().Event()
+
+    def current_stream(self) -> Any:
+        """The accelerator's current stream."""
+        return get_accelerator().current_stream()
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """The accelerator's stream context."""
+        return get_accelerator().stream(stream)
+
+
+class SideStreams(enum.Enum):
+    """Whether communication gets its own streams (``SEPARATE``) or shares the compute stream (``SHARED``)."""
+
+    SEPARATE = "separate"
+    SHARED = "shared"
+
+
+class StreamSet:
+    """One stream per :class:`StreamRole`, created once, plus event helpers.
+
+    ``COMPUTE`` is the stream current when the set is built (the training loop's stream).
+    """
+
+    def __init__(self, backend: StreamBackend | None = None, side: SideStreams = SideStreams.SEPARATE) -> None:
+        """Create the side streams on ``backend`` (default: the accelerator)."""
+        self.backend: StreamBackend = backend if backend is not None else AcceleratorStreams()
+        compute = self.backend.current_stream()
+        self._streams = {StreamRole.COMPUTE: compute}
+        for role in (StreamRole.ALL_GATHER, StreamRole.REDUCE_SCATTER):
+            self._streams[role] = self.backend.new_stream() if side is SideStreams.SEPARATE else compute
+
+    def get(self, role: StreamRole) -> Any:
+        """The stream playing ``role``."""
+        return self._streams[role]
+
+    def use(self, role: StreamRole) -> contextlib.AbstractContextManager:
+        """Make ``role``'s stream current inside the ``with`` block."""
+        return self.backend.use_stream(self._streams[role])
+
+    def record(self, role: StreamRole) -> Any:
+        """Record and return an event on ``role``'s stream (marks "everything queued so far")."""
+        event = self.backend.new_event()
+        event.record(self._streams[role])
+        return event
+
+    def wait(self, role: StreamRole, event: Any) -> None:
+        """Make ``role``'s stream wait (on the device, not the host) for ``event``."""
+        if event is not None:
+            self._streams[role].wait_event(event)
+
+
+@dataclass
+class Handoff:
+    """A tensor passed between streams: usable once ``ready`` fires, released on ``release_role``'s stream.
+
+    The releasing stream must wait on ``ready`` before the tensor is dropped, so the allocator hands the block
+    to later work on that stream only after every earlier use has been ordered before it.
+    """
+
+    tensor: torch.Tensor | None
+    ready: Any
+    release_role: StreamRole
+
+    def release(self, streams: StreamSet) -> None:
+        """Order the release stream after ``ready`` and drop the tensor reference."""
+        streams.wait(self.release_role, self.ready)
+        self.tensor = None
+
+
+@dataclass
+class _PendingFree:
+    key: int
+    event: Any
+    free: Callable[[], None]
+
+
+class DeferredFreeQueue:
+    """Frees that wait for the device to reach an event: the A/B emulation of ``record_stream``.
+
+    With ``record_stream`` the allocator keeps a block until the recorded stream has run past the free point,
+    i.e. until the GPU catches up with the CPU. Here the same effect is explicit: ``push`` stores the free with
+    an event recorded at release time, and ``drain`` (called at every fetch) runs the frees whose event has
+    completed, in order. Nothing blocks the host. See [Note: streams-baseline].
+    """
+
+    def __init__(self) -> None:
+        """An empty queue."""
+        self._queue: deque[_PendingFree] = deque()
+
+    def push(self, key: int, event: Any, free: Callable[[], None]) -> None:
+        """Defer ``free`` until ``event`` has completed; ``key`` identifies what it frees (e.g. a ``ds_id``)."""
+        self._queue.append(_PendingFree(key, event, free))
+
+    def drain(self) -> int:
+        """Run every free whose event completed, oldest first (stream order); return how many ran."""
+        ran = 0
+        while self._queue and self._queue[0].event.query():
+            self._queue.popleft().free()
+            ran += 1
+        return ran
+
+    def cancel(self, key: int) -> bool:
+        """Drop the pending free for ``key`` (its memory is being reused); ``True`` if one was pending."""
+        for entry in self._queue:
+            if entry.key == key:
+                self._queue.remove(entry)
+                return True
+        return False
+
+    def flush(self) -> None:
+        """Wait for every pending event and run all frees (teardown only)."""
+        while self._queue:
+            entry = self._queue.popleft()
+            entry.event.synchronize()
+            entry.free()
+
+    def pending_keys(self) -> list[int]:
+        """Keys whose memory is released logically but not yet returned."""
+        return [entry.key for entry in self._queue]
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.pending_keys())
