@@ -518,13 +518,6 @@ def refresh_fp32_params(optimizer: Any) -> None:
     refresh = getattr(optimizer, "refresh_fp32_params", None)
     if callable(refresh):
         refresh()
-        return
-    # Stage 0's wrapper keeps per-parameter masters as ``masters.pairs`` (working, master).
-    masters = getattr(optimizer, "masters", None)
-    if masters is not None:
-        with torch.no_grad():
-            for working, master in masters.pairs:
-                master.copy_(working)
 
 
 def _apply_scheduler(subject: CheckpointSubject, request: LoadRequest, state: dict) -> None:

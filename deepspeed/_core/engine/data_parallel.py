@@ -107,6 +107,13 @@ class DataParallelOptimizer(EngineOptimizer):
         if self.masters is not None:
             self.masters.drop_master_grads()
 
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the fp32 masters from the current working weights (after a module-only load)."""
+        if self.masters is not None:
+            with torch.no_grad():
+                for param, master in self.masters.pairs:
+                    master.copy_(param)
+
     def destroy(self) -> None:
         """Remove the all-reduce hooks."""
         if self.sync is not None:

@@ -85,6 +85,9 @@ class EngineOptimizer:
     def destroy(self) -> None:
         """Remove hooks and release buffers; the object is unusable afterwards."""
 
+    def refresh_fp32_params(self) -> None:
+        """Rebuild fp32 master weights from the working weights (no-op without masters)."""
+
     def state_dict(self) -> dict:
         """Checkpointable state."""
         return self.optimizer.state_dict()

@@ -2,20 +2,19 @@
 
 :class:`GatheredContext` holds a set of parameters gathered for the duration of a ``with`` block and, when a
 modifier rank is given, makes that rank's values every rank's shards on exit ([Note: zero3-gathered] in
-``docs/design/zero3.md``). :func:`register_external` records that a module uses a parameter it does not own, so
-the module's fetch unit gathers it too.
+``docs/design/zero3.md``). :func:`register_external` / :func:`unregister_external` (defined with the fetch units in
+:mod:`deepspeed._core.zero.manager`) are re-exported here.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from types import MethodType, TracebackType
+from types import TracebackType
 from typing import Any, Self
 
 from torch import nn
 
 from deepspeed._core.zero.collectives import broadcast_from
-from deepspeed._core.zero.manager import EXTERNAL_PARAMS_ATTR
+from deepspeed._core.zero.manager import register_external, unregister_external
 from deepspeed._core.zero.param import ZeroParam, zero_state
 
 
@@ -80,35 +79,4 @@ class GatheredContext:
             batch[0].gatherer.release(batch)
 
 
-def _external_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(str(key), param) for key, param in getattr(module, EXTERNAL_PARAMS_ATTR, {}).items()]
-
-
-def _all_parameters(module: nn.Module) -> Iterable[nn.Parameter]:
-    yield from module.parameters(recurse=False)
-    for _, param in _external_parameters(module):
-        yield param
-
-
-def register_external(module: nn.Module, parameter: Any) -> None:
-    """Record that ``module``'s forward uses ``parameter`` although another module owns it."""
-    if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
-        raise RuntimeError(  # noqa: TRY004
-            f"register_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
-    if EXTERNAL_PARAMS_ATTR not in module.__dict__:
-        module.__dict__[EXTERNAL_PARAMS_ATTR] = {}
-        module.ds_external_parameters = MethodType(_external_parameters, module)
-        module.all_parameters = MethodType(_all_parameters, module)
-    module.__dict__[EXTERNAL_PARAMS_ATTR][id(parameter)] = parameter
-    state = zero_state(parameter)
-    if state is not None:
-        state.external = True
-
-
-def unregister_external(module: nn.Module, parameter: Any) -> None:
-    """Undo :func:`register_external` (no-op when it was not registered)."""
-    if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
-        raise RuntimeError(  # noqa: TRY004
-            f"unregister_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
-    registry = module.__dict__.get(EXTERNAL_PARAMS_ATTR, {})
-    registry.pop(id(parameter), None)
+__all__ = ["GatheredContext", "ModifierRank", "collect_states", "register_external", "unregister_external"]

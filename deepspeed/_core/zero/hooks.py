@@ -15,6 +15,11 @@ use count in the manager keeps its parameters gathered until the last one. The f
 pass queues an engine callback -> ``target.backward_finished()``, which releases what no post-backward reached
 (modules whose inputs need no gradient, such as an embedding). Per trainable parameter a post-accumulate-grad
 hook -> ``target.grad_ready(param)`` is the "full gradient is ready" seam for the ZeRO-3 optimizer.
+
+Each hooked module's ``_parameters`` dict is swapped for a :class:`GatheringParameterDict`, so that reading a
+partitioned parameter by attribute (``self.other.weight`` in a forward that does not run ``other``) reports
+``target.on_param_access(param)`` (upstream's ``ZeROOrderedDict`` behaviour); iteration is unaffected. The
+original dict object is restored, with its current contents, by :meth:`ModuleHooks.remove`.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
+
+from deepspeed._core.zero.param import ShardedState, ZeroParameter
 
 
 class HookTarget(Protocol):
@@ -47,6 +54,24 @@ class HookTarget(Protocol):
 
     def grad_ready(self, param: nn.Parameter) -> None:
         """``param.grad`` holds this backward's full gradient."""
+
+    def on_param_access(self, param: nn.Parameter) -> None:
+        """A partitioned, not-gathered ``param`` was read through its module's attribute."""
+
+
+class GatheringParameterDict(dict):
+    """``Module._parameters`` replacement that reports reads of partitioned parameters that are not gathered."""
+
+    def __init__(self, original: dict, on_access: Callable[[nn.Parameter], None]) -> None:
+        """Copy ``original``'s entries; call ``on_access(param)`` on reads of a non-``FULL`` ZeRO parameter."""
+        super().__init__(original)
+        self._on_access = on_access
+
+    def __getitem__(self, key: str) -> Any:
+        param = super().__getitem__(key)
+        if type(param) is ZeroParameter and param._ds_state.state is not ShardedState.FULL:
+            self._on_access(param)
+        return param
 
 
 class _PostBackward(torch.autograd.Function):
@@ -81,6 +106,7 @@ class ModuleHooks:
         self.forward_hooks: list[RemovableHandle] = []
         self.backward_hooks: list[RemovableHandle] = []
         self.grad_hooks: list[RemovableHandle] = []
+        self._swapped: list[tuple[nn.Module, dict]] = []
         self._end_queued = False
 
     # ---------------------------------------------------------------- registration
@@ -112,6 +138,10 @@ class ModuleHooks:
         self.forward_hooks.append(module.register_forward_hook(release))
         self.backward_hooks.append(module.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True))
         self.backward_hooks.append(module.register_forward_hook(self._watch_outputs))
+        original = module.__dict__["_parameters"]
+        if not isinstance(original, GatheringParameterDict):
+            module.__dict__["_parameters"] = GatheringParameterDict(original, target.on_param_access)
+            self._swapped.append((module, original))
 
     def register_grad_hooks(self, params: Iterable[nn.Parameter]) -> None:
         """Call ``target.grad_ready(param)`` after each backward accumulated ``param``'s gradient."""
@@ -128,6 +158,12 @@ class ModuleHooks:
         self.forward_hooks.clear()
         self.backward_hooks.clear()
         self.grad_hooks.clear()
+        for module, original in self._swapped:
+            current = module.__dict__["_parameters"]
+            original.clear()
+            original.update(dict.items(current))
+            module.__dict__["_parameters"] = original
+        self._swapped.clear()
 
     # ---------------------------------------------------------------- backward plumbing
     def _wrap_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -8,8 +8,10 @@ See [Note: zero3-manager] in ``docs/design/zero3.md`` for the optimizer seam.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import MethodType
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +57,40 @@ def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
     for param in getattr(module, EXTERNAL_PARAMS_ATTR, {}).values():
         found.setdefault(id(param), param)
     return list(found.values())
+
+
+def _external_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(str(key), param) for key, param in getattr(module, EXTERNAL_PARAMS_ATTR, {}).items()]
+
+
+def _all_parameters(module: nn.Module) -> Iterable[nn.Parameter]:
+    yield from module.parameters(recurse=False)
+    for _, param in _external_parameters(module):
+        yield param
+
+
+def register_external(module: nn.Module, parameter: Any) -> None:
+    """Record that ``module``'s forward uses ``parameter`` although another module owns it."""
+    if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
+        raise RuntimeError(  # noqa: TRY004
+            f"register_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
+    if EXTERNAL_PARAMS_ATTR not in module.__dict__:
+        module.__dict__[EXTERNAL_PARAMS_ATTR] = {}
+        module.ds_external_parameters = MethodType(_external_parameters, module)
+        module.all_parameters = MethodType(_all_parameters, module)
+    module.__dict__[EXTERNAL_PARAMS_ATTR][id(parameter)] = parameter
+    state = zero_state(parameter)
+    if state is not None:
+        state.external = True
+
+
+def unregister_external(module: nn.Module, parameter: Any) -> None:
+    """Undo :func:`register_external` (no-op when it was not registered)."""
+    if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
+        raise RuntimeError(  # noqa: TRY004
+            f"unregister_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
+    registry = module.__dict__.get(EXTERNAL_PARAMS_ATTR, {})
+    registry.pop(id(parameter), None)
 
 
 def release_mode_of(lean: LeanPolicy) -> ReleaseMode:
@@ -118,6 +154,7 @@ class ZeroParamManager:
         self._backward_end_callbacks: list[BackwardEndCallback] = []
         self.boundary_samples: list[GatheredCounts] | None = None
         self.in_backward = False
+        self._forward_stack: list[nn.Module] = []
         self._adopt_parameters(module.parameters())
         self._mark_persistent()
         self.hooks = ModuleHooks(self)
@@ -269,11 +306,15 @@ class ZeroParamManager:
         if module is self.module and not self.in_backward and self._unit_of(module).refs == 0:
             self.release_all()
             self.trace.begin_step()
+            self._forward_stack.clear()
         self.fetch(module)
+        self._forward_stack.append(module)
         self._sample("pre_forward", module)
 
     def post_forward(self, module: nn.Module) -> None:
         """Forward post-hook: release; a root forward without autograd (eval) releases everything."""
+        if self._forward_stack and self._forward_stack[-1] is module:
+            self._forward_stack.pop()
         self.release(module)
         if module is self.module and not self.in_backward and not torch.is_grad_enabled():
             self.release_all()
@@ -302,6 +343,21 @@ class ZeroParamManager:
         state = zero_state(param)
         for callback in list(self._grad_callbacks):
             callback(param, state)
+
+    def on_param_access(self, param: nn.Parameter) -> None:
+        """A forward read a partitioned parameter its module did not fetch: make it an external parameter of
+        the innermost running module and gather it now (later steps fetch it with that module)."""
+        if not self._forward_stack:
+            return
+        module = self._forward_stack[-1]
+        register_external(module, param)
+        state = self._adopt(param)
+        state.external = True
+        unit = self._unit_of(module)
+        if unit.refs:
+            state.active_modules.add(unit.unit_id)
+        self.engine.cancel_pending_frees([state])
+        self.engine.gather([state])
 
     # ---------------------------------------------------------------- instrumentation
     def count_gathered(self, event: str = "now", module: nn.Module | None = None) -> GatheredCounts:

@@ -20,6 +20,7 @@ from deepspeed._core.engine.clipping import local_sq_norm
 from deepspeed._core.engine.grad_sync import ReduceScaling
 from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
+from deepspeed._core.zero import stage12_checkpoint
 from deepspeed._core.zero.flat_buffer import FlatBuffer
 from deepspeed._core.zero.grad_reduce import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
 from deepspeed._core.zero.inplace_flatten import FlattenPath, flatten_params
@@ -27,6 +28,16 @@ from deepspeed._core.zero.layout import plan_group
 from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, all_gather_partitions
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import logger
+
+
+def _package_version() -> str:
+    """The installed distribution's version (what checkpoints record as ``ds_version``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "0.0.0"
 
 
 @dataclass
@@ -169,13 +180,14 @@ class ZeroOptimizer(EngineOptimizer):
                 part.mul_(coef)
             group.master.param.grad = part
         self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self._publish_weights()
+        self.publish_weights()
         self._clear_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
 
-    def _publish_weights(self) -> None:
+    def publish_weights(self) -> None:
+        """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""
         window = max(1, self.plan.zero.buckets.allgather_bucket_size // max(1, self.world_size))
         for group in self.groups:
             group.master.write_back()
@@ -199,6 +211,28 @@ class ZeroOptimizer(EngineOptimizer):
         self.reducer.discard()
         self.reducer.remove_hooks()
         self._clear_grads()
+
+    # --- checkpoints (interface: deepspeed._core.engine.checkpointing.ShardedCheckpointOptimizer) ---------
+    def checkpoint_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable model parameters per flat group, in flat order (checkpoint ``param_shapes``)."""
+        return [list(g.params) for g in self.groups]
+
+    def state_dict(self) -> dict:
+        """This rank's shard with upstream's ZeRO-1/2 keys."""
+        return stage12_checkpoint.shard_state_dict(self, _package_version())
+
+    def load_state_dict(
+        self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = True
+    ) -> None:
+        """Restore from every saved rank's shard; the saved world size may differ from the live one."""
+        if isinstance(state_dict_list, dict):
+            state_dict_list = [state_dict_list]
+        stage12_checkpoint.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the fp32 masters from the current (e.g. just loaded) working weights."""
+        for g in self.groups:
+            g.flat.copy_out(g.master.partition, g.master.param.data)
 
     # --- introspection for tests, checkpoints and safe_get_* helpers -------------------------------------
     def observe(self, callback: Any) -> None:
