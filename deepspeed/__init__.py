@@ -33,6 +33,9 @@ _LAZY = {
     "utils": ("deepspeed.utils", None),
     "checkpoint": ("deepspeed.checkpoint", None),
     "launcher": ("deepspeed.launcher", None),
+    "zero": ("deepspeed.runtime.zero", None),
+    "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
+    "add_tuning_arguments": ("deepspeed.runtime.lr_schedules", "add_tuning_arguments"),
 }
 
 
