@@ -1,0 +1,103 @@
+"""Upstream ``DeepSpeedZeRoOffload``: the ZeRO-3 parameter side as integrations (TRL) see it.
+
+A façade over :class:`deepspeed._core.zero.manager.ZeroParamManager`: the constructor turns upstream's keyword
+arguments into a ``Stage3Policy`` / ``LeanPolicy`` once and delegates.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from deepspeed._core.plan import LeanPolicy, OffloadDevice, OffloadPolicy, Stage3Policy
+from deepspeed._core.zero.manager import ZeroParamManager
+from deepspeed._core.zero.param import ShardGroup
+from deepspeed._core.zero.streams import SideStreams, StreamSet
+from deepspeed.runtime.zero.partitioned_param_coordinator import (
+    PartitionedParameterCoordinator,
+)
+
+
+def _offload_policy(offload_param_config: Any) -> OffloadPolicy:
+    """Accept the pydantic ``offload_param`` model (or ``None``) and turn it into an ``OffloadPolicy``."""
+    if offload_param_config is None:
+        return OffloadPolicy()
+    device = getattr(offload_param_config, "device", "none")
+    return OffloadPolicy(device=OffloadDevice(getattr(device, "value", device)),
+                         pin_memory=bool(getattr(offload_param_config, "pin_memory", True)))
+
+
+def _lean_policy(ds_config: Any) -> LeanPolicy:
+    plan = getattr(ds_config, "plan", None)
+    return plan.zero.lean if plan is not None else LeanPolicy()
+
+
+class DeepSpeedZeRoOffload:
+    """Partition ``module``'s parameters and fetch/release them around every submodule's forward and backward.
+
+    Attributes read by integrations: ``module``, ``forward_hooks`` and ``backward_hooks`` (lists of hook
+    handles; assignable), ``_register_deepspeed_module(module)``.
+    """
+
+    def __init__(self, module: nn.Module, timers: Any = None, ds_config: Any = None, zenflow: Any = None,
+                 overlap_comm: bool = True, prefetch_bucket_size: int = 50_000_000,
+                 max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
+                 param_persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
+                 dp_process_group: Any = None, offload_param_config: Any = None, mpu: Any = None,
+                 zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False, zero_module_granularity_threshold: int = 0,
+                 log_trace_cache_warnings: bool = False) -> None:
+        """Build the policies from upstream's arguments and start a :class:`ZeroParamManager`."""
+        stage3 = Stage3Policy(prefetch_bucket_size=int(prefetch_bucket_size),
+                              max_live_parameters=int(max_live_parameters),
+                              max_reuse_distance=int(max_reuse_distance),
+                              param_persistence_threshold=int(param_persistence_threshold),
+                              model_persistence_threshold=int(model_persistence_threshold),
+                              module_granularity_threshold=int(zero_module_granularity_threshold))
+        group = ShardGroup.resolve(zero_param_parallel_group if zero_param_parallel_group is not None
+                                   else dp_process_group)
+        streams = StreamSet(side=SideStreams.SEPARATE if overlap_comm else SideStreams.SHARED)
+        self.manager = ZeroParamManager(module, group, stage3, _lean_policy(ds_config), streams,
+                                        offload_param=_offload_policy(offload_param_config))
+        self.module = module
+        self.dp_process_group = dp_process_group
+        self.timers = timers
+
+    @property
+    def forward_hooks(self) -> list:
+        """Handles of the fetch/release forward hooks."""
+        return self.manager.hooks.forward_hooks
+
+    @forward_hooks.setter
+    def forward_hooks(self, handles: list) -> None:
+        self.manager.hooks.forward_hooks = handles
+
+    @property
+    def backward_hooks(self) -> list:
+        """Handles of the hooks that set up backward fetch/release."""
+        return self.manager.hooks.backward_hooks
+
+    @backward_hooks.setter
+    def backward_hooks(self, handles: list) -> None:
+        self.manager.hooks.backward_hooks = handles
+
+    def _register_deepspeed_module(self, module: nn.Module, count: list | None = None) -> None:
+        """(Re-)install the hooks on ``module``'s tree (TRL calls this after removing them)."""
+        self.manager.register_module(module)
+
+    def get_param_coordinator(self) -> PartitionedParameterCoordinator:
+        """The fetch/release coordinator view."""
+        return PartitionedParameterCoordinator(self.manager)
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered, non-persistent parameter."""
+        self.manager.release_all()
+
+    def partition_all_parameters(self) -> None:
+        """Same as :meth:`empty_partition_cache`."""
+        self.manager.release_all()
+
+    def destroy(self) -> None:
+        """Remove all hooks and free gathered memory."""
+        self.manager.destroy()
