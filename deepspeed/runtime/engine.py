@@ -19,6 +19,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_checkpointing import EngineCheckpointMixin
 from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_scheduler
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from deepspeed.utils.logging import log_dist
 
 
@@ -96,12 +98,18 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             args.local_rank = self.local_rank
         self.device = setup.resolve_device(self.local_rank)
         setup.prepare_module(self.module, self.plan, None if dont_change_device else self.device)
+        self.zero3_manager = None
+        if self.zero_optimization_stage() == 3:
+            self.zero3_manager = setup.partition_parameters(self.module, self.plan, self.dp_group)
 
     def _apply_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
         self.basic_optimizer = build_basic_optimizer(client_optimizer, params, self._config, self.module)
         self.optimizer: EngineOptimizer | None = None
         if self.basic_optimizer is None:
+            if self.zero3_manager is not None:  # ZeRO-3 inference: only the parameter manager
+                self.optimizer = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)
+                return
             if self.zero_optimization_stage() in (1, 2):
                 raise ValueError(
                     f"ZeRO stage {self.zero_optimization_stage()} requires an optimizer: pass one to "
@@ -113,8 +121,11 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         if self.plan.precision.loss_scale is not None:
             loss_scaler = loss_scaler_from_policy(self.plan.precision.loss_scale)
         self.optimizer = setup.wrap_optimizer(
-            self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size, self.module
+            self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size, self.module,
+            self.zero3_manager,
         )
+        if self.zero3_manager is not None:
+            self.optimizer.parameter_offload = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)
 
     def _apply_scheduler(self, client_scheduler: Any) -> None:
         self.lr_scheduler = build_lr_scheduler(client_scheduler, self.basic_optimizer, self._config)
@@ -199,11 +210,45 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             return []
         return [type(self.basic_optimizer).__name__ for _ in self.basic_optimizer.param_groups]
 
+    def empty_partition_cache(self) -> None:
+        """ZeRO-3: release every gathered, non-persistent parameter now."""
+        if self.zero3_manager is not None:
+            self.zero3_manager.release_all()
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Full 16-bit state dict on rank 0 (``None`` elsewhere), gathered one module at a time.
+
+        Every rank must call it. Only one module's parameters are gathered at any moment, so saving never
+        needs the whole model on one device.
+        """
+        if self.zero3_manager is None:
+            raise ValueError("_zero3_consolidated_16bit_state_dict is only available under ZeRO stage 3")
+        rank0 = dist.get_rank() == 0
+        out: dict[str, torch.Tensor] = {}
+        for prefix, module in self.module.named_modules():
+            own = [(n, p) for n, p in module.named_parameters(recurse=False)]
+            with GatheredParameters([p for _, p in own], modifier_rank=None):
+                for name, p in own:
+                    if rank0 and (p.requires_grad or not exclude_frozen_parameters):
+                        out.setdefault(f"{prefix}.{name}" if prefix else name, p.detach().cpu().clone())
+            for name, buf in module.named_buffers(recurse=False):
+                if rank0 and buf is not None and name not in module._non_persistent_buffers_set:
+                    out[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
+        return out if rank0 else None
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """ZeRO-3: the consolidated state dict; otherwise a ValueError (upstream contract)."""
+        if self.zero3_manager is not None:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        raise ValueError("consolidated 16-bit state dicts need ZeRO stage 3 (or AutoTP, which is not supported)")
+
     def destroy(self) -> None:
         """Remove every hook and drop optimizer state so the memory can be reclaimed."""
         if self.optimizer is not None:
             self.optimizer.destroy()
-            self.optimizer.optimizer.state.clear()
+            inner = getattr(self.optimizer, "optimizer", None)
+            if inner is not None:
+                inner.state.clear()
         self.optimizer = None
         self.basic_optimizer = None
         self.lr_scheduler = None

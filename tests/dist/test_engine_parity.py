@@ -1,4 +1,4 @@
-"""Engine parity (stages 0, 1, 2) with the single-process reference loop (fp32, bf16, fp16), on gloo.
+"""Engine parity (stages 0-3) with the single-process reference loop (fp32, bf16, fp16), on gloo.
 
 Each world size runs one spawn that trains every configuration in turn, to keep process start-up
 cost (the dominant cost on a 2-core CI machine) to one per world size.
@@ -69,7 +69,7 @@ def _reference(gas: int, clip: float, world_size: int, dtype: torch.dtype) -> di
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_with_reference(world_size: int, stage: int) -> None:
     results = run_distributed(_train_cases, world_size, world_size, stage)

@@ -14,7 +14,11 @@ from deepspeed._core.engine.data_parallel import DataParallelOptimizer
 from deepspeed._core.engine.optimizer_base import EngineOptimizer
 from deepspeed._core.engine.precision import cast_module_params
 from deepspeed._core.plan import RunPlan
+from deepspeed._core.zero.manager import ZeroParamManager
+from deepspeed._core.zero.param import ShardGroup
+from deepspeed._core.zero.stage3 import Stage3Optimizer
 from deepspeed._core.zero.stage12 import ZeroOptimizer
+from deepspeed._core.zero.streams import SideStreams, StreamSet
 from deepspeed.accelerator import get_accelerator
 
 
@@ -59,14 +63,30 @@ def wrap_optimizer(
     dp_group: Any,
     dp_world_size: int,
     module: torch.nn.Module,
+    manager: ZeroParamManager | None = None,
 ) -> EngineOptimizer:
-    """Wrap the inner optimizer for the configured ZeRO stage."""
+    """Wrap the inner optimizer for the configured ZeRO stage (stage 3 needs the parameter ``manager``)."""
     stage = plan.zero.stage
+    if stage == 3:
+        if manager is None:
+            raise ValueError("ZeRO stage 3 needs the parameter manager built by partition_parameters()")
+        return Stage3Optimizer(basic, plan, loss_scaler, dp_group, manager)
     if stage == 0:
         return DataParallelOptimizer(basic, plan, loss_scaler, dp_group, dp_world_size)
     if stage in (1, 2):
         names = {p: n for n, p in module.named_parameters()}
         return ZeroOptimizer(basic, plan, loss_scaler, dp_group, names)
-    raise NotImplementedError(
-        f"zero_optimization.stage={stage} is not available in this build yet; valid stages here: 0, 1, 2"
+    raise ValueError(f"zero_optimization.stage={stage} is not valid; valid stages: 0, 1, 2, 3")
+
+
+def partition_parameters(module: torch.nn.Module, plan: RunPlan, dp_group: Any) -> ZeroParamManager:
+    """ZeRO-3: partition ``module``'s parameters over ``dp_group`` and install the fetch/release hooks."""
+    side = SideStreams.SEPARATE if plan.zero.buckets.overlap_comm else SideStreams.SHARED
+    return ZeroParamManager(
+        module,
+        ShardGroup.resolve(dp_group),
+        plan.zero.stage3,
+        plan.zero.lean,
+        StreamSet(side=side),
+        offload_param=plan.zero.offload_param,
     )

@@ -64,6 +64,16 @@ class DeepSpeedZeRoOffload:
         self.dp_process_group = dp_process_group
         self.timers = timers
 
+    @classmethod
+    def from_manager(cls, manager: ZeroParamManager, dp_process_group: Any = None) -> DeepSpeedZeRoOffload:
+        """A view over a manager the engine already built (no second partitioning)."""
+        view = cls.__new__(cls)
+        view.manager = manager
+        view.module = manager.module
+        view.dp_process_group = dp_process_group
+        view.timers = None
+        return view
+
     @property
     def forward_hooks(self) -> list:
         """Handles of the fetch/release forward hooks."""

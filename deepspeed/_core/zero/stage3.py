@@ -1,0 +1,263 @@
+"""ZeRO stage 3 optimizer: reduce-scatter gradients into fp32 shards, step on shards, write shards back.
+
+Parameters are partitioned and fetched by :class:`~deepspeed._core.zero.manager.ZeroParamManager`. This
+module subscribes to its "gradient ready" seam: each full gradient (available while its parameter is
+still gathered) is copied into a bucket laid out rank-major, ``param.grad`` is dropped at once (lean) and,
+when the bucket is full, one ``reduce_scatter_tensor`` hands every rank the sum of its own slices
+([Note: zero3-grads] below). Reduced slices are added into an fp32 accumulator per optimizer group, which
+the inner optimizer receives as the gradient of the group's fp32 master shard without a copy.
+
+[Note: zero3-grads] A bucket of parameters p_1..p_k with per-rank shard sizes s_i is a ``(world, S)``
+staging tensor, ``S = sum(s_i)``; row ``r`` holds, for each p_i, the ``r``-th ``s_i`` slice of its
+zero-padded flattened gradient. ``reduce_scatter_tensor`` over the rows leaves rank ``r`` with row ``r``
+summed over ranks: exactly its shards of every p_i, back to back.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepspeed import comm as dist
+from deepspeed._core.engine.clipping import local_sq_norm
+from deepspeed._core.engine.grad_sync import ReduceScaling
+from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.plan import RunPlan
+from deepspeed._core.zero.manager import ZeroParamManager
+from deepspeed._core.zero.param import ZeroParam, zero_state
+from deepspeed.accelerator import get_accelerator
+
+
+@dataclass
+class Stage3Group:
+    """One inner-optimizer group: its parameters' states, fp32 master shard and gradient accumulator."""
+
+    states: list[ZeroParam]
+    offsets: list[int]  # start of each state's shard inside the group's flat shard
+    master: torch.nn.Parameter
+    accumulator: torch.Tensor | None = None
+
+    def ensure_accumulator(self) -> torch.Tensor:
+        """fp32 zeros shaped like the master shard, allocated on first use in a step."""
+        if self.accumulator is None:
+            self.accumulator = torch.zeros_like(self.master.data)
+        return self.accumulator
+
+
+@dataclass
+class _Pending:
+    """A launched bucket: its reduced output, the handle and where each slice goes."""
+
+    output: torch.Tensor
+    handle: Any
+    targets: list[tuple[int, int, int, int]]  # (group index, offset in group shard, offset in output, size)
+
+
+@dataclass
+class _Bucket:
+    entries: list[tuple[torch.Tensor, ZeroParam, int, int]] = field(default_factory=list)  # grad, state, g, off
+    numel: int = 0
+
+
+class Stage3Optimizer(EngineOptimizer):
+    """The ZeRO-3 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer_Stage3``).
+
+    Args:
+        optimizer: inner optimizer built over the model's (partitioned) parameters.
+        plan: run plan.
+        loss_scaler: fp16 loss scaler or ``None``.
+        dp_group: data-parallel group the parameters are partitioned over.
+        manager: the parameter manager that partitioned the model.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any,
+        manager: ZeroParamManager,
+    ) -> None:
+        self.optimizer, self.plan, self.loss_scaler = optimizer, plan, loss_scaler
+        self.dp_group, self.manager = dp_group, manager
+        self.world_size = dist.get_world_size(group=dp_group)
+        self.rank = dist.get_rank(group=dp_group)
+        self.groups = [self._build_group(g) for g in optimizer.param_groups]
+        self._where = {s.ds_id: (g, off) for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
+        self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
+        self.bucket = _Bucket()
+        self.pending: list[_Pending] = []
+        self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
+        self.eager_release = plan.zero.lean.eager_grad_release
+        precision = plan.precision
+        self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
+        self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
+        self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
+
+    def _build_group(self, param_group: dict) -> Stage3Group:
+        states, seen = [], set()
+        for p in param_group["params"]:
+            state = zero_state(p)
+            if state is None:
+                raise ValueError("ZeRO-3 needs every optimized parameter partitioned by the parameter manager")
+            if p.requires_grad and state.ds_id not in seen:
+                seen.add(state.ds_id)
+                states.append(state)
+        offsets, total = [], 0
+        for s in states:
+            offsets.append(total)
+            total += s.layout.partition_numel
+        offload = self.plan.zero.offload_optimizer
+        device = torch.device("cpu") if offload.enabled else (states[0].shard.device if states else "cpu")
+        master = torch.empty(total, dtype=self.plan.precision.master_dtype, device=device)
+        for s, off in zip(states, offsets):
+            master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
+        if offload.enabled and offload.pin_memory and get_accelerator().device_name() != "cpu":
+            master = get_accelerator().pin_memory(master)
+        param = torch.nn.Parameter(master, requires_grad=False)
+        param_group["params"] = [param]
+        return Stage3Group(states, offsets, param)
+
+    # --- gradients ----------------------------------------------------------------------------------
+    def prepare_backward(self, kind: MicroStepKind) -> None:
+        """ZeRO-3 reduces every micro-step; nothing to arm."""
+
+    def _on_grad(self, param: torch.nn.Parameter, state: ZeroParam) -> None:
+        if state is None or state.ds_id not in self._where or param.grad is None:
+            return
+        g, off = self._where[state.ds_id]
+        self.bucket.entries.append((param.grad, state, g, off))
+        self.bucket.numel += state.layout.padded_numel
+        if self.eager_release:
+            param.grad = None  # the bucket holds the only reference until its staging copy
+        if self.bucket.numel >= self.plan.zero.buckets.reduce_bucket_size:
+            self._launch_bucket()
+
+    def _launch_bucket(self) -> None:
+        bucket, self.bucket = self.bucket, _Bucket()
+        if not bucket.entries:
+            return
+        comm_dtype = self.plan.precision.comm_dtype
+        width = sum(state.layout.partition_numel for _, state, _, _ in bucket.entries)
+        staging = torch.empty(self.world_size, width, dtype=comm_dtype, device=bucket.entries[0][0].device)
+        targets, col = [], 0
+        for grad, state, g, off in bucket.entries:
+            size = state.layout.partition_numel
+            flat = grad.reshape(-1).to(comm_dtype)
+            flat = F.pad(flat, (0, state.layout.padded_numel - flat.numel())) if state.layout.padding else flat
+            staging[:, col : col + size].copy_(flat.view(self.world_size, size))
+            if not self.eager_release:
+                grad.zero_()  # upstream-behaviour A/B: the buffer stays allocated until the step ends
+            targets.append((g, off, col, size))
+            col += size
+        bucket.entries.clear()  # drops the last references to the full gradients
+        if self.scaling.pre != 1.0:
+            staging.mul_(self.scaling.pre)
+        output = torch.empty(width, dtype=comm_dtype, device=staging.device)
+        handle = dist.reduce_scatter_tensor(output, staging.view(-1), group=self.dp_group, async_op=True)
+        self.pending.append(_Pending(output, handle, targets))
+        while len(self.pending) > self.max_in_flight:
+            self._finish(self.pending.pop(0))
+
+    def _finish(self, pending: _Pending) -> None:
+        pending.handle.wait()
+        out = pending.output
+        if self.scaling.post != 1.0:
+            out.mul_(self.scaling.post)
+        for g, off, col, size in pending.targets:
+            acc = self.groups[g].ensure_accumulator()
+            piece = out[col : col + size]
+            acc[off : off + size].add_(piece.to(acc.device, dtype=acc.dtype))
+
+    def flush(self) -> None:
+        """End of backward: reduce the partial bucket and fold every pending result."""
+        self._launch_bucket()
+        while self.pending:
+            self._finish(self.pending.pop(0))
+
+    def finish_backward(self) -> None:
+        """Nothing left to do: the parameter manager calls :meth:`flush` at the end of each backward."""
+
+    # --- step ---------------------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> bool:
+        """Overflow check and global norm (one all-reduce), unscale and clip, inner step, shards written back."""
+        self.flush()
+        accs = [grp.accumulator for grp in self.groups if grp.accumulator is not None]
+        # The scalar is reduced on the compute device, where the gathered parameters live.
+        sq = local_sq_norm(accs).to(self.groups[0].states[0].full.device)
+        if self.world_size > 1:
+            dist.all_reduce(sq, group=self.dp_group)
+        scale = self.cur_scale
+        norm = math.sqrt(float(sq)) / scale if math.isfinite(float(sq)) else float("inf")
+        self.overflow = self.check_overflow and not math.isfinite(norm)
+        if self.overflow:
+            self._global_grad_norm = None
+            self._clear_grads()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            return False
+        self._global_grad_norm = norm
+        coef = 1.0 / scale
+        if self.plan.grads.clip_norm > 0 and norm > self.plan.grads.clip_norm:
+            coef *= self.plan.grads.clip_norm / (norm + 1e-6)
+        for grp in self.groups:
+            grad = grp.ensure_accumulator()
+            if coef != 1.0:
+                grad.mul_(coef)
+            grp.master.grad = grad
+        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.write_back()
+        self._clear_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True
+
+    def write_back(self) -> None:
+        """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters."""
+        with torch.no_grad():
+            for grp in self.groups:
+                for state, off in zip(grp.states, grp.offsets):
+                    src = grp.master.data[off : off + state.layout.partition_numel]
+                    state.shard.reshape(-1).copy_(src.to(state.shard.device))
+        self.manager.refresh_persistent()
+
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the masters from the parameters' current shards (after a module-only load)."""
+        with torch.no_grad():
+            for grp in self.groups:
+                for state, off in zip(grp.states, grp.offsets):
+                    grp.master.data[off : off + state.layout.partition_numel].copy_(state.shard.reshape(-1))
+
+    def _clear_grads(self) -> None:
+        for grp in self.groups:
+            grp.master.grad = None
+            grp.accumulator = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this window's gradient shards and any in-flight bucket."""
+        self.bucket = _Bucket()
+        for pending in self.pending:
+            pending.handle.wait()
+        self.pending.clear()
+        self._clear_grads()
+        for grp in self.groups:
+            for state in grp.states:
+                p = state.param
+                if p is not None:
+                    p.grad = None
+
+    def destroy(self) -> None:
+        """Unsubscribe from the parameter manager, remove its hooks and drop gradient buffers."""
+        for handle in self._subscriptions:
+            handle.remove()
+        self.zero_grad()
+        self.manager.destroy()
+
+    def live_grad_buffers(self) -> dict[str, int]:
+        """Gradient buffers alive now: autograd ``.grad`` of managed params, accumulators, buckets."""
+        params = [s.param for grp in self.groups for s in grp.states]
+        return {
+            "param_grads": sum(p is not None and p.grad is not None for p in params),
+            "accumulators": sum(grp.accumulator is not None for grp in self.groups),
+            "bucketed_grads": len(self.bucket.entries),
+            "in_flight": len(self.pending),
+        }
