@@ -1,0 +1,190 @@
+// CPU Adam / AdamW for ZeRO optimizer offload (CPUAdamBuilder, module "cpu_adam").
+//
+// What: one in-place Adam step over a flat parameter tensor, its gradient and its two moments:
+//   g' = g + wd * p                       (Adam mode: L2 penalty folded into the gradient)
+//   m  = lerp(m, g', 1 - beta1)           (same branch choice as torch's lerp)
+//   v  = beta2 * v + (1 - beta2) * g'^2
+//   p  = p * (1 - lr * wd)                (AdamW mode: decoupled decay)
+//   p  = p - step_size * m / (sqrt(v) / sqrt(1 - beta2^t) + eps),  step_size = lr / (1 - beta1^t)
+// Bias-correction factors are 1 when bias correction is off.
+// Layout: param, grad, exp_avg, exp_avg_sq are contiguous CPU tensors of equal numel. Params and
+// grads share a dtype (fp32, bf16 or fp16); the moments are fp32 or the param dtype.
+// Numerics: all arithmetic in fp32 (the step scalars are computed in double and rounded once,
+// as torch does); low-precision params are rounded to nearest-even on store. Threads come from
+// torch's intra-op pool (at::parallel_for), so torch.set_num_threads applies; the inner loop is
+// a straight-line body the compiler vectorises (AVX2/AVX-512 with -march=native).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+struct StepScalars {
+    float lr;
+    float beta1;
+    float beta2;
+    float eps;
+    float weight_decay;
+    float step_size;
+    float bias_corr2_sqrt;
+    float one_minus_beta1;  // derived scalars rounded once from double, as torch passes them
+    float one_minus_beta2;
+    float decay;            // 1 - lr * wd in AdamW mode, else 1
+    bool decoupled;
+};
+
+struct AdamDefaults {
+    bool adamw_mode;
+};
+
+std::mutex registry_mutex;
+std::unordered_map<int, AdamDefaults> registry;
+
+constexpr int64_t kGrain = 16 * 1024;
+
+template <typename P, typename S>
+void adam_range(P* __restrict__ param, const P* __restrict__ grad, S* __restrict__ exp_avg,
+                S* __restrict__ exp_avg_sq, int64_t begin, int64_t end, const StepScalars k) {
+    const float one_minus_beta1 = k.one_minus_beta1;
+    const float one_minus_beta2 = k.one_minus_beta2;
+    const bool small_weight = std::abs(one_minus_beta1) < 0.5f;
+    const float l2 = k.decoupled ? 0.0f : k.weight_decay;
+    const float decay = k.decay;
+    const float neg_step = -k.step_size;
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+        float p = static_cast<float>(param[i]);
+        const float g = static_cast<float>(grad[i]) + l2 * p;
+        float m = static_cast<float>(exp_avg[i]);
+        float v = static_cast<float>(exp_avg_sq[i]);
+        m = small_weight ? m + one_minus_beta1 * (g - m) : g - (g - m) * k.beta1;
+        v = v * k.beta2 + one_minus_beta2 * (g * g);
+        const float denom = std::sqrt(v) / k.bias_corr2_sqrt + k.eps;
+        p = p * decay;
+        p = p + neg_step * (m / denom);
+        param[i] = static_cast<P>(p);
+        exp_avg[i] = static_cast<S>(m);
+        exp_avg_sq[i] = static_cast<S>(v);
+    }
+}
+
+template <typename P, typename S>
+void adam_tensor(at::Tensor& params, const at::Tensor& grads, at::Tensor& exp_avg,
+                 at::Tensor& exp_avg_sq, const StepScalars& k) {
+    P* p = params.data_ptr<P>();
+    const P* g = grads.data_ptr<P>();
+    S* m = exp_avg.data_ptr<S>();
+    S* v = exp_avg_sq.data_ptr<S>();
+    at::parallel_for(0, params.numel(), kGrain, [&](int64_t b, int64_t e) {
+        adam_range<P, S>(p, g, m, v, b, e, k);
+    });
+}
+
+void check_tensors(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq) {
+    const at::Tensor* all[] = {&params, &grads, &exp_avg, &exp_avg_sq};
+    const char* names[] = {"params", "grads", "exp_avg", "exp_avg_sq"};
+    for (int i = 0; i < 4; ++i) {
+        TORCH_CHECK_VALUE(all[i]->device().is_cpu(), "cpu_adam: ", names[i], " must be a CPU tensor");
+        TORCH_CHECK_VALUE(all[i]->is_contiguous(), "cpu_adam: ", names[i], " must be contiguous");
+        TORCH_CHECK_VALUE(all[i]->numel() == params.numel(), "cpu_adam: ", names[i], " has ",
+                          all[i]->numel(), " elements, params has ", params.numel());
+    }
+    TORCH_CHECK_VALUE(grads.scalar_type() == params.scalar_type(), "cpu_adam: grads dtype ",
+                      grads.scalar_type(), " differs from params dtype ", params.scalar_type());
+    TORCH_CHECK_VALUE(exp_avg.scalar_type() == exp_avg_sq.scalar_type(),
+                      "cpu_adam: exp_avg and exp_avg_sq must share a dtype");
+    const auto s = exp_avg.scalar_type();
+    TORCH_CHECK_VALUE(s == at::kFloat || s == params.scalar_type(),
+                      "cpu_adam: optimizer states must be float32 or the param dtype, got ", s);
+}
+
+template <typename P>
+void dispatch_states(at::Tensor& params, const at::Tensor& grads, at::Tensor& exp_avg,
+                     at::Tensor& exp_avg_sq, const StepScalars& k) {
+    if (exp_avg.scalar_type() == at::kFloat) {
+        adam_tensor<P, float>(params, grads, exp_avg, exp_avg_sq, k);
+    } else {
+        adam_tensor<P, P>(params, grads, exp_avg, exp_avg_sq, k);
+    }
+}
+
+StepScalars make_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, bool bias_correction, bool decoupled) {
+    TORCH_CHECK_VALUE(step >= 1, "cpu_adam: step must be >= 1, got ", step);
+    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+    StepScalars k;
+    k.lr = static_cast<float>(lr);
+    k.beta1 = static_cast<float>(beta1);
+    k.beta2 = static_cast<float>(beta2);
+    k.eps = static_cast<float>(eps);
+    k.weight_decay = static_cast<float>(weight_decay);
+    k.step_size = static_cast<float>(lr / bc1);
+    k.bias_corr2_sqrt = static_cast<float>(std::sqrt(bc2));
+    k.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+    k.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    k.decay = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
+    k.decoupled = decoupled;
+    return k;
+}
+
+int create_adam(int optimizer_id, double alpha, double beta1, double beta2, double eps,
+                double weight_decay, bool adamw_mode, bool should_log) {
+    (void)alpha; (void)beta1; (void)beta2; (void)eps; (void)weight_decay; (void)should_log;
+    const std::lock_guard<std::mutex> lock(registry_mutex);
+    registry[optimizer_id] = AdamDefaults{adamw_mode};
+    return 0;
+}
+
+int destroy_adam(int optimizer_id) {
+    const std::lock_guard<std::mutex> lock(registry_mutex);
+    registry.erase(optimizer_id);
+    return 0;
+}
+
+bool lookup_adamw_mode(int optimizer_id) {
+    const std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(optimizer_id);
+    TORCH_CHECK_VALUE(it != registry.end(), "cpu_adam: optimizer id ", optimizer_id,
+                      " was not created (call create_adam first)");
+    return it->second.adamw_mode;
+}
+
+int adam_update(int optimizer_id, int64_t step, double lr, double beta1, double beta2,
+                double eps, double weight_decay, bool bias_correction, at::Tensor params,
+                at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq) {
+    const bool decoupled = lookup_adamw_mode(optimizer_id);
+    check_tensors(params, grads, exp_avg, exp_avg_sq);
+    const StepScalars k =
+        make_scalars(step, lr, beta1, beta2, eps, weight_decay, bias_correction, decoupled);
+    switch (params.scalar_type()) {
+        case at::kFloat:
+            TORCH_CHECK_VALUE(exp_avg.scalar_type() == at::kFloat, "cpu_adam: fp32 params need fp32 states");
+            adam_tensor<float, float>(params, grads, exp_avg, exp_avg_sq, k);
+            break;
+        case at::kBFloat16:
+            dispatch_states<at::BFloat16>(params, grads, exp_avg, exp_avg_sq, k);
+            break;
+        case at::kHalf:
+            dispatch_states<at::Half>(params, grads, exp_avg, exp_avg_sq, k);
+            break;
+        default:
+            TORCH_CHECK_VALUE(false, "cpu_adam: unsupported param dtype ", params.scalar_type(),
+                              " (float32, bfloat16 or float16)");
+    }
+    return 0;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("create_adam", &create_adam, "Register an optimizer id and its Adam/AdamW mode");
+    m.def("destroy_adam", &destroy_adam, "Forget an optimizer id");
+    m.def("adam_update", &adam_update, "One in-place Adam/AdamW step over CPU tensors");
+}

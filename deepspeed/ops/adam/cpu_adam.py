@@ -1,0 +1,107 @@
+"""``DeepSpeedCPUAdam``: Adam/AdamW on CPU tensors for ZeRO optimizer offload.
+
+Uses the SIMD + OpenMP kernel from ``CPUAdamBuilder().load()`` when a C++ compiler and ninja are
+present; otherwise (or for params off the CPU) a pure-torch implementation, with one log line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from deepspeed.ops._optimizer_base import StatefulOptimizer, StepItem, group_items
+from deepspeed.ops._torch_optim import AdamMode, AdamStep, adam_update
+from deepspeed.utils.logging import logger
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ids = itertools.count()
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+def _load_kernel() -> ModuleType | None:
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    builder = CPUAdamBuilder()
+    if not builder.is_compatible():
+        _log_once(f"DeepSpeedCPUAdam: using the torch implementation ({builder.error_log})")
+        return None
+    try:
+        return builder.load()
+    except Exception as err:  # noqa: BLE001 (keep training possible when the build breaks)
+        _log_once(f"DeepSpeedCPUAdam: using the torch implementation (build failed: {err})")
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUAdamPolicy:
+    """Fixed choices of one DeepSpeedCPUAdam."""
+
+    mode: AdamMode
+    fp32_optimizer_states: bool
+
+
+class DeepSpeedCPUAdam(StatefulOptimizer):
+    """Adam (``adamw_mode=False``, L2 decay) or AdamW (default) over CPU params; upstream signature."""
+
+    STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
+        if amsgrad:
+            raise ValueError("DeepSpeedCPUAdam does not support amsgrad=True")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "bias_correction": bias_correction,
+                        "amsgrad": amsgrad}
+        super().__init__(model_params, defaults)
+        self.policy = CPUAdamPolicy(AdamMode.DECOUPLED if adamw_mode else AdamMode.L2, fp32_optimizer_states)
+        self.adam_w_mode = adamw_mode
+        self.fp32_optimizer_states = fp32_optimizer_states
+        self.opt_id = next(_ids)
+        self.ds_opt_adam = _load_kernel()
+        if self.ds_opt_adam is not None:
+            self.ds_opt_adam.create_adam(self.opt_id, lr, betas[0], betas[1], eps, weight_decay, adamw_mode, False)
+
+    def __del__(self) -> None:
+        kernel = getattr(self, "ds_opt_adam", None)
+        if kernel is not None:
+            kernel.destroy_adam(self.opt_id)
+
+    def step_subgroup(self, subgroup_id: int, closure: Callable[[], Any] | None = None) -> Any:
+        """Update only ``param_groups[subgroup_id]``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[subgroup_id]
+        with torch.no_grad():
+            self._step_group(group, self._prepare(group))
+        return loss
+
+    def _hyper(self, group: dict[str, Any], step: int) -> AdamStep:
+        beta1, beta2 = group["betas"]
+        return AdamStep(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], self.policy.mode,
+                        group["bias_correction"], step)
+
+    def _step_group(self, group: dict[str, Any], items: list[StepItem]) -> None:
+        fallback = []
+        for item in items:
+            p, grad, state = item
+            if self.ds_opt_adam is None or p.device.type != "cpu" or p.dtype not in _NATIVE_DTYPES:
+                fallback.append(item)
+                continue
+            hp = self._hyper(group, state["step"])
+            self.ds_opt_adam.adam_update(self.opt_id, hp.step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
+                                         hp.bias_correction, p.data, grad, state["exp_avg"], state["exp_avg_sq"])
+        for (_, _, _, step), members in group_items(fallback).items():
+            adam_update([m[0] for m in members], [m[1] for m in members], [m[2]["exp_avg"] for m in members],
+                        [m[2]["exp_avg_sq"] for m in members], self._hyper(group, step))

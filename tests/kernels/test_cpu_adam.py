@@ -1,0 +1,151 @@
+"""DeepSpeedCPUAdam (native SIMD/OpenMP kernel and the pure-torch fallback) against torch Adam/AdamW."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+SIZES = (10007, 3, 1, 64)
+STEPS = 100
+RTOL = 1e-6
+FP64_RTOL = 1e-5
+
+
+def _reference_fp64(params: list[torch.Tensor], grads: list[list[torch.Tensor]], lr: float, wd: float,
+                    adamw: bool, bias_correction: bool, betas: tuple[float, float] = (0.9, 0.999),
+                    eps: float = 1e-8) -> list[torch.Tensor]:
+    """Textbook Adam/AdamW in float64 (used where torch has no switch, e.g. bias_correction=False)."""
+    out = []
+    for i, p0 in enumerate(params):
+        p, m, v = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64), torch.zeros_like(p0, dtype=torch.float64)
+        for t, step_grads in enumerate(grads, start=1):
+            g = step_grads[i].double()
+            if not adamw:
+                g = g + wd * p
+            m = betas[0] * m + (1 - betas[0]) * g
+            v = betas[1] * v + (1 - betas[1]) * g * g
+            bc1 = 1 - betas[0] ** t if bias_correction else 1.0
+            bc2 = 1 - betas[1] ** t if bias_correction else 1.0
+            if adamw:
+                p = p * (1 - lr * wd)
+            p = p - (lr / bc1) * m / (v.sqrt() / bc2**0.5 + eps)
+        out.append(p)
+    return out
+
+
+def _run_ours(params: list[torch.Tensor], grads: list[list[torch.Tensor]], native: bool, **kw: object) -> list[torch.Tensor]:
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = DeepSpeedCPUAdam(ps, **kw)
+    if not native:
+        opt.ds_opt_adam = None
+    for step_grads in grads:
+        for p, g in zip(ps, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in ps]
+
+
+def _run_torch(params: list[torch.Tensor], grads: list[list[torch.Tensor]], adamw: bool, lr: float,
+               wd: float) -> list[torch.Tensor]:
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(ps, lr=lr, weight_decay=wd, foreach=False)
+    for step_grads in grads:
+        for p, g in zip(ps, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in ps]
+
+
+def _data(seed: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=gen) for n in SIZES]
+    grads = [[torch.randn(n, generator=gen) for n in SIZES] for _ in range(STEPS)]
+    return params, grads
+
+
+def _assert_rel(ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: float) -> None:
+    for a, b in zip(ours, ref):
+        b = b.to(a.dtype)
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+
+
+CASES = list(itertools.product([True, False], [0.0, 0.01], [True, False]))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_fallback"])
+@pytest.mark.parametrize("adamw,wd,bias_correction", CASES)
+def test_cpu_adam_matches_reference(request: pytest.FixtureRequest, native: bool, adamw: bool, wd: float,
+                                    bias_correction: bool) -> None:
+    if native:
+        request.getfixturevalue("cpu_adam_op")
+    params, grads = _data(seed=7)
+    lr = 1e-3
+    ours = _run_ours(params, grads, native, lr=lr, weight_decay=wd, adamw_mode=adamw, bias_correction=bias_correction)
+    kw = {"lr": lr, "weight_decay": wd, "adamw_mode": adamw, "bias_correction": bias_correction}
+    if bias_correction:
+        _assert_rel(ours, _run_torch(params, grads, adamw, lr, wd), RTOL)
+    elif native:
+        # torch has no bias_correction switch: the fallback runs torch's own ops in torch's order.
+        _assert_rel(ours, _run_ours(params, grads, False, **kw), RTOL)
+    # fp32 rounding of p * (1 - lr * wd) drifts ~3e-6 from float64 over 100 steps in torch itself.
+    _assert_rel(ours, _reference_fp64(params, grads, lr, wd, adamw, bias_correction), FP64_RTOL)
+
+
+# fp16 moments with eps=1e-8 underflow to inf/nan (as in torch), so fp16 runs with fp32 states only.
+@pytest.mark.parametrize("dtype,fp32_states", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True)])
+def test_cpu_adam_low_precision_params(cpu_adam_op: object, dtype: torch.dtype, fp32_states: bool) -> None:
+    params, grads = _data(seed=3)
+    params = [p.to(dtype) for p in params]
+    grads = [[g.to(dtype) for g in gs] for gs in grads[:20]]
+    kw = {"lr": 1e-3, "weight_decay": 0.01, "fp32_optimizer_states": fp32_states}
+    native = _run_ours(params, grads, True, **kw)
+    fallback = _run_ours(params, grads, False, **kw)
+    assert all(p.dtype == dtype for p in native)
+    _assert_rel(native, fallback, 2e-2 if dtype == torch.bfloat16 else 2e-3)
+    ref = _reference_fp64([p.float() for p in params], [[g.float() for g in gs] for gs in grads], 1e-3, 0.01, True, True)
+    _assert_rel(native, ref, 3e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+def test_cpu_adam_state_layout_and_reload(cpu_adam_op: object) -> None:
+    p = torch.nn.Parameter(torch.randn(33, dtype=torch.bfloat16))
+    opt = DeepSpeedCPUAdam([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = opt.state[p]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"] == 1
+    assert state["exp_avg"].dtype == torch.float32
+    saved = opt.state_dict()
+    fresh = DeepSpeedCPUAdam([p], lr=1e-2)
+    fresh.load_state_dict(saved)
+    assert fresh.state[p]["exp_avg"].dtype == torch.float32
+    assert torch.equal(fresh.state[p]["exp_avg_sq"], state["exp_avg_sq"])
+
+
+def test_cpu_adam_step_subgroup_only_touches_that_group(cpu_adam_op: object) -> None:
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    opt = DeepSpeedCPUAdam([{"params": [a]}, {"params": [b]}], lr=0.1)
+    a.grad, b.grad = torch.ones(8), torch.ones(8)
+    before = b.detach().clone()
+    opt.step_subgroup(0)
+    assert torch.equal(b.detach(), before) and opt.state[a]["step"] == 1 and b not in opt.state
+
+
+def test_cpu_adam_kernel_rejects_bad_input(cpu_adam_op: object) -> None:
+    opt = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
+    p, g = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_adam_op.adam_update(opt.opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, p, g, torch.zeros(4, 4).t(),
+                                torch.zeros(16))
+    with pytest.raises(ValueError, match="elements"):
+        cpu_adam_op.adam_update(opt.opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, p, g, torch.zeros(7), torch.zeros(8))
+    with pytest.raises(ValueError, match="not created"):
+        cpu_adam_op.adam_update(10**6, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, p, g, torch.zeros(8), torch.zeros(8))
+
+
+def test_cpu_adam_amsgrad_raises() -> None:
+    with pytest.raises(ValueError, match="amsgrad"):
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
