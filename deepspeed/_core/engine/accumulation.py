@@ -12,7 +12,8 @@ class Phase(enum.Enum):
     """Where the current micro-step is, so misuse is caught at the call that causes it."""
 
     IDLE = "idle"  # no backward since the last step()
-    BACKWARD_DONE = "backward_done"  # backward ran for this micro-step; step() comes next
+    ACCUMULATING = "accumulating"  # backward(s) ran inside the window, not at its boundary (accelerate skips step())
+    BACKWARD_DONE = "backward_done"  # backward ran at the boundary; step() comes next
 
 
 class AccumulationState:
@@ -47,12 +48,12 @@ class AccumulationState:
         accumulates on purpose (not at the boundary): at the boundary the gradients are reduced,
         so a second backward would double-count them.
         """
-        if self.phase is Phase.BACKWARD_DONE and self.is_boundary():
+        if self.phase is Phase.BACKWARD_DONE:
             raise RuntimeError(
                 "backward() was called twice at a gradient-accumulation boundary without step() in between; "
                 "call engine.step() after each engine.backward()"
             )
-        self.phase = Phase.BACKWARD_DONE
+        self.phase = Phase.BACKWARD_DONE if self.is_boundary() else Phase.ACCUMULATING
 
     def on_step(self) -> None:
         """Advance one micro-step."""

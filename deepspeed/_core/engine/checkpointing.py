@@ -444,6 +444,10 @@ def _read_rank_files(subject: CheckpointSubject, request: LoadRequest, ckpt_dir:
     error: BaseException | None = None
     try:
         model_path = os.path.join(ckpt_dir, model_file_name(subject.topology))
+        if subject.topology.model_file_per_dp_rank and not os.path.exists(model_path):
+            # Elastic ZeRO-3 resume on more ranks than saved: the per-rank model files differ only in
+            # their frozen-parameter fragments, so a new rank starts from dp rank 0's file.
+            model_path = os.path.join(ckpt_dir, model_file_name(subject.topology, dp_rank=0))
         state = io.load_file(model_path, rank, request.trust)
         io.require_keys(state, ["module"], model_path, rank)
         wants_shards = request.optimizer_states and not request.module_only

@@ -26,7 +26,9 @@ from deepspeed._core.engine.clipping import local_sq_norm
 from deepspeed._core.engine.grad_sync import ReduceScaling
 from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
+from deepspeed._core.zero import stage3_checkpoint
 from deepspeed._core.zero.manager import ZeroParamManager
+from deepspeed._core.zero.stage12 import _package_version
 from deepspeed._core.zero.param import ZeroParam, zero_state
 from deepspeed.accelerator import get_accelerator
 
@@ -219,6 +221,27 @@ class Stage3Optimizer(EngineOptimizer):
                     src = grp.master.data[off : off + state.layout.partition_numel]
                     state.shard.reshape(-1).copy_(src.to(state.shard.device))
         self.manager.refresh_persistent()
+
+    # --- checkpoints (interface: deepspeed._core.engine.checkpointing.ShardedCheckpointOptimizer) -------
+    def checkpoint_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable parameters per group in flat order (checkpoint ``param_shapes``)."""
+        return [[s.param for s in grp.states] for grp in self.groups]
+
+    def state_dict(self) -> dict:
+        """This rank's shard with upstream's ZeRO-3 keys (``fp32_flat_groups`` ...)."""
+        return stage3_checkpoint.shard_state_dict(self, _package_version())
+
+    def load_state_dict(
+        self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = True
+    ) -> None:
+        """Restore from every saved rank's shard; the saved world size may differ from the live one."""
+        if isinstance(state_dict_list, dict):
+            state_dict_list = [state_dict_list]
+        stage3_checkpoint.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def checkpoint_event_prologue(self) -> None:
+        """Make parameters partitioned and quiescent before a save or load."""
+        self.manager.release_all()
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the masters from the parameters' current shards (after a module-only load)."""
