@@ -36,6 +36,7 @@ _LAZY = {
     "zero": ("deepspeed.runtime.zero", None),
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
     "add_tuning_arguments": ("deepspeed.runtime.lr_schedules", "add_tuning_arguments"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
 }
 
 

@@ -97,10 +97,11 @@ def flatten_into(tensors: Sequence[torch.Tensor], out: torch.Tensor,
         ``out``.
     """
     offsets = packed_offsets(tensors) if offsets is None else list(offsets)
+    # Validate in Python first, for both paths: see docs/ops.md "Known issues" on C++-side checks.
+    _validate("flatten_into", tensors, out, offsets)
     kernel = _use_kernel(out)
     if kernel is not None:
         return kernel.flatten_into(list(tensors), out, offsets)
-    _validate("flatten_into", tensors, out, offsets)
     dst, src = _slices(tensors, out, offsets)
     if dst:
         torch._foreach_copy_(dst, src)
@@ -110,11 +111,11 @@ def flatten_into(tensors: Sequence[torch.Tensor], out: torch.Tensor,
 def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> None:
     """Copy the slices of ``flat`` at ``offsets`` (packed from 0 by default) back into ``tensors``."""
     offsets = packed_offsets(tensors) if offsets is None else list(offsets)
+    _validate("unflatten_from", tensors, flat, offsets)
     kernel = _use_kernel(flat)
     if kernel is not None:
         kernel.unflatten_from(flat, list(tensors), offsets)
         return
-    _validate("unflatten_from", tensors, flat, offsets)
     src, dst = _slices(tensors, flat, offsets)
     if dst:
         torch._foreach_copy_(dst, src)

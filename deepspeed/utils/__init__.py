@@ -17,6 +17,20 @@ _LAZY = {
     "get_z3_leaf_modules": ("deepspeed.utils.z3_leaf_module", "get_z3_leaf_modules"),
     "z3_leaf_module": ("deepspeed.utils.z3_leaf_module", "z3_leaf_module"),
     "RepeatingLoader": ("deepspeed.runtime.dataloader", "RepeatingLoader"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
+    "safe_get_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_get_full_fp32_param"),
+    "safe_set_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_set_full_fp32_param"),
+    "safe_get_full_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_get_full_optimizer_state"),
+    "safe_set_full_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_set_full_optimizer_state"),
+    "safe_get_full_grad": ("deepspeed.utils.tensor_fragment", "safe_get_full_grad"),
+    "safe_set_full_grad": ("deepspeed.utils.tensor_fragment", "safe_set_full_grad"),
+    "safe_get_local_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_get_local_fp32_param"),
+    "safe_get_local_grad": ("deepspeed.utils.tensor_fragment", "safe_get_local_grad"),
+    "safe_get_local_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_get_local_optimizer_state"),
+    "safe_set_local_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_set_local_fp32_param"),
+    "safe_set_local_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_set_local_optimizer_state"),
+    "safe_set_local_grad": ("deepspeed.utils.tensor_fragment", "safe_set_local_grad"),
+    "safe_update_full_grad_vectorized": ("deepspeed.utils.tensor_fragment", "safe_update_full_grad_vectorized"),
 }
 
 

@@ -15,6 +15,7 @@ from deepspeed._core.engine.grad_sync import BucketedAllReduce, ReduceScaling
 from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan
 from deepspeed._core.plan import RunPlan
+from deepspeed._core.zero.param_mapping import attach_hp_mapping, detach_hp_mapping
 
 
 class DataParallelOptimizer(EngineOptimizer):
@@ -53,6 +54,7 @@ class DataParallelOptimizer(EngineOptimizer):
                 dp_group,
             )
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
+        attach_hp_mapping(self)  # safe_get_full_fp32_param & co.
 
     def _working_params(self) -> list[torch.nn.Parameter]:
         if self.masters is not None:
@@ -119,6 +121,7 @@ class DataParallelOptimizer(EngineOptimizer):
         if self.sync is not None:
             self.sync.remove_hooks()
             self.sync = None
+        detach_hp_mapping(self)
 
     def state_dict(self) -> dict:
         """Inner optimizer state plus loss-scaler state and fp32 masters (when present)."""

@@ -25,6 +25,7 @@ from deepspeed._core.zero.flat_buffer import FlatBuffer
 from deepspeed._core.zero.grad_reduce import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
 from deepspeed._core.zero.inplace_flatten import FlattenPath, flatten_params
 from deepspeed._core.zero.layout import plan_group
+from deepspeed._core.zero.param_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, all_gather_partitions
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import logger
@@ -93,6 +94,7 @@ class ZeroOptimizer(EngineOptimizer):
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
+        attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
     def _build_group(self, param_group: dict, names: dict[torch.nn.Parameter, str]) -> ZeroGroup:
@@ -211,6 +213,7 @@ class ZeroOptimizer(EngineOptimizer):
         self.reducer.discard()
         self.reducer.remove_hooks()
         self._clear_grads()
+        detach_hp_mapping(self)
 
     # --- checkpoints (interface: deepspeed._core.engine.checkpointing.ShardedCheckpointOptimizer) ---------
     def checkpoint_param_groups(self) -> list[list[torch.nn.Parameter]]:

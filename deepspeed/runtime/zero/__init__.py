@@ -16,3 +16,11 @@ __all__ = [
                                                          "register_external_parameter",
                                                          "unregister_external_parameter",
 ]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy: the optimizer module pulls in the engine side
+    if name in ("unwrap_model_for_generation", "DeepSpeedZeroOptimizer_Stage3"):
+        from deepspeed.runtime.zero import stage3
+
+        return getattr(stage3, name)
+    raise AttributeError(f"module 'deepspeed.runtime.zero' has no attribute {name!r}")

@@ -46,6 +46,16 @@ __all__ = [
 
 _ALLOWED_DTYPES = (torch.half, torch.bfloat16, torch.float)
 
+# transformers (``integrations/deepspeed.py`` ``prevent_arange_dtype_change``) swaps this module attribute around
+# ``zero.Init`` and compares constructors against ``_orig_torch_arange``. Our Init does not retype tensor
+# constructors, so the hook is the identity; the names exist so that code path runs.
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype, target_device: Any = None) -> Any:
+    """Upstream hook for wrapping tensor constructors inside ``zero.Init``; deepspeed-lean returns ``fn`` unchanged."""
+    return fn
+
 
 def zero_init_depth() -> int:
     """Number of open ``zero.Init`` contexts (nesting counter)."""

@@ -1,0 +1,212 @@
+"""``DeepSpeedZeroOptimizer``: upstream's ZeRO-1/2 optimizer constructor over the lean core.
+
+The engine builds the core optimizer (:class:`deepspeed._core.zero.stage12.ZeroOptimizer`) straight
+from its run plan. This façade exists for code that constructs the optimizer itself with upstream's
+keyword list: the keywords are converted once into a frozen :class:`~deepspeed._core.plan.RunPlan`
+(by the small ``_*_policy`` helpers below) and everything else is the core class. Stage 1 is
+``partition_grads=False``, stage 2 ``partition_grads=True``, as upstream.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed._core.engine.loss_scaling import (
+    CreateLossScaler,
+    LossScalerBase,
+    from_policy,
+)
+from deepspeed._core.plan import (
+    BatchPlan,
+    BucketPolicy,
+    GradPolicy,
+    LossScalePolicy,
+    OffloadDevice,
+    OffloadPolicy,
+    PrecisionPolicy,
+    ReduceOp,
+    RunPlan,
+    ZeroPlan,
+)
+from deepspeed._core.zero.param_mapping import attach_hp_mapping
+from deepspeed._core.zero.stage12 import ZeroOptimizer
+
+__all__ = ["DeepSpeedZeroOptimizer"]
+
+
+def _unsupported(argument: str, value: Any, why: str) -> NotImplementedError:
+    return NotImplementedError(f"DeepSpeedZeroOptimizer({argument}={value!r}) is not supported by deepspeed-lean: {why}")
+
+
+def _working_dtype(optimizer: torch.optim.Optimizer) -> torch.dtype:
+    """dtype of the parameters handed to the optimizer (the model's working precision)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.dtype
+    raise ValueError("DeepSpeedZeroOptimizer(init_optimizer=...) has no parameters")
+
+
+def _offload_policy(config: Any) -> OffloadPolicy:
+    """``offload_optimizer_config`` (pydantic model, dict or None) -> :class:`OffloadPolicy`."""
+    if config is None:
+        return OffloadPolicy()
+    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    device = OffloadDevice(str(getattr(get("device", "none"), "value", get("device", "none"))))
+    if device is OffloadDevice.NVME:
+        raise _unsupported("offload_optimizer_config", "device=nvme", "ZeRO-1/2 offloads optimizer state to cpu only")
+    return OffloadPolicy(device=device, pin_memory=bool(get("pin_memory", True)),
+                         buffer_count=int(get("buffer_count", 4)), ratio=float(get("ratio", 1.0)))
+
+
+def _loss_scaler(dtype: torch.dtype, static_loss_scale: float, dynamic_loss_scale: bool,
+                 dynamic_loss_args: Mapping[str, Any] | None) -> LossScalerBase | None:
+    """The fp16 loss scaler (None for bf16/fp32, which the core runs unscaled)."""
+    if dtype != torch.float16:
+        return None
+    if dynamic_loss_scale and dynamic_loss_args is None:
+        return from_policy(LossScalePolicy())
+    return CreateLossScaler(dtype, static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+
+
+def _precision_policy(dtype: torch.dtype, kw: Mapping[str, Any], scaler: LossScalerBase | None) -> PrecisionPolicy:
+    low_master = (dtype == torch.float16 and kw["fp16_master_weights_and_gradients"]) or (
+        dtype == torch.bfloat16 and kw["bf16_master_weights_and_gradients"])
+    scale = None
+    if scaler is not None:
+        scale = LossScalePolicy(dynamic=bool(getattr(scaler, "dynamic", False)), static_scale=float(scaler.cur_scale))
+    return PrecisionPolicy(param_dtype=dtype, grad_accum_dtype=kw["gradient_accumulation_dtype"] or dtype,
+                           comm_dtype=kw["communication_data_type"] or dtype, loss_scale=scale,
+                           master_dtype=dtype if low_master else torch.float32,
+                           check_grad_overflow=bool(kw["check_grad_overflow"]))
+
+
+def _grad_policy(kw: Mapping[str, Any]) -> GradPolicy:
+    return GradPolicy(clip_norm=float(kw["clip_grad"]), prescale=not kw["postscale_gradients"],
+                      predivide_factor=float(kw["gradient_predivide_factor"]),
+                      reduce_op=ReduceOp.MEAN if kw["gradient_average"] else ReduceOp.SUM)
+
+
+def _zero_plan(kw: Mapping[str, Any]) -> ZeroPlan:
+    buckets = BucketPolicy(reduce_bucket_size=int(kw["reduce_bucket_size"]),
+                           allgather_bucket_size=int(kw["allgather_bucket_size"]),
+                           overlap_comm=bool(kw["overlap_comm"]), reduce_scatter=bool(kw["reduce_scatter"]),
+                           contiguous_gradients=bool(kw["contiguous_gradients"]),
+                           use_multi_rank_bucket_allreduce=bool(kw["use_multi_rank_bucket_allreduce"]))
+    return ZeroPlan(stage=2 if kw["partition_grads"] else 1, buckets=buckets,
+                    offload_optimizer=_offload_policy(kw["offload_optimizer_config"]),
+                    round_robin_gradients=bool(kw["round_robin_gradients"]),
+                    ignore_unused_parameters=bool(kw["ignore_unused_parameters"]),
+                    elastic_checkpoint=bool(kw["elastic_checkpoint"]))
+
+
+def _check_supported(kw: Mapping[str, Any]) -> None:
+    """Reject the upstream features this build does not implement, naming the argument."""
+    if kw["has_moe_layers"]:
+        raise _unsupported("has_moe_layers", True, "mixture-of-experts parameter groups are not implemented")
+    if kw["zenflow_config"] is not None:
+        raise _unsupported("zenflow_config", kw["zenflow_config"], "ZenFlow is not implemented")
+    if kw["bf16_optimizer_states"]:
+        raise _unsupported("bf16_optimizer_states", True, "optimizer states are kept in the master dtype")
+
+
+def build_plan(init_optimizer: torch.optim.Optimizer, dp_group: Any, kw: Mapping[str, Any]) -> tuple[RunPlan, Any]:
+    """Convert the upstream keyword arguments into ``(RunPlan, loss_scaler)``, once.
+
+    The batch entry only records ``gradient_accumulation_steps`` and the data-parallel size (the
+    optimizer never sees micro-batches); the micro batch is recorded as 1.
+    """
+    _check_supported(kw)
+    dtype = _working_dtype(init_optimizer)
+    scaler = _loss_scaler(dtype, kw["static_loss_scale"], kw["dynamic_loss_scale"], kw["dynamic_loss_args"])
+    world = dist.get_world_size(group=dp_group)
+    gas = int(kw["gradient_accumulation_steps"])
+    plan = RunPlan(batch=BatchPlan(gas * world, 1, gas, world), precision=_precision_policy(dtype, kw, scaler),
+                   grads=_grad_policy(kw), zero=_zero_plan(kw))
+    return plan, scaler
+
+
+class DeepSpeedZeroOptimizer(ZeroOptimizer):
+    """ZeRO stage 1/2 optimizer with upstream's constructor (see ``docs/compat.md`` for accepted values).
+
+    ``timers``, ``verbose``, ``optimizer_params`` and ``expert_*_group`` are accepted and ignored;
+    ``mpu`` supplies the data-parallel group when ``dp_process_group`` is None. ``has_moe_layers=True``,
+    ``zenflow_config``, ``bf16_optimizer_states=True`` and NVMe optimizer offload raise
+    ``NotImplementedError`` naming the argument.
+    """
+
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        param_names: dict | None,
+        timers: Any,
+        optimizer_params: Any,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: dict | None = None,
+        verbose: bool = True,
+        contiguous_gradients: bool = True,
+        reduce_bucket_size: int = 500000000,
+        use_multi_rank_bucket_allreduce: bool = True,
+        allgather_bucket_size: int = 5000000000,
+        dp_process_group: Any = None,
+        expert_parallel_group: Any = None,
+        expert_data_parallel_group: Any = None,
+        reduce_scatter: bool = True,
+        overlap_comm: bool = False,
+        offload_optimizer_config: Any = None,
+        zenflow_config: Any = None,
+        mpu: Any = None,
+        clip_grad: float = 0.0,
+        gradient_accumulation_dtype: torch.dtype = torch.float32,
+        communication_data_type: torch.dtype = torch.float16,
+        postscale_gradients: bool = True,
+        gradient_predivide_factor: float = 1.0,
+        gradient_average: bool = True,
+        gradient_accumulation_steps: int = 1,
+        ignore_unused_parameters: bool = True,
+        partition_grads: bool = True,
+        round_robin_gradients: bool = False,
+        has_moe_layers: bool = False,
+        fp16_master_weights_and_gradients: bool = False,
+        bf16_master_weights_and_gradients: bool = False,
+        bf16_optimizer_states: bool = False,
+        elastic_checkpoint: bool = False,
+        check_grad_overflow: bool = True,
+    ) -> None:
+        kw = dict(locals())
+        for name in ("self", "__class__", "init_optimizer", "param_names", "dp_process_group", "mpu"):
+            kw.pop(name, None)
+        if dp_process_group is None and mpu is not None:
+            dp_process_group = mpu.get_data_parallel_group()
+        plan, scaler = build_plan(init_optimizer, dp_process_group, kw)
+        super().__init__(init_optimizer, plan, scaler, dp_process_group, param_names)
+        attach_hp_mapping(self)
+
+    # --- upstream attribute names, read-only views over the groups ------------------------------------
+    @property
+    def bit16_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable working parameters per group, in flat order."""
+        return [g.params for g in self.groups]
+
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.nn.Parameter]:
+        """This rank's fp32 master partition of each group."""
+        return [g.master.param for g in self.groups]
+
+    @property
+    def dp_process_group(self) -> Any:
+        """The data-parallel process group (None = world)."""
+        return self.dp_group
+
+    @property
+    def partition_count(self) -> list[int]:
+        """Partitions per group (the data-parallel size)."""
+        return [self.world_size for _ in self.groups]
+
+    @property
+    def partition_gradients(self) -> bool:
+        """True for ZeRO-2 (gradients partitioned), False for ZeRO-1."""
+        return self.plan.zero.stage >= 2
