@@ -58,6 +58,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._apply_scheduler(lr_scheduler)
         self._loop = TrainingLoop(self.module, self.optimizer, self.lr_scheduler, self.plan)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn) if training_data else None
+        self._loop.memory.report("after initialize")
         log_dist(
             f"DeepSpeedEngine ready: stage={self.zero_optimization_stage()} dtype={self.plan.precision.param_dtype} "
             f"dp_world_size={self.dp_world_size} gas={self.gradient_accumulation_steps()}",

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.engine.accumulation import AccumulationState
+from deepspeed._core.engine.memory import MemoryReporter
 from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.engine.progress import ProgressReporter
@@ -37,6 +38,8 @@ class TrainingLoop:
         self.plan = plan
         self.accumulation = AccumulationState(plan.batch.gradient_accumulation_steps)
         self.progress = ProgressReporter(plan.steps_per_print, plan.batch.train_batch_size)
+        n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
+        self.memory = MemoryReporter(plan, n_params, plan.batch.dp_world_size)
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -50,7 +53,9 @@ class TrainingLoop:
         if self.plan.precision.auto_cast:
             inputs = cast_inputs(inputs, self.plan.precision.param_dtype)
             kwargs = cast_inputs(kwargs, self.plan.precision.param_dtype)
-        return self.module(*inputs, **kwargs)
+        out = self.module(*inputs, **kwargs)
+        self.memory.report("after forward")
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of one micro-batch's loss; returns the (GAS-scaled) loss for logging."""
@@ -64,6 +69,7 @@ class TrainingLoop:
         self.optimizer.prepare_backward(self._micro_step_kind())
         self.optimizer.backward(loss, retain_graph=retain_graph)
         self.optimizer.finish_backward()
+        self.memory.report("after backward")
         return loss
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -93,6 +99,7 @@ class TrainingLoop:
         self.step_applied = False
         if self.accumulation.is_boundary() and self.optimizer is not None:
             self._take_model_step(lr_kwargs)
+            self.memory.report("after step")
         self.accumulation.on_step()
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
