@@ -64,6 +64,7 @@ class DeepSpeedDataLoader:
         )
         self.len = len(self.dataloader)
         self.epoch = 0
+        self.post_process_func: Any = None  # set by engine.set_data_post_process_func
 
     def __len__(self) -> int:
         return self.len
@@ -72,7 +73,9 @@ class DeepSpeedDataLoader:
         if hasattr(self.data_sampler, "set_epoch"):
             self.data_sampler.set_epoch(self.epoch)
         self.epoch += 1
-        return iter(self.dataloader)
+        if self.post_process_func is None:
+            return iter(self.dataloader)
+        return (self.post_process_func(batch) for batch in self.dataloader)
 
 
 __all__ = ["DeepSpeedDataLoader", "RepeatingLoader"]

@@ -14,6 +14,7 @@ from deepspeed import comm as dist
 from deepspeed._core.engine import setup
 from deepspeed._core.engine.loss_scaling import from_policy as loss_scaler_from_policy
 from deepspeed._core.engine.optimizer_base import EngineOptimizer
+from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
@@ -210,6 +211,60 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         if self.basic_optimizer is None:
             return []
         return [type(self.basic_optimizer).__name__ for _ in self.basic_optimizer.param_groups]
+
+    def compile(
+        self,
+        backend: Any = None,
+        compile_kwargs: dict = {},  # noqa: B006 - upstream default; never mutated
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the wrapped module in place (upstream keyword form; ``schedule`` is unused)."""
+        from deepspeed.accelerator import get_accelerator
+
+        backend = backend if backend is not None else get_accelerator().get_compile_backend()
+        self.module.compile(backend=backend, **compile_kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """True once :meth:`compile` ran."""
+        return bool(self.__dict__.get("_is_compiled", False))
+
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """Apply ``post_process_func`` to every batch the engine's data loader yields."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
+    def get_wall_clock_timers(self) -> dict:
+        """Per-phase timers (empty: wall-clock breakdowns are not collected by this engine yet)."""
+        return {}
+
+    def print_forward_breakdown(self, fwd_time: float = 0.0) -> None:
+        """Log the forward time given by the caller (no finer breakdown is collected)."""
+        log_dist(f"forward time {fwd_time:.2f} ms", ranks=[0])
+
+    def offload_states(
+        self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """Move optimizer state and fp32 masters to host memory until :meth:`reload_states`."""
+        if self.optimizer is None or getattr(self.optimizer, "optimizer", None) is None:
+            raise ValueError("offload_states needs an engine with an optimizer")
+        target = torch.device(getattr(device, "value", device))
+        if target.type != "cpu":
+            raise ValueError(f"offload_states device={device!r} is not supported; valid: 'cpu'")
+        if "_state_offloader" not in self.__dict__:
+            self._state_offloader = StateOffloader()
+        self._state_offloader.offload(
+            self.optimizer.optimizer, parse_kinds(include), target, torch.float32 if pin_memory else None,
+            non_blocking,
+        )
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back everything :meth:`offload_states` moved."""
+        offloader = self.__dict__.get("_state_offloader")
+        if offloader is not None:
+            offloader.reload(non_blocking)
 
     def empty_partition_cache(self) -> None:
         """ZeRO-3: release every gathered, non-persistent parameter now."""

@@ -1,0 +1,74 @@
+"""Move optimizer state and fp32 masters off the accelerator between phases (``offload_states``).
+
+RL loops alternate training with generation; parking the optimizer's tensors in host memory during
+generation frees most of a ZeRO rank's model-state memory. Tensors keep their identity (only ``.data``
+moves), so optimizer and hook references stay valid across an offload/reload cycle.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from deepspeed.accelerator import get_accelerator
+
+
+class StateKind(str, enum.Enum):
+    """What ``offload_states(include=...)`` can move (upstream ``OffloadStateTypeEnum`` values)."""
+
+    OPTIM_STATES = "optim_states"
+    HP_PARAMS = "hp_params"
+
+
+def _tensors(inner: torch.optim.Optimizer, kinds: set[StateKind]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if StateKind.HP_PARAMS in kinds:
+                found.append(p)
+            if StateKind.OPTIM_STATES in kinds:
+                found.extend(v for v in inner.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0)
+    return found
+
+
+class StateOffloader:
+    """Remembers where each moved tensor came from so :meth:`reload` can put it back."""
+
+    def __init__(self) -> None:
+        self.moved: list[tuple[torch.Tensor, torch.device]] = []
+
+    def offload(self, inner: torch.optim.Optimizer, kinds: set[StateKind], device: torch.device,
+                pin: torch.dtype | None, non_blocking: bool) -> None:
+        """Move the selected tensors to ``device``; ``pin`` non-None pins host copies."""
+        for t in _tensors(inner, kinds):
+            if t.device == device:
+                continue
+            self.moved.append((t, t.device))
+            host = t.data.to(device, non_blocking=non_blocking)
+            if pin is not None and device.type == "cpu" and get_accelerator().device_name() != "cpu":
+                host = get_accelerator().pin_memory(host)
+            t.data = host
+
+    def reload(self, non_blocking: bool) -> None:
+        """Move every offloaded tensor back to where it was."""
+        for t, device in self.moved:
+            t.data = t.data.to(device, non_blocking=non_blocking)
+        self.moved.clear()
+        if non_blocking:
+            get_accelerator().synchronize()
+
+
+def parse_kinds(include: Any) -> set[StateKind]:
+    """``None`` = everything supported; else names or enum values, validated."""
+    if include is None:
+        return set(StateKind)
+    kinds = set()
+    for item in include:
+        value = getattr(item, "value", item)
+        try:
+            kinds.add(StateKind(value))
+        except ValueError as err:
+            raise ValueError(f"offload_states include={value!r} is not supported; valid: "
+                             f"{[k.value for k in StateKind]}") from err
+    return kinds
