@@ -30,6 +30,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed._core.engine.grad_sync import ReduceScaling
 from deepspeed._core.engine.optimizer_base import MicroStepKind
+from deepspeed._core.zero.host_transfer import Fold, HostTransfers
 from deepspeed._core.zero.layout import GroupLayout, Range, plan_buckets
 
 
@@ -151,6 +152,7 @@ class GradReducer:
         self._next_launch = 0
         self._reducing = False
         self._in_flight: list[_Bucket] = []
+        self.host = HostTransfers()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
         ]
@@ -273,8 +275,10 @@ class GradReducer:
         local = owned.shift(-grads.partition.start)
         target = grads.ensure_partition_grad(self.config.grad_device)[local.as_slice()]
         if target.device != piece.device:
-            # Optimizer offload: a blocking device-to-host copy keeps the host-side add correct.
-            piece = piece.to(target.device)
+            # Optimizer offload: an event-ordered copy to pinned memory, folded at the end of backward.
+            fold = Fold.COPY if path is GradPath.STAGE1_AUTOGRAD else Fold.ADD
+            self.host.submit(target, piece, fold)
+            return
         if path is GradPath.STAGE1_AUTOGRAD:
             target.copy_(piece)
         else:
@@ -289,6 +293,7 @@ class GradReducer:
             self._drain(self.config.max_in_flight)
         self._next_launch = len(self.buckets)
         self._drain(0)
+        self.host.drain()
         self._reducing = False
 
     def discard(self) -> None:
@@ -298,6 +303,7 @@ class GradReducer:
                 handle.wait()
             bucket.data, bucket.handles = None, []
         self._in_flight.clear()
+        self.host.pending.clear()
         self._reducing = False
 
     def remove_hooks(self) -> None:

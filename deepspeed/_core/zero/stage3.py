@@ -27,6 +27,7 @@ from deepspeed._core.engine.grad_sync import ReduceScaling
 from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage3_checkpoint
+from deepspeed._core.zero.host_transfer import Fold, HostTransfers
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.stage12 import _package_version
 from deepspeed._core.zero.param import ZeroParam, zero_state
@@ -88,6 +89,7 @@ class Stage3Optimizer(EngineOptimizer):
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
         self.bucket = _Bucket()
         self.pending: list[_Pending] = []
+        self.host = HostTransfers()
         self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
         precision = plan.precision
@@ -168,13 +170,17 @@ class Stage3Optimizer(EngineOptimizer):
         for g, off, col, size in pending.targets:
             acc = self.groups[g].ensure_accumulator()
             piece = out[col : col + size]
-            acc[off : off + size].add_(piece.to(acc.device, dtype=acc.dtype))
+            if acc.device != piece.device:  # optimizer offload: event-ordered copy, folded in flush()
+                self.host.submit(acc[off : off + size], piece, Fold.ADD)
+            else:
+                acc[off : off + size].add_(piece.to(dtype=acc.dtype))
 
     def flush(self) -> None:
         """End of backward: reduce the partial bucket and fold every pending result."""
         self._launch_bucket()
         while self.pending:
             self._finish(self.pending.pop(0))
+        self.host.drain()
 
     def finish_backward(self) -> None:
         """Nothing left to do: the parameter manager calls :meth:`flush` at the end of each backward."""
