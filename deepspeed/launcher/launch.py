@@ -137,6 +137,10 @@ def build_rank_specs(
             mine = cores_for_rank(cores, len(layout.slots), local_rank)
             env["OMP_NUM_THREADS"] = str(len(mine))
             argv = numactl_prefix(mine) + argv
+        elif "OMP_NUM_THREADS" not in environ:
+            # Without a share each rank's intra-op pool takes every core and the ranks thrash (as
+            # torchrun does, the user's own setting wins).
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, len(layout.slots))))
         log_path = None
         if args.enable_each_rank_log != "None":
             log_path = os.path.join(args.enable_each_rank_log, f"{timestamp}_rank{rank}.log")

@@ -65,7 +65,9 @@ def test_two_cpu_ranks_get_env_local_rank_and_logs(tmp_path: Path) -> None:
         assert report["env"] == {
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CROSS_RANK": "0", "CROSS_SIZE": "1",
-            "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": None, "OMP_NUM_THREADS": None,
+            "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": None,
+            # each rank gets an equal share of the cores unless the user set OMP_NUM_THREADS
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2)),
         }  # fmt: skip
     logs = sorted(log_dir.iterdir())
     assert [p.name.split("_", 1)[1] for p in logs] == ["rank0.log", "rank1.log"]
