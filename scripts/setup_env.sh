@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up shared by run_main.sh and run_tests.sh: installs this package (editable) with its
-# test and integration (HF transformers / accelerate, pinned) extras into the current Python. If no torch
+# test extra (pytest, and the pinned HF transformers / accelerate for tests/integration) into the current Python. If no torch
 # is importable yet, the CPU build is pinned so that a
 # CPU-only machine (CI) never downloads multi-GB CUDA wheels; a machine that already has a torch
 # (for example a CUDA build on a GPU box) keeps it.
@@ -12,5 +12,5 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 if ! "$PY" -c "import deepspeed, hjson, pytest, pytest_timeout, psutil, cpuinfo, ninja, transformers, accelerate" >/dev/null 2>&1 \
    || [ "$("$PY" -c 'import deepspeed,os;print(os.path.dirname(deepspeed.__file__))' 2>/dev/null)" != "$PWD/deepspeed" ]; then
-  "$PY" -m pip install -q -e ".[test,integration]"
+  "$PY" -m pip install -q -e ".[test]"
 fi

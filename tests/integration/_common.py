@@ -32,7 +32,7 @@ def missing_integration_packages() -> str | None:
     if not missing:
         return None
     return (f"{' and '.join(missing)} not installed: install the integration extra "
-            "(pip install -e '.[integration]') to run the HF Trainer / accelerate tests")
+            "(pip install -e '.[test]') to run the HF Trainer / accelerate tests")
 
 
 def load_example() -> ModuleType:
