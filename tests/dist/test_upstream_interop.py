@@ -1,0 +1,135 @@
+"""Checkpoints written by upstream DeepSpeed 0.19.x load into our engine and consolidate with our zero_to_fp32.
+
+The fixtures under ``tests/fixtures/upstream/<case>/`` are data produced by upstream (see the README there):
+a ``global_step2`` checkpoint of ``make_model(0)`` trained 2 steps, ``expected_fp32.pt`` (upstream's full fp32
+masters at the save) and ``expected_step3_fp32.pt`` (upstream's masters after one more step). Checked here:
+
+* our ``get_fp32_state_dict_from_zero_checkpoint`` rebuilds ``expected_fp32`` from upstream's shards;
+* our engine, same config and world size, restores the masters and the module weights, ``global_steps == 2``,
+  and its next step matches upstream's third step (so the Adam moments and step count were restored too);
+* a world-size-2 fixture loads at world size 1 (elastic) and the next step, fed the same global batch through
+  gradient accumulation, matches upstream's world-size-2 third step.
+
+Loads run with the default safe (``weights_only``) reader: upstream's pickles must need nothing outside our
+allow-list.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests._harness import run_distributed
+from tests.reference.models import make_model, micro_batch
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "upstream")
+CASES = sorted(d for d in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, d, "meta.json")))
+ELASTIC = [c for c in CASES if c.endswith("_ws2")]
+
+
+def _meta(case: str) -> dict:
+    with open(os.path.join(FIXTURES, case, "meta.json")) as fd:
+        return json.load(fd)
+
+
+def _expected(case: str, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(FIXTURES, case, name), weights_only=True)
+
+
+def _step3_tolerance(meta: dict) -> dict[str, float]:
+    """fp32: only reduction order differs from upstream. bf16: forward/backward run in bf16 on both sides."""
+    return {"rtol": 1e-2, "atol": 5e-4} if meta["bf16"] else {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_fixtures_present() -> None:
+    assert len(CASES) >= 6, f"expected the upstream fixtures under {FIXTURES}, found {CASES}"
+    for case in CASES:
+        meta = _meta(case)
+        assert meta["deepspeed_version"].startswith("0.19."), (case, meta["deepspeed_version"])
+        assert os.path.isfile(os.path.join(FIXTURES, case, "latest"))
+        assert not os.path.exists(os.path.join(FIXTURES, case, "zero_to_fp32.py")), "upstream code committed"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_zero_to_fp32_consolidates_upstream(case: str) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    got = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case))
+    expected = _expected(case, "expected_fp32.pt")
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == torch.float32, name
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _full_fp32(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
+
+
+def _module_weights(engine, stage: int) -> dict[str, torch.Tensor] | None:  # noqa: ANN001
+    if stage == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def _load_and_step(case_dir: str, meta: dict, world: int) -> dict:
+    """Rank body: fresh engine (different init), load upstream's checkpoint, record, train step 3, record."""
+    import deepspeed
+    from deepspeed import comm as dist
+
+    gas = meta["world_size"] // world  # keep upstream's global batch: micro_batch(2, i) for i < saved world
+    config = dict(meta["config"], gradient_accumulation_steps=gas)
+    engine, *_ = deepspeed.initialize(model=make_model(123), config=config)
+    path, client_state = engine.load_checkpoint(case_dir)
+    out = {"path": path, "global_steps": engine.global_steps, "masters": _full_fp32(engine),
+           "module": _module_weights(engine, meta["zero_stage"]), "ds_version": client_state.get("ds_version")}
+    rank = dist.get_rank()
+    for m in range(gas):
+        loss = engine(*micro_batch(2, m * world + rank))
+        engine.backward(loss)
+        engine.step()
+    out["after"] = _full_fp32(engine)
+    out["global_steps_after"] = engine.global_steps
+    return out
+
+
+def _check(case: str, results: list[dict]) -> None:
+    meta = _meta(case)
+    expected = _expected(case, "expected_fp32.pt")
+    step3 = _expected(case, "expected_step3_fp32.pt")
+    dtype = torch.bfloat16 if meta["bf16"] else torch.float32
+    for rank, res in enumerate(results):
+        assert res["path"] is not None and res["path"].endswith("global_step2"), res["path"]
+        assert res["global_steps"] == 2 and res["global_steps_after"] == 3, (res["global_steps"], rank)
+        assert res["ds_version"] == meta["deepspeed_version"]
+        assert sorted(res["masters"]) == sorted(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(res["masters"][name], value, rtol=1e-6, atol=0,
+                                       msg=lambda m, n=name, r=rank: f"master {n} rank {r}: {m}")
+            torch.testing.assert_close(res["after"][name], step3[name], **_step3_tolerance(meta),
+                                       msg=lambda m, n=name, r=rank: f"step 3 {n} rank {r}: {m}")
+        if res["module"] is not None:  # ZeRO-3 consolidates on rank 0 only
+            assert sorted(res["module"]) == sorted(expected)
+            for name, value in expected.items():
+                assert res["module"][name].dtype == dtype, name
+                torch.testing.assert_close(res["module"][name], value.to(dtype), rtol=0, atol=0,
+                                           msg=lambda m, n=name: f"module {n}: {m}")
+    assert results[0]["module"] is not None
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_engine_loads_upstream(case: str) -> None:
+    meta = _meta(case)
+    world = meta["world_size"]
+    _check(case, run_distributed(_load_and_step, world, os.path.join(FIXTURES, case), meta, world))
+
+
+@pytest.mark.parametrize("case", ELASTIC)
+def test_engine_loads_upstream_elastic(case: str) -> None:
+    meta = _meta(case)
+    assert meta["world_size"] == 2
+    _check(case, run_distributed(_load_and_step, 1, os.path.join(FIXTURES, case), meta, 1))
