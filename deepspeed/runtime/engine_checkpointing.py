@@ -19,10 +19,11 @@ from deepspeed._core.engine import checkpointing as ckpt
 from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 from deepspeed.git_version_info import version as _DS_VERSION
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from deepspeed.utils.logging import logger
 
 # ZeRO optimizer shards pickle ``zero_stage`` as this enum (ours and upstream's).
-checkpoint_io.register_safe_globals([ZeroStageEnum])
+checkpoint_io.register_safe_globals([ZeroStageEnum, fragment_address])
 
 _ZERO_TO_FP32_SOURCE = str(Path(__file__).resolve().parents[1] / "utils" / "zero_to_fp32.py")
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from deepspeed._core.zero.stage12_checkpoint import fragment_address  # noqa: F401 - upstream public name
+
 __all__ = [
     "safe_get_full_fp32_param",
     "safe_get_full_grad",

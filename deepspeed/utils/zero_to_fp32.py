@@ -57,6 +57,7 @@ _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?opti
 _SAFE_CLASSES = {
     "deepspeed.runtime.fp16.loss_scaler": ("LossScalerBase", "LossScaler", "DynamicLossScaler"),
     "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
+    "deepspeed.utils.tensor_fragment": ("fragment_address",),
 }
 
 

@@ -8,11 +8,23 @@ size and resume at another one (2→1, 2→4, 4→2).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from deepspeed._core.zero.layout import GroupLayout
+
+@dataclass
+class fragment_address:  # noqa: N801 - upstream's class name, pickled into ZeRO-1/2 optimizer files
+    """Where a parameter's fragment sits inside a rank's flat partition (``param_slice_mappings`` values)."""
+
+    numel: int
+    start: int
+
+
+# Pickles must name upstream's path so that either implementation can read the other's files.
+fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
 
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
 BASE_OPTIMIZER_STATE = "base_optimizer_state"
@@ -42,12 +54,12 @@ def _valid(layout: GroupLayout, rank: int, partition: torch.Tensor) -> torch.Ten
     return partition[: layout.valid_range(rank).size].detach().cpu().clone()
 
 
-def _slice_mappings(group: Any, rank: int) -> dict[str, dict[str, int]]:
+def _slice_mappings(group: Any, rank: int) -> dict[str, fragment_address]:
     """Where each parameter fragment of this partition starts (partition-relative) and its size."""
     out = {}
     for frag in group.flat.layout.params_in_partition(rank):
         name = group.names[frag.slot.index]
-        out[name] = {"start": frag.partition_range.start, "numel": frag.partition_range.size}
+        out[name] = fragment_address(numel=frag.partition_range.size, start=frag.partition_range.start)
     return out
 
 
