@@ -143,3 +143,36 @@ def test_zero3_resume(tmp_path: object, save_world: int, load_world: int) -> Non
         for k, v in ref.items():
             rel = float((r[k] - v).norm() / v.norm())
             assert rel < 1e-5, f"{k}: {rel}"
+
+
+def _safe_get_z3(world: int) -> dict:
+    import deepspeed
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+        safe_get_local_fp32_param,
+        safe_set_full_fp32_param,
+    )
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config())
+    _train(engine, range(2), world)
+    full = _full_weights(engine)
+    out = {}
+    for name, p in engine.module.named_parameters():
+        got = safe_get_full_fp32_param(p)
+        out[name] = bool(torch.equal(got, full[name]))
+        exp_avg = safe_get_full_optimizer_state(p, "exp_avg")
+        out[name + ".exp_avg_shape"] = tuple(exp_avg.shape) == tuple(full[name].shape)
+        out[name + ".local"] = safe_get_local_fp32_param(p).numel() <= -(-p.ds_numel // world)
+    assert safe_get_full_grad(engine.module.fc2.weight) is None  # gradients exist only inside a window
+    target = torch.full_like(full["fc2.weight"], 0.5)
+    safe_set_full_fp32_param(engine.module.fc2.weight, target)
+    out["set"] = bool(torch.equal(safe_get_full_fp32_param(engine.module.fc2.weight), target))
+    engine.destroy()
+    return out
+
+
+def test_safe_get_helpers_under_zero3() -> None:
+    for r in run_distributed(_safe_get_z3, 2, 2):
+        assert all(r.values()), {k: v for k, v in r.items() if not v}

@@ -29,6 +29,7 @@ from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage3_checkpoint
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers
 from deepspeed._core.zero.manager import ZeroParamManager
+from deepspeed._core.zero.stage3_access import Stage3ParamAccess
 from deepspeed._core.zero.stage12 import _package_version
 from deepspeed._core.zero.param import ZeroParam, zero_state
 from deepspeed.accelerator import get_accelerator
@@ -65,7 +66,7 @@ class _Bucket:
     numel: int = 0
 
 
-class Stage3Optimizer(EngineOptimizer):
+class Stage3Optimizer(Stage3ParamAccess, EngineOptimizer):
     """The ZeRO-3 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer_Stage3``).
 
     Args:
@@ -96,6 +97,10 @@ class Stage3Optimizer(EngineOptimizer):
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
         self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
+        for grp in self.groups:  # safe_get_full_* find their optimizer through this (upstream attribute)
+            for state in grp.states:
+                if state.param is not None:
+                    state.param._z3_optimizer = self
 
     def _build_group(self, param_group: dict) -> Stage3Group:
         states, seen = [], set()
@@ -279,6 +284,10 @@ class Stage3Optimizer(EngineOptimizer):
         for handle in self._subscriptions:
             handle.remove()
         self.zero_grad()
+        for grp in self.groups:
+            for state in grp.states:
+                if state.param is not None and getattr(state.param, "_z3_optimizer", None) is self:
+                    del state.param._z3_optimizer
         self.manager.destroy()
 
     def live_grad_buffers(self) -> dict[str, int]:
