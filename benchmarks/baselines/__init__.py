@@ -1,0 +1,1 @@
+"""Comparison baselines: PyTorch FSDP2 and upstream DeepSpeed."""

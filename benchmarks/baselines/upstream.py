@@ -1,0 +1,96 @@
+"""Upstream DeepSpeed as a baseline: prepared here as files, installed on the GPU machine into its own directory.
+
+The scenarios drive upstream through the very same code as ours (``deepspeed.initialize``, ``engine.backward``,
+``engine.step``); only PYTHONPATH differs, so ``import deepspeed`` finds upstream's package in its target
+directory instead of this repository. The GPU machine has no registry access, so:
+
+1. here (with a registry), once::
+
+       python benchmarks/baselines/upstream.py prepare      # -> .whl_upstream/deepspeed-0.19.8-py3-none-any.whl
+
+   which runs ``pip download --no-deps --no-binary :all: deepspeed==0.19.8`` (the sdist has no pyproject.toml,
+   it is a plain setup.py build) and ``DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation`` on it: no op is
+   compiled, the result is a pure-Python wheel. Its pure-Python needs (hjson, msgpack, einops, tqdm, py-cpuinfo,
+   ninja, pydantic, psutil, packaging, numpy, nvidia-ml-py) are already in the GPU image except hjson and
+   pydantic (+ pydantic-core, annotated-types, typing-inspection), which the repository's ``.whl/`` folder
+   carries for our own engine too; ``prepare`` copies nothing else. ``.whl_upstream/`` is git-ignored
+   (``.git/info/exclude``).
+2. there::
+
+       python benchmarks/baselines/upstream.py install --target /tmp/upstream_ds
+       # = pip install --no-index --no-deps --no-compile --target /tmp/upstream_ds .whl_upstream/deepspeed-*.whl
+
+   and the workers run with ``PYTHONPATH=/tmp/upstream_ds:<site of .whl>`` (see ``worker_env``). Upstream
+   JIT-compiles ops only when one is used; the scenarios pass a torch AdamW, so none is built.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+UPSTREAM_VERSION = "0.19.8"
+REPO = Path(__file__).resolve().parents[2]
+WHEEL_DIR = REPO / ".whl_upstream"
+DEFAULT_TARGET = "/tmp/upstream_ds"
+
+
+def prepare(dl_dir: str = "/tmp/upstream_sdist") -> Path:
+    """Download the sdist and build the no-ops wheel into ``.whl_upstream/`` (needs a registry and torch)."""
+    WHEEL_DIR.mkdir(exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run(pip + ["download", "--no-deps", "--no-binary", ":all:", f"deepspeed=={UPSTREAM_VERSION}",
+                          "-d", dl_dir], check=True)
+    sdist = glob.glob(os.path.join(dl_dir, f"deepspeed-{UPSTREAM_VERSION}.tar.gz"))[0]
+    env = dict(os.environ, DS_BUILD_OPS="0")
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEEL_DIR), sdist], check=True,
+                   env=env)
+    return wheel_path()
+
+
+def wheel_path() -> Path:
+    """The prepared wheel (raises when ``prepare`` has not been run)."""
+    found = sorted(WHEEL_DIR.glob(f"deepspeed-{UPSTREAM_VERSION}-*.whl"))
+    if not found:
+        raise FileNotFoundError(f"no upstream wheel in {WHEEL_DIR}; run: python {__file__} prepare")
+    return found[0]
+
+
+def install(target: str = DEFAULT_TARGET) -> None:
+    """Install the prepared wheel into ``target`` without touching any registry."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", target, str(wheel_path())], check=True)
+
+
+def worker_env(base: dict, target: str, extra_site: str | None) -> dict:
+    """Environment of an upstream worker: its package first, never this repository."""
+    paths = [target] + ([extra_site] if extra_site else [])
+    env = dict(base)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("DS_BUILD_OPS", "0")
+    return env
+
+
+def check(target: str) -> str:
+    """Import upstream from ``target`` in a clean subprocess and return '<version> <file>'."""
+    env = worker_env(os.environ, target, os.environ.get("BENCH_EXTRA_SITE"))
+    out = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__, deepspeed.__file__)"],
+                         env=env, cwd="/", capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=["prepare", "install", "check"])
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    a = ap.parse_args()
+    if a.action == "prepare":
+        print(prepare())
+    elif a.action == "install":
+        install(a.target)
+        print(check(a.target))
+    else:
+        print(check(a.target))

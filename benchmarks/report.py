@@ -1,0 +1,369 @@
+"""Turn benchmark JSON lines into the markdown report (docs/benchmarks.md) and, with matplotlib, one PNG of plots.
+
+    python benchmarks/report.py benchmarks/results/*.jsonl --md docs/benchmarks.md --plots-dir benchmarks/results \
+        --command "<the command that produced the JSON lines>" [--notes benchmarks/results/NOTES.md]
+
+Several files may be given; a later record of the same configuration (scenario, impl, stage, dtype, GAS, world
+size) replaces an earlier one, so a re-run of a few failed configurations can be layered over a full run. Every
+number in the tables is read from those files; floors come from ../shared/spec/memory_targets.md:
+stage 0 16P; ZeRO-1 (bp+bg)P + 12P/N; ZeRO-2 bp·P + (bg+12)P/N; ZeRO-3 16P/N; FSDP2 (all sharded) 16P/N, with
+bp = bg = 2 bytes (bf16/fp16 parameters and gradients, fp32 Adam state K = 12).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+GiB = float(1 << 30)
+IMPLS = ("ours", "ours_leanoff", "upstream", "fsdp2")
+BUCKET_ELEMS = 5e8  # reduce_bucket_size in the configs (harness.ds_config)
+
+
+# ------------------------------------------------------------------------------------------------ floors
+def state_floor_gib(stage: int | None, n: int, params: int, bp: int = 2, bg: int = 2, k: int = 12) -> float:
+    """Model-state floor per GPU (memory_targets.md); ``stage=None`` is FSDP2 (everything sharded, fp32 params)."""
+    if stage is None:
+        per = 16.0 / n
+    else:
+        per = {0: bp + bg + k, 1: bp + bg + k / n, 2: bp + (bg + k) / n, 3: (bp + bg + k) / n}[stage]
+    return per * params / GiB
+
+
+def init_floor_gib(stage: int | None, n: int, params: int, chunk_elems: float = 5e8, bp: int = 2) -> float:
+    """Device floor during initialise: working params + fp32 master partition + one chunk (report 2 target)."""
+    if stage is None:
+        return 4 * params / GiB  # FSDP2 keeps fp32 params only; optimizer state is created at the first step
+    return (bp * params + 4 * params / n + bp * min(chunk_elems, params)) / GiB
+
+
+def bucket_gib(double: bool = True, elem_bytes: int = 2) -> float:
+    """One reduce bucket (×2 when double-buffered by overlap_comm)."""
+    return BUCKET_ELEMS * elem_bytes * (2 if double else 1) / GiB
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _key(r: dict) -> tuple:
+    return (r.get("scenario"), r.get("impl"), r.get("stage"), r.get("dtype"), r.get("gas"), r.get("world_size"))
+
+
+def load(paths: Iterable[Path]) -> list[dict]:
+    """Records of every file, later files replacing earlier records of the same configuration."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                rec["_source"] = Path(path).name
+                merged[_key(rec)] = rec
+    return list(merged.values())
+
+
+def _ok(records: list[dict], **match: object) -> dict | None:
+    for r in records:
+        if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+def _find(records: list[dict], **match: object) -> dict | None:
+    for r in records:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b in (None, 0) else f"{a / b:.2f}"
+
+
+def _cell(records: list[dict], field: str, nd: int = 2, **match: object) -> tuple[str, float | None]:
+    r = _find(records, **match)
+    if r is None:
+        return "not run", None
+    if r.get("status") != "ok":
+        return f"**{r.get('status')}**", None
+    v = r.get(field)
+    mark = " ‡" if r.get("skipped_steps") else ""  # some step was skipped (fp16 overflow): see the note
+    return _f(v, nd) + mark, v
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def s1_table(records: list[dict]) -> list[str]:
+    """Peak over one step per configuration, with ratios to upstream, FSDP2 and the floor."""
+    rows = sorted({(r["world_size"], r["dtype"], r["gas"]) for r in records if r.get("scenario") == "s1"},
+                  key=lambda t: (t[0], t[1] != "bf16", t[2]))
+    out = ["| N | dtype | GAS | stage | floor GiB | ours peak alloc / reserved | lean-off | upstream | FSDP2 (bf16, sharded) |"
+           " ours/upstream | ours/FSDP2 | ours/floor | lean-off/floor | upstream/floor |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for ws, dtype, gas in rows:
+        fsdp = _find(records, scenario="s1", impl="fsdp2", world_size=ws, dtype=dtype, gas=gas)
+        for stage in (1, 2):
+            cells, peaks = {}, {}
+            for impl in ("ours", "ours_leanoff", "upstream"):
+                a, av = _cell(records, "peak_alloc_gib", scenario="s1", impl=impl, stage=stage, world_size=ws,
+                              dtype=dtype, gas=gas)
+                b, _ = _cell(records, "peak_reserved_gib", scenario="s1", impl=impl, stage=stage, world_size=ws,
+                             dtype=dtype, gas=gas)
+                cells[impl] = a if av is None else f"{a} / {b.replace(' ‡', '')}"
+                peaks[impl] = av
+            fa = fsdp.get("peak_alloc_gib") if fsdp and fsdp.get("status") == "ok" else None
+            fcell = "—" if fsdp is None else (f"{fa:.2f} / {fsdp['peak_reserved_gib']:.2f}" if fa is not None
+                                               else f"**{fsdp.get('status')}**")
+            ref = next((r for r in records if r.get("scenario") == "s1" and r.get("params")), None)
+            floor = state_floor_gib(stage, ws, ref["params"]) if ref else None
+            out.append(f"| {ws} | {dtype} | {gas} | {stage} | {_f(floor)} | {cells['ours']} | {cells['ours_leanoff']} | "
+                       f"{cells['upstream']} | {fcell} | {_ratio(peaks['ours'], peaks['upstream'])} | "
+                       f"{_ratio(peaks['ours'], fa)} | {_ratio(peaks['ours'], floor)} | "
+                       f"{_ratio(peaks['ours_leanoff'], floor)} | {_ratio(peaks['upstream'], floor)} |")
+    return out
+
+
+def s1_gas_growth(records: list[dict]) -> list[str]:
+    """peak(GAS=max) − peak(GAS=1) per implementation, against one (double-buffered) reduce bucket."""
+    out = [f"| N | dtype | stage | impl | peak GAS=1 | peak GAS=max | growth GiB | ≤ one bucket ({bucket_gib():.2f} GiB, "
+           "double-buffered)? | max alloc between micro-steps | steady drift (step k+1 − k) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    combos = sorted({(r["world_size"], r["dtype"], r.get("stage"), r["impl"]) for r in records
+                     if r.get("scenario") == "s1"}, key=lambda t: (t[0], t[1] != "bf16", str(t[2]), IMPLS.index(t[3])))
+    for ws, dtype, stage, impl in combos:
+        runs = {r["gas"]: r for r in records if r.get("scenario") == "s1" and r.get("status") == "ok"
+                and (r["world_size"], r["dtype"], r.get("stage"), r["impl"]) == (ws, dtype, stage, impl)}
+        if 1 not in runs or len(runs) < 2:
+            continue
+        gmax = max(runs)
+        g = runs[gmax]["peak_alloc_gib"] - runs[1]["peak_alloc_gib"]
+        between = runs[gmax].get("alloc_between_micro_max_gib")
+        out.append(f"| {ws} | {dtype} | {stage if stage is not None else 'FSDP2'} | {impl} | "
+                   f"{runs[1]['peak_alloc_gib']:.2f} | {runs[gmax]['peak_alloc_gib']:.2f} (G={gmax}) | {g:+.2f} | "
+                   f"{'yes' if g <= bucket_gib() else 'NO'} | {_f(between)} | {runs[gmax].get('steady_drift_gib', 0):+.3f} |")
+    return out
+
+
+def s2_table(records: list[dict]) -> list[str]:
+    """Initialisation: device peak, reserved − allocated, host RSS, wall time."""
+    out = ["| N | stage | impl | params (B) | init peak alloc GiB (× param bytes) | init floor GiB | peak/floor | "
+           "reserved − alloc after init GiB (% of param bytes) | host RSS growth peak / end GiB | init wall s | "
+           "first-step peak GiB | status |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    recs = sorted((r for r in records if r.get("scenario") == "s2"),
+                  key=lambda r: (r["world_size"], str(r.get("stage")), IMPLS.index(r["impl"])))
+    for r in recs:
+        st = r.get("stage")
+        if r.get("status") != "ok":
+            out.append(f"| {r['world_size']} | {st} | {r['impl']} | | | | | | | | | **{r.get('status')}**: "
+                       f"{str(r.get('error', ''))[:120]} |")
+            continue
+        pbytes = r["params"] * r.get("param_dtype_bytes", 2) / GiB
+        floor = init_floor_gib(st, r["world_size"], r["params"])
+        slack = r["reserved_minus_alloc_after_init_gib"]
+        out.append(f"| {r['world_size']} | {st if st is not None else 'FSDP2'} | {r['impl']} | {r['params'] / 1e9:.2f} | "
+                   f"{r['init_peak_alloc_gib']:.2f} ({r['init_peak_alloc_gib'] / pbytes:.2f}×) | {floor:.2f} | "
+                   f"{r['init_peak_alloc_gib'] / floor:.2f} | {slack:.2f} ({100 * slack / pbytes:.1f}%) | "
+                   f"{r['host_rss_peak_growth_gib']:.2f} / {r['host_rss_growth_gib']:.2f} | {r['init_wall_s']:.2f} | "
+                   f"{r['first_step_peak_alloc_gib']:.2f} | ok |")
+    return out
+
+
+def throughput_table(records: list[dict]) -> list[str]:
+    """Tokens/s per stage and implementation (solo runs)."""
+    out = ["| stage | ours tok/s | lean-off tok/s | upstream tok/s | FSDP2 tok/s | ours/upstream | ours/FSDP2 | "
+           "ours peak GiB | upstream peak GiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    fs = _find(records, scenario="throughput", impl="fsdp2")
+    fv = fs.get("tokens_per_s") if fs and fs.get("status") == "ok" else None
+    for stage in (0, 1, 2):
+        c = {impl: _cell(records, "tokens_per_s", 0, scenario="throughput", impl=impl, stage=stage)
+             for impl in ("ours", "ours_leanoff", "upstream")}
+        pk = {impl: _cell(records, "peak_alloc_gib", 2, scenario="throughput", impl=impl, stage=stage)[0]
+              for impl in ("ours", "upstream")}
+        fcell = "—" if fs is None else (f"{fv:.0f}" if fv is not None else f"**{fs.get('status')}**")
+        out.append(f"| {stage} | {c['ours'][0]} | {c['ours_leanoff'][0] if stage else 'n/a'} | {c['upstream'][0]} | "
+                   f"{fcell} | {_ratio(c['ours'][1], c['upstream'][1])} | {_ratio(c['ours'][1], fv)} | "
+                   f"{pk['ours']} | {pk['upstream']} |")
+    return out
+
+
+def failures(records: list[dict]) -> list[str]:
+    """Every configuration that did not produce a number, with its error."""
+    bad = [r for r in records if r.get("status") != "ok"]
+    if not bad:
+        return ["None: every configuration produced a number."]
+    out = ["| scenario | impl | stage | dtype | GAS | N | status | error |", "|---|---|---|---|---|---|---|---|"]
+    for r in bad:
+        err = str(r.get("error") or r.get("skip_reason", "")).replace("|", "\\|").replace("\n", " ")[:300]
+        out.append(f"| {r.get('scenario')} | {r.get('impl')} | {r.get('stage')} | {r.get('dtype')} | {r.get('gas', '-')} | "
+                   f"{r.get('world_size')} | {r.get('status')} | {err} |")
+    return out
+
+
+def not_ahead(records: list[dict]) -> list[str]:
+    """Mechanical list of the comparisons ours does not win (memory: higher peak; speed: fewer tokens/s)."""
+    lines = []
+    for r in records:
+        if r.get("status") != "ok" or r.get("impl") != "ours":
+            continue
+        match = {k: r.get(k) for k in ("scenario", "stage", "dtype", "gas", "world_size")}
+        for other in ("upstream", "fsdp2"):
+            o = _ok(records, **dict(match, impl=other, stage=None if other == "fsdp2" else r.get("stage")))
+            if o is None:
+                continue
+            field = {"s1": "peak_alloc_gib", "s2": "init_peak_alloc_gib", "throughput": "tokens_per_s"}.get(r["scenario"])
+            if field is None:
+                continue
+            a, b = r.get(field), o.get(field)
+            worse = a < b if field == "tokens_per_s" else a > b
+            if worse:
+                lines.append(f"- {r['scenario']} stage {r.get('stage')} {r.get('dtype')} GAS {r.get('gas', '-')} "
+                             f"N={r.get('world_size')}: ours {field} {a:.2f} vs {other} {b:.2f}")
+    return lines or ["- none in these results"]
+
+
+def short_table(records: list[dict]) -> str:
+    """A compact plain-text summary for the end of stdout."""
+    lines = ["scenario   impl          st dtype gas ws  status  main figures"]
+    for r in sorted(records, key=lambda r: (r.get("scenario", ""), r.get("world_size", 0), str(r.get("dtype")),
+                                            r.get("gas") or 0, str(r.get("stage")), r.get("impl", ""))):
+        if r.get("status") != "ok":
+            fig = str(r.get("error", r.get("skip_reason", "")))[:70]
+        elif r["scenario"] == "s2":
+            fig = (f"init_peak {r['init_peak_alloc_gib']:.2f} res-alloc {r['reserved_minus_alloc_after_init_gib']:.2f} "
+                   f"rss+ {r['host_rss_peak_growth_gib']:.2f} {r['init_wall_s']:.1f}s")
+        elif r["scenario"] == "throughput":
+            fig = f"{r['tokens_per_s']:.0f} tok/s peak {r['peak_alloc_gib']:.2f}"
+        else:
+            fig = f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} step {r.get('step_time_s', 0):.2f}s"
+        lines.append(f"{r.get('scenario', ''):<10} {r.get('impl', ''):<13} {r.get('stage')!s:<2} "
+                     f"{r.get('dtype')!s:<5} {r.get('gas', '-')!s:<3} {r.get('world_size')!s:<3} "
+                     f"{r.get('status', ''):<7} {fig}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def plots(records: list[dict], out_dir: Path) -> str | None:
+    """One PNG (S1 peak vs GAS, S2 init peak, throughput); returns its file name, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    ax = axes[0]
+    for impl in IMPLS:
+        for stage in (1, 2, None):
+            pts = sorted((r["gas"], r["peak_alloc_gib"]) for r in records if r.get("scenario") == "s1"
+                         and r.get("status") == "ok" and r["impl"] == impl and r.get("stage") == stage
+                         and r["dtype"] == "bf16" and r["world_size"] == 1)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=f"{impl}" + (f" z{stage}" if stage else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("gradient accumulation steps")
+    ax.set_ylabel("peak allocated over a step (GiB)")
+    ax.set_title("S1: peak vs GAS (bf16, N=1)")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    s2 = [r for r in records if r.get("scenario") == "s2" and r.get("status") == "ok" and r["world_size"] == 1]
+    ax.bar([f"{r['impl']}\nz{r.get('stage') or '-'}" for r in s2], [r["init_peak_alloc_gib"] for r in s2],
+           label="peak alloc")
+    ax.bar([f"{r['impl']}\nz{r.get('stage') or '-'}" for r in s2], [r["reserved_minus_alloc_after_init_gib"] for r in s2],
+           label="reserved − alloc after", alpha=0.7)
+    ax.set_ylabel("GiB")
+    ax.set_title("S2: initialise (N=1)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    tp = [r for r in records if r.get("scenario") == "throughput" and r.get("status") == "ok"]
+    ax.bar([f"{r['impl']}\nz{r.get('stage') if r.get('stage') is not None else '-'}" for r in tp],
+           [r["tokens_per_s"] for r in tp])
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Throughput (bf16, GAS 1, N=1, solo)")
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    name = "plots.png"
+    fig.savefig(out_dir / name, dpi=90)
+    return name
+
+
+# ------------------------------------------------------------------------------------------------ report
+def write_report(paths: list[Path], md_path: Path, command: str, plots_dir: Path | None = None,
+                 notes: Path | None = None, plot_link: str | None = None) -> None:
+    """Write the markdown report of the records in ``paths``."""
+    records = load(paths)
+    env = next((r for r in records if r.get("status") == "ok"), {})
+    plot = None
+    if plots_dir is not None:
+        Path(plots_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            plot = plots(records, Path(plots_dir))
+        except Exception as exc:  # noqa: BLE001 -- a plotting problem must never cost the tables
+            plot_error = f"{type(exc).__name__}: {exc}"
+            print(f"plots failed: {plot_error}")
+    if plot is None and plots_dir is not None and (Path(plots_dir) / "plots.png").exists():
+        plot = "plots.png"  # made where matplotlib was available (the GPU machine) from the same records
+    ref = next((r for r in records if r.get("scenario") == "s1" and r.get("params")), None)
+    lines = ["# Benchmarks: deepspeed-lean vs upstream DeepSpeed vs FSDP2", "",
+             "Generated by `benchmarks/report.py` from " + ", ".join(f"`{Path(p).name}`" for p in paths) + ".",
+             "", "Command that produced the numbers:", "", "```", command, "```", "",
+             f"Device: {env.get('device_name', '?')}, torch {env.get('torch', '?')}. Memory figures are the CUDA caching "
+             "allocator's per-process counters (GiB = 2^30 bytes), each configuration in its own process. "
+             "`ours` = deepspeed-lean with the lean switches on, `lean-off` = the same engine with "
+             "`lean_inplace_flatten`/`lean_eager_grad_release`/`lean_stream_ordered_release` false, `upstream` = "
+             "DeepSpeed 0.19.8 (no ops built, torch AdamW), `FSDP2` = `fully_shard` per block, fp32 params, bf16 compute. "
+             "N > 1 runs use PyTorch's fake process group (rank 0 of N on one GPU: per-rank allocations are real, "
+             "collectives move no data).", ""]
+    if ref:
+        lines += [f"S1/throughput model: {ref['model']} ({ref['params'] / 1e9:.2f} B params, "
+                  f"{json.dumps(ref.get('model_cfg'))}), micro-batch 1, activation checkpointing per block, "
+                  "AdamW, clipping 1.0, buckets 5e8, overlap_comm, reduce_scatter, contiguous_gradients.", ""]
+    lines += ["## S1: peak memory over one optimizer step vs gradient accumulation", "",
+              "Floor = model states only (memory_targets.md); peaks also hold activations, logits and buckets. "
+              "‡ = at least one step of that run was skipped by the fp16 loss scaler (the record says how many; the "
+              "measured step follows a warm-up step that was applied unless `skipped_steps` ≥ `warmup_steps`).", ""]
+    lines += s1_table(records) + ["", "### Peak growth with GAS (acceptance: ≤ one reduce bucket)", ""]
+    lines += s1_gas_growth(records)
+    lines += ["", "## S2: initialisation", "",
+              "Init floor = working params (bp·P) + fp32 master partition (4P/N) + one 5e8-element chunk; FSDP2 row: "
+              "its fp32 params (4P). Param bytes = P × dtype bytes of the model as built.", ""]
+    lines += s2_table(records)
+    lines += ["", "## Throughput (solo runs)", ""] + throughput_table(records)
+    lines += ["", "## S3: ZeRO-3 (slot)", "",
+              "Not measured: stage 3 of deepspeed-lean is not available in this build. `scenarios/s3_zero3.py` "
+              "holds the slot (`run_all.py --with-s3`).", ""]
+    if plot:
+        link = plot_link or plot
+        lines += ["## Plots", "", f"![benchmarks]({link})", ""]
+    else:
+        lines += ["## Plots", "", "matplotlib was not importable where this report was generated: no plots.", ""]
+    lines += ["## Where ours is not ahead (mechanical list)", ""] + not_ahead(records)
+    lines += ["", "## Configurations without a number", ""] + failures(records)
+    if notes is not None and Path(notes).exists():
+        lines += ["", Path(notes).read_text().rstrip()]
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("jsonl", nargs="+", type=Path)
+    ap.add_argument("--md", type=Path, default=Path("docs/benchmarks.md"))
+    ap.add_argument("--plots-dir", type=Path, default=None)
+    ap.add_argument("--plot-link", default=None, help="path of the PNG as linked from the markdown")
+    ap.add_argument("--command", required=True)
+    ap.add_argument("--notes", type=Path, default=None)
+    a = ap.parse_args(argv)
+    write_report(a.jsonl, a.md, a.command, a.plots_dir, a.notes, a.plot_link)
+    print(short_table(load(a.jsonl)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
