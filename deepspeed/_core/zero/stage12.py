@@ -28,7 +28,6 @@ from deepspeed._core.zero.layout import plan_group
 from deepspeed._core.zero.param_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, all_gather_partitions
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils.logging import logger
 
 
 def _package_version() -> str:
@@ -250,12 +249,3 @@ class ZeroOptimizer(EngineOptimizer):
             "accumulators": sum(g.grads.accumulator is not None for g in self.groups),
             "staging": sum(b.data is not None for b in self.reducer.buckets),
         }
-
-    def log_layout(self) -> None:
-        """One line per group: sizes, padding and this rank's partition."""
-        for i, g in enumerate(self.groups):
-            lay = g.flat.layout
-            logger.info(
-                f"ZeRO group {i}: {len(g.params)} params, numel {lay.numel}, padded {lay.padded_numel}, "
-                f"partition {g.master.partition} of {lay.world_size}, {len(g.flat.segments)} segment(s)"
-            )
