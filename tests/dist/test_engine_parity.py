@@ -21,16 +21,21 @@ CASES = [
     ("fp32_gas1_clip", 1, 0.5, {}),
     ("fp32_gas3_clip", 3, 0.5, {}),
     ("bf16_gas3_clip", 3, 0.5, {"bf16": {"enabled": True}}),
+    # Small buckets: many reduction buckets, and ZeRO-1/2 step their bf16-accumulated partitions in many
+    # chunks ([Note: chunked step]).
+    ("bf16_gas3_clip_small_buckets", 3, 0.5, {"bf16": {"enabled": True}, "_zero": {"reduce_bucket_size": 300}}),
 ]
 
 
 def _config(gas: int, clip: float, precision: dict, stage: int = 0) -> dict:
+    precision = dict(precision)
+    zero_extra = precision.pop("_zero", {})
     return {
         "train_micro_batch_size_per_gpu": 3,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **zero_extra},
         **precision,
     }
 
@@ -75,6 +80,7 @@ def test_parity_with_reference(world_size: int, stage: int) -> None:
     results = run_distributed(_train_cases, world_size, world_size, stage)
     for name, gas, clip, precision in CASES:
         dtype = torch.bfloat16 if "bf16" in precision else torch.float32
+        precision = {k: v for k, v in precision.items() if k != "_zero"}
         ref = _reference(gas, clip, world_size, dtype)
         # Every rank holds identical weights after each step.
         for rank_result in results[1:]:

@@ -22,13 +22,24 @@ class NormScope(enum.Enum):
     PARTITIONED = "partitioned"
 
 
-def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of ``grads`` in fp32, as a 0-d tensor on the grads' device (0 if empty)."""
+def local_sq_norm(grads: Sequence[torch.Tensor], chunk_numel: int | None = None) -> torch.Tensor:
+    """Sum of squares of ``grads`` in fp32, as a 0-d tensor on the grads' device (0 if empty).
+
+    Low-precision gradients are upcast ``chunk_numel`` elements at a time (all at once when ``None``),
+    so the norm never needs an fp32 copy of a whole gradient partition ([Note: chunked step]).
+    """
     grads = [g for g in grads if g is not None and g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2.0)
-    return torch.stack([n.square() for n in norms]).sum()
+    pieces = []
+    for g in grads:
+        flat = g.reshape(-1)
+        step = flat.numel() if chunk_numel is None or g.dtype == torch.float32 else max(1, chunk_numel)
+        pieces.extend(flat[i : i + step] for i in range(0, flat.numel(), step))
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for piece in pieces:
+        total += piece.float().square().sum() if piece.dtype != torch.float32 else piece.square().sum()
+    return total
 
 
 def global_norm(grads: Sequence[torch.Tensor], scope: NormScope, group: Any = None) -> float:

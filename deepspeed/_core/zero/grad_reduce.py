@@ -70,7 +70,7 @@ class GroupGrads:
     params: list[torch.nn.Parameter]
     rank: int
     accum_dtype: torch.dtype
-    partition_grad: torch.Tensor | None = None  # fp32, this rank's partition (stage 2 and stage-1 A/B path)
+    partition_grad: torch.Tensor | None = None  # accum dtype, this rank's partition (stage 2, stage-1 A/B path)
     accumulator: torch.Tensor | None = None  # full padded group, accum dtype (lean stage 1)
 
     @property
@@ -79,9 +79,9 @@ class GroupGrads:
         return self.layout.partition(self.rank)
 
     def ensure_partition_grad(self, device: torch.device) -> torch.Tensor:
-        """The fp32 partition gradient, allocated (zeroed) on first use in a step."""
+        """The partition gradient (``grad_accum_dtype``), allocated (zeroed) on first use in a step."""
         if self.partition_grad is None:
-            self.partition_grad = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+            self.partition_grad = torch.zeros(self.layout.partition_numel, dtype=self.accum_dtype, device=device)
         return self.partition_grad
 
     def ensure_accumulator(self, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from deepspeed._core.engine.grad_sync import ReduceScaling
 from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage12_checkpoint
+from deepspeed._core.zero.chunked_step import step_in_chunks
 from deepspeed._core.zero.flat_buffer import FlatBuffer
 from deepspeed._core.zero.grad_reduce import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
 from deepspeed._core.zero.inplace_flatten import FlattenPath, flatten_params
@@ -144,20 +145,20 @@ class ZeroOptimizer(EngineOptimizer):
         self.reducer.finish()
 
     def _grad_partition(self, group: ZeroGroup) -> torch.Tensor | None:
-        """fp32 gradient of this rank's partition, without copying when it is already fp32."""
+        """This rank's partition gradient, as accumulated (``grad_accum_dtype``; not copied)."""
         grads = group.grads
         if self.path is GradPath.STAGE1_ACCUMULATE:
             if grads.accumulator is None:
                 return None
-            part = grads.accumulator[group.master.partition.as_slice()]
-            return part.to(device=group.master.param.device, dtype=torch.float32)  # no copy when already there
+            return grads.accumulator[group.master.partition.as_slice()]
         return grads.partition_grad
 
     def step(self, closure: Any = None) -> bool:
         """Overflow check + global norm (one all-reduce), unscale and clip, inner step, write back, all-gather."""
         parts = [self._grad_partition(g) for g in self.groups]
+        chunk = self.plan.zero.buckets.reduce_bucket_size
         # The scalar travels on the communication device even when the partitions live on the host.
-        sq = local_sq_norm([p for p in parts if p is not None]).to(self.groups[0].flat.device)
+        sq = local_sq_norm([p for p in parts if p is not None], chunk).to(self.groups[0].flat.device)
         if self.world_size > 1:
             dist.all_reduce(sq, group=self.dp_group)
         scale = self.cur_scale
@@ -174,18 +175,28 @@ class ZeroOptimizer(EngineOptimizer):
         clip = self.plan.grads.clip_norm
         if clip > 0 and norm > clip:
             coef *= clip / (norm + 1e-6)
-        for group, part in zip(self.groups, parts):
-            if part is None:
-                part = torch.zeros_like(group.master.param)
-            elif coef != 1.0:
-                part.mul_(coef)
-            group.master.param.grad = part
-        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        for index, (group, part) in enumerate(zip(self.groups, parts)):
+            self._step_group(index, group, part, coef)
         self.publish_weights()
         self._clear_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
+
+    def _step_group(self, index: int, group: ZeroGroup, part: torch.Tensor | None, coef: float) -> None:
+        """Update one group's master; groups step one at a time so no other master holds a gradient."""
+        master = group.master.param
+        if part is None:
+            part = torch.zeros_like(master)
+        if part.dtype == master.dtype and part.device == master.device:
+            if coef != 1.0:
+                part.mul_(coef)
+            master.grad = part  # handed over, no copy
+            self.optimizer.step()
+            master.grad = None
+            return
+        # Narrow dtype or host master (offload): convert and scale one chunk at a time ([Note: chunked step]).
+        step_in_chunks(self.optimizer, index, part, self.plan.zero.buckets.reduce_bucket_size, coef)
 
     def publish_weights(self) -> None:
         """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""

@@ -1,0 +1,80 @@
+"""Step an fp32 master partition whose gradient is kept in a narrower dtype, one chunk at a time.
+
+[Note: chunked step] Inner optimizers want an fp32 gradient shaped like the fp32 master. Converting a
+bf16/fp16 partition gradient in one go materialises a second, fp32 copy of the whole gradient partition
+at the step (4 bytes per partition element on top of the floor; measured on the H200, docs/benchmarks.md).
+Instead the master is stepped through views of ``chunk_numel`` elements: each view is handed to the
+optimizer as a temporary parameter whose state entries are views of the master's state, with an fp32
+copy of just that chunk of the gradient. In-place optimizers (Adam/AdamW/Adagrad/Lion/SGD, torch's and
+ours) then update the master's state directly; state an optimizer creates lazily on its first step is
+copied into master-shaped tensors once. Peak extra memory: one chunk of fp32 gradient.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _is_per_element(value: Any, numel: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
+
+
+def _chunk_state(master_state: dict, scalars: dict, start: int, end: int) -> dict[str, Any]:
+    """Views of the master's per-element state for ``[start, end)`` plus fresh copies of the scalars
+    (e.g. the step count) as they were before this update, so every view advances them exactly once."""
+    state = {k: v[start:end] for k, v in master_state.items() if k not in scalars}
+    state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+    return state
+
+
+def _merge_back(master_state: dict, chunk_state: dict, master: torch.Tensor, start: int, end: int) -> dict:
+    """Fold a view's per-element state into the master's; returns the view's scalars (same for every view)."""
+    scalars = {}
+    for key, value in chunk_state.items():
+        if _is_per_element(value, end - start):
+            if key not in master_state:  # created lazily by the optimizer on its first step
+                master_state[key] = torch.zeros(master.numel(), dtype=value.dtype, device=value.device)
+            target = master_state[key][start:end]
+            if target.data_ptr() != value.data_ptr():
+                target.copy_(value)
+        else:
+            scalars[key] = value
+    return scalars
+
+
+def step_in_chunks(
+    optimizer: torch.optim.Optimizer, group_index: int, grad: torch.Tensor, chunk_numel: int, coef: float = 1.0
+) -> None:
+    """Apply one update to the single master parameter of ``optimizer.param_groups[group_index]``.
+
+    ``grad`` (any float dtype, same numel as the master) is converted to the master's dtype and device
+    ``chunk_numel`` elements at a time and multiplied by ``coef`` (unscale and clip) after conversion, so
+    an fp16 gradient is never divided in fp16. No other parameter may hold a gradient during the call.
+    """
+    group = optimizer.param_groups[group_index]
+    (master,) = group["params"]
+    master_state = optimizer.state.pop(master, {})
+    # Decided once: on the very first update every chunk lets the optimizer create its state (and its
+    # step count) afresh; chunk views must not pick up counters an earlier chunk already advanced.
+    existing = bool(master_state)
+    numel = master.numel()
+    scalars = {k: v for k, v in master_state.items() if not _is_per_element(v, numel)}
+    updated: dict = {}
+    try:
+        for start in range(0, numel, max(1, chunk_numel)):
+            end = min(start + chunk_numel, numel)
+            view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
+            if existing:
+                optimizer.state[view] = _chunk_state(master_state, scalars, start, end)
+            view.grad = grad[start:end].to(device=master.device, dtype=master.dtype, copy=True)
+            if coef != 1.0:
+                view.grad.mul_(coef)
+            group["params"] = [view]
+            optimizer.step()
+            updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)
+            view.grad = None
+        master_state.update(updated)
+    finally:
+        group["params"] = [master]
+        optimizer.state[master] = master_state

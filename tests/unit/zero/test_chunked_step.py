@@ -1,0 +1,40 @@
+"""Stepping a master through chunk views equals one plain step, for every optimizer we ship or accept."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspeed._core.zero.chunked_step import step_in_chunks
+
+
+def _optimizers() -> dict:
+    from deepspeed.ops.adam import FusedAdam
+
+    return {
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+        "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        "SGD-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+        "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+        "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+    }
+
+
+@pytest.mark.parametrize("name", list(_optimizers()))
+@pytest.mark.parametrize("chunk", [1000, 300, 7])
+def test_chunked_equals_plain(name: str, chunk: int) -> None:
+    make = _optimizers()[name]
+    torch.manual_seed(0)
+    plain = torch.nn.Parameter(torch.randn(1000))
+    chunked = torch.nn.Parameter(plain.detach().clone())
+    opt_plain, opt_chunked = make([plain]), make([chunked])
+    for _ in range(4):
+        grad = torch.randn(1000).bfloat16()
+        plain.grad = grad.float() * 0.5
+        opt_plain.step()
+        plain.grad = None
+        step_in_chunks(opt_chunked, 0, grad, chunk, coef=0.5)
+    torch.testing.assert_close(chunked.detach(), plain.detach(), rtol=0, atol=0)
+    assert opt_chunked.param_groups[0]["params"] == [chunked]  # the group is restored
+    for key, value in opt_plain.state[plain].items():
+        got = opt_chunked.state[chunked][key]
+        assert (torch.equal(got, value) if torch.is_tensor(value) else got == value), key
