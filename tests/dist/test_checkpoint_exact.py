@@ -1,7 +1,6 @@
-"""Exact resume for ZeRO stages 1-3 in bf16 and fp16: N steps straight == k steps, save, fresh load, N-k steps.
-
-fp32 resume (and resume at another world size) is covered against the reference in
-test_checkpoint_zero12.py and test_zero3_engine.py; here the check is bitwise against the same engine.
+"""Exact resume for ZeRO stages 1-3 in fp32, bf16 and fp16: N steps straight == k steps, save, fresh load,
+N-k steps, bitwise. Resume at another world size is checked against the reference in
+test_checkpoint_zero12.py and test_zero3_engine.py.
 """
 from __future__ import annotations
 
@@ -27,7 +26,9 @@ def _config(stage: int, precision: str) -> dict:
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 400, "stage3_param_persistence_threshold": 30},
     }
     # A small initial fp16 scale that grows every 2 steps, so the loss-scaler state really moves.
-    cfg[precision] = {"enabled": True, **({"initial_scale_power": 4, "loss_scale_window": 2} if precision == "fp16" else {})}
+    if precision != "fp32":
+        extra = {"initial_scale_power": 4, "loss_scale_window": 2} if precision == "fp16" else {}
+        cfg[precision] = {"enabled": True, **extra}
     return cfg
 
 
@@ -72,7 +73,7 @@ def _straight_and_resumed(world: int, stage: int, precision: str, save_dir: str)
     return first, _snapshot(after)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_exact_resume(tmp_path: object, stage: int, precision: str) -> None:
     save_dir = os.path.join(str(tmp_path), "ckpt")

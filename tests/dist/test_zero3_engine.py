@@ -90,7 +90,7 @@ def _save(world: int, save_dir: str, steps: int) -> None:
     from deepspeed.accelerator import get_accelerator
 
     gathered = []
-    for i in range(3):  # repeated saves leave nothing gathered behind
+    for i in range(10):  # repeated saves leave nothing gathered behind
         engine.save_checkpoint(save_dir, tag=f"extra{i}")
         gathered.append(engine.zero3_manager.count_gathered().params_alive)
     engine.save_checkpoint(save_dir)
@@ -122,7 +122,7 @@ def _reference(worlds: list[int]) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("save_world,load_world", [(2, 2), (2, 1), (2, 4)])
+@pytest.mark.parametrize("save_world,load_world", [(2, 2), (2, 1), (2, 4), (4, 2)])
 def test_zero3_resume(tmp_path: object, save_world: int, load_world: int) -> None:
     save_dir = os.path.join(str(tmp_path), "ckpt")
     run_distributed(_save, save_world, save_world, save_dir, 3)
