@@ -37,6 +37,15 @@ _LAZY = {
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
     "add_tuning_arguments": ("deepspeed.runtime.lr_schedules", "add_tuning_arguments"),
     "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
+    "init_inference": ("deepspeed.unsupported", "init_inference"),
+    "default_inference_config": ("deepspeed.unsupported", "default_inference_config"),
+    "tp_model_init": ("deepspeed.unsupported", "tp_model_init"),
+    "PipelineEngine": ("deepspeed.unsupported", "PipelineEngine"),
+    "PipelineModule": ("deepspeed.unsupported", "PipelineModule"),
+    "InferenceEngine": ("deepspeed.unsupported", "InferenceEngine"),
+    "DeepSpeedHybridEngine": ("deepspeed.unsupported", "DeepSpeedHybridEngine"),
+    "DeepSpeedTransformerLayer": ("deepspeed.unsupported", "DeepSpeedTransformerLayer"),
+    "DeepSpeedTransformerConfig": ("deepspeed.unsupported", "DeepSpeedTransformerConfig"),
 }
 
 
@@ -57,6 +66,22 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 __version__ = version
+
+
+def is_compile_supported() -> bool:
+    """True when this torch has ``torch.compile`` (what ``engine.compile`` uses)."""
+    import torch
+
+    return hasattr(torch, "compile")
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+HAS_TRITON = _has_triton()
 __git_hash__ = git_hash
 __git_branch__ = git_branch
 _parsed = _pkg_version.parse(__version__)
