@@ -141,7 +141,7 @@ class LeanPolicy:
         eager_grad_release: autograd ``.grad`` buffers are folded into accumulators/buckets and freed
             as each bucket is reduced.
         stream_ordered_release: ZeRO-3 gathered partitions are freed on an event-ordered schedule,
-            never via ``record_stream``.
+            never by recording tensors as used on a side stream.
     """
 
     inplace_flatten: bool = True

@@ -52,7 +52,7 @@ class ReleaseMode(enum.Enum):
 
     ``STREAM_ORDERED``: gathered storage is allocated and freed on the compute stream at the point of last use
     (lean mechanism 3). ``DEFERRED``: allocated on the all-gather stream and freed only once an event recorded at
-    release time has completed -- what ``record_stream`` does upstream; kept as the A/B baseline.
+    release time has completed -- the effect of upstream's cross-stream recording; kept as the A/B baseline.
     """
 
     STREAM_ORDERED = "stream_ordered"

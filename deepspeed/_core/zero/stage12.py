@@ -9,7 +9,6 @@ steps the inner optimizer, writes the masters back and all-gathers the bit16 par
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from deepspeed._core.zero.grad_reduce import GradPath, GradReducer, GroupGrads, 
 from deepspeed._core.zero.inplace_flatten import FlattenPath, flatten_params
 from deepspeed._core.zero.layout import plan_group
 from deepspeed._core.zero.param_mapping import attach_hp_mapping, detach_hp_mapping
+from deepspeed._core.zero.step_common import ShardedStepMixin
 from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, all_gather_partitions
 from deepspeed.accelerator import get_accelerator
 
@@ -63,7 +63,7 @@ def _trainable_unique(group_params: list[torch.nn.Parameter]) -> list[torch.nn.P
     return out
 
 
-class ZeroOptimizer(EngineOptimizer):
+class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
     """The ZeRO-1/2 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer``).
 
     Args:
@@ -159,22 +159,12 @@ class ZeroOptimizer(EngineOptimizer):
         chunk = self.plan.zero.buckets.reduce_bucket_size
         # The scalar travels on the communication device even when the partitions live on the host.
         sq = local_sq_norm([p for p in parts if p is not None], chunk).to(self.groups[0].flat.device)
-        if self.world_size > 1:
-            dist.all_reduce(sq, group=self.dp_group)
-        scale = self.cur_scale
-        norm = math.sqrt(float(sq)) / scale if math.isfinite(float(sq)) else float("inf")
-        self.overflow = self.check_overflow and not math.isfinite(norm)
-        if self.overflow:
-            self._global_grad_norm = None
-            self._clear_grads()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update_scale(True)
-            return False
-        self._global_grad_norm = norm
-        coef = 1.0 / scale
-        clip = self.plan.grads.clip_norm
-        if clip > 0 and norm > clip:
-            coef *= clip / (norm + 1e-6)
+        decision = self._decide_step(sq)
+        self.overflow = decision.overflow
+        if decision.overflow:
+            return self._skip_step()
+        self._global_grad_norm = decision.norm
+        coef = decision.coef
         for index, (group, part) in enumerate(zip(self.groups, parts)):
             self._step_group(index, group, part, coef)
         self.publish_weights()

@@ -90,14 +90,19 @@ def _saved_valid_states(shards: list[dict], group_index: int, key: str) -> list[
     return pieces
 
 
-def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
-    """Restore ``opt`` from every saved rank's shard (any saved world size)."""
+def restore_scaler_state(opt: Any, shards: list[dict], stage_name: str) -> None:
+    """Common prologue of ZeRO loads: every shard present, loss scaler and overflow flag from rank 0's."""
     if any(s is None for s in shards):
-        raise ValueError("ZeRO-1/2 loading needs every saved rank's optimizer shard")
+        raise ValueError(f"{stage_name} loading needs every saved rank's optimizer shard")
     first = shards[0]
     if first.get("loss_scaler") is not None and opt.loss_scaler is not None:
         opt.loss_scaler = first["loss_scaler"]
     opt.overflow = bool(first.get("overflow", False))
+
+
+def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
+    """Restore ``opt`` from every saved rank's shard (any saved world size)."""
+    restore_scaler_state(opt, shards, "ZeRO-1/2")
     for g, group in enumerate(opt.groups):
         layout = group.flat.layout
         if load_from_fp32_weights:

@@ -14,7 +14,6 @@ summed over ranks: exactly its shards of every p_i, back to back.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from deepspeed._core.zero import stage3_checkpoint
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.stage3_access import Stage3ParamAccess
+from deepspeed._core.zero.step_common import ShardedStepMixin
 from deepspeed._core.zero.stage12 import _package_version
 from deepspeed._core.zero.param import ZeroParam, zero_state
 from deepspeed.accelerator import get_accelerator
@@ -66,7 +66,7 @@ class _Bucket:
     numel: int = 0
 
 
-class Stage3Optimizer(Stage3ParamAccess, EngineOptimizer):
+class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     """The ZeRO-3 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer_Stage3``).
 
     Args:
@@ -197,21 +197,12 @@ class Stage3Optimizer(Stage3ParamAccess, EngineOptimizer):
         accs = [grp.accumulator for grp in self.groups if grp.accumulator is not None]
         # The scalar is reduced on the compute device, where the gathered parameters live.
         sq = local_sq_norm(accs).to(self.groups[0].states[0].full.device)
-        if self.world_size > 1:
-            dist.all_reduce(sq, group=self.dp_group)
-        scale = self.cur_scale
-        norm = math.sqrt(float(sq)) / scale if math.isfinite(float(sq)) else float("inf")
-        self.overflow = self.check_overflow and not math.isfinite(norm)
-        if self.overflow:
-            self._global_grad_norm = None
-            self._clear_grads()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update_scale(True)
-            return False
-        self._global_grad_norm = norm
-        coef = 1.0 / scale
-        if self.plan.grads.clip_norm > 0 and norm > self.plan.grads.clip_norm:
-            coef *= self.plan.grads.clip_norm / (norm + 1e-6)
+        decision = self._decide_step(sq)
+        self.overflow = decision.overflow
+        if decision.overflow:
+            return self._skip_step()
+        self._global_grad_norm = decision.norm
+        coef = decision.coef
         for grp in self.groups:
             grad = grp.ensure_accumulator()
             if coef != 1.0:

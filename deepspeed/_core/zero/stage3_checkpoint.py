@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.zero.layout import Stage3ParamLayout
+from deepspeed._core.zero.stage12_checkpoint import restore_scaler_state
 
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 
@@ -52,12 +53,7 @@ def _regroup(flats: list[torch.Tensor], numels: list[int], live_world: int, live
 
 def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
     """Restore ``opt`` from every saved rank's ZeRO-3 shard (any saved world size)."""
-    if any(s is None for s in shards):
-        raise ValueError("ZeRO-3 loading needs every saved rank's optimizer shard")
-    first = shards[0]
-    if first.get("loss_scaler") is not None and opt.loss_scaler is not None:
-        opt.loss_scaler = first["loss_scaler"]
-    opt.overflow = bool(first.get("overflow", False))
+    restore_scaler_state(opt, shards, "ZeRO-3")
     for g, grp in enumerate(opt.groups):
         numels = [s.numel for s in grp.states]
         if load_from_fp32_weights:

@@ -2,8 +2,8 @@
 
 Every cross-stream lifetime in ZeRO-3 is expressed with an event that travels with the data ([Note: streams] in
 ``docs/design/streams.md``): the producer records an event after writing a tensor, the consumer stream waits on
-that event, and memory is released only on a stream that is already ordered after the last use. ``record_stream``
-is never used.
+that event, and memory is released only on a stream that is already ordered after the last use. Tensors are never
+marked as in use by another stream (the caching allocator's cross-stream recording), which would delay reuse.
 
 The device runtime is reached through a :class:`StreamBackend`, so tests can inject fake streams and events (for
 example events that stay "not complete" for a while, emulating a GPU that lags far behind the CPU).
@@ -133,9 +133,9 @@ class _PendingFree:
 
 
 class DeferredFreeQueue:
-    """Frees that wait for the device to reach an event: the A/B emulation of ``record_stream``.
+    """Frees that wait for the device to reach an event: the A/B emulation of upstream's cross-stream recording.
 
-    With ``record_stream`` the allocator keeps a block until the recorded stream has run past the free point,
+    When a tensor is recorded as used by a side stream, the allocator keeps its block until the recorded stream has run past the free point,
     i.e. until the GPU catches up with the CPU. Here the same effect is explicit: ``push`` stores the free with
     an event recorded at release time, and ``drain`` (called at every fetch) runs the frees whose event has
     completed, in order. Nothing blocks the host. See [Note: streams-baseline].

@@ -207,8 +207,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     holding all gradients until the bucket flush. ``false`` reproduces upstream's retention (for A/B)."""
 
     lean_stream_ordered_release: bool = True
-    """deepspeed-lean: ZeRO-3 frees gathered parameters on an event-ordered schedule rather than via
-    ``record_stream``, so freed memory is reusable immediately. ``false`` mimics upstream's late reuse (for A/B)."""
+    """deepspeed-lean: ZeRO-3 frees gathered parameters on an event-ordered schedule rather than by marking
+    them as used on a side stream, so freed memory is reusable immediately. ``false`` mimics upstream's late
+    reuse (for A/B)."""
 
     @field_validator("stage", mode="before")
     @classmethod
