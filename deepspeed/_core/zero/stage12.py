@@ -186,7 +186,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
             master.grad = None
             return
         # Narrow dtype or host master (offload): convert and scale one chunk at a time ([Note: chunked step]).
-        step_in_chunks(self.optimizer, index, part, self.plan.zero.buckets.reduce_bucket_size, coef)
+        # A chunk holds as many bytes as one reduce bucket, the transient memory_targets.md allows.
+        comm_bytes = torch.empty((), dtype=self.plan.precision.comm_dtype).element_size()
+        chunk = max(1, self.plan.zero.buckets.reduce_bucket_size * comm_bytes // master.element_size())
+        step_in_chunks(self.optimizer, index, part, chunk, coef)
 
     def publish_weights(self) -> None:
         """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""
