@@ -13,6 +13,8 @@ Portability rules kept here so callers can use one verb on any backend:
 """
 from __future__ import annotations
 
+import atexit
+
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -133,6 +135,15 @@ def _init_fake_process_group(rank: int, world_size: int, timeout: timedelta) -> 
     _td.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size, timeout=timeout)
 
 
+def _destroy_default_group_at_exit() -> None:
+    """Destroy the default group we created, if the program did not (local teardown, no collective)."""
+    if torch_dist_initialized():
+        try:
+            _td.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort while the interpreter shuts down
+            pass
+
+
 class TorchBackend:
     """``deepspeed.comm`` backend over torch.distributed process groups."""
 
@@ -153,6 +164,9 @@ class TorchBackend:
             _init_fake_process_group(rank, world_size, timeout)
             return
         _td.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
+        # A group still alive at interpreter exit is torn down in arbitrary order; its worker threads can then
+        # abort the process ("terminate called without an active exception", exit 134) after a successful run.
+        atexit.register(_destroy_default_group_at_exit)
 
     # ------------------------------------------------------------------ group queries
     def is_initialized(self) -> bool:
