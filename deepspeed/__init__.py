@@ -25,7 +25,7 @@ _LAZY = {
     "DeepSpeedConfig": ("deepspeed.runtime.config", "DeepSpeedConfig"),
     "DeepSpeedConfigError": ("deepspeed.runtime.config", "DeepSpeedConfigError"),
     "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
-    "DeepSpeedOptimizer": ("deepspeed._core.engine.optimizer_base", "EngineOptimizer"),
+    "DeepSpeedOptimizer": ("deepspeed._core.optim.base", "EngineOptimizer"),
     "DeepSpeedDataLoader": ("deepspeed.runtime.dataloader", "DeepSpeedDataLoader"),
     "runtime": ("deepspeed.runtime.lr_schedules", "__package__"),
     "ops": ("deepspeed.ops", None),

@@ -183,7 +183,7 @@ def _exercise_engine() -> dict:
 
 
 def _exercise_facade() -> dict:
-    from deepspeed._core.engine.optimizer_base import MicroStepKind
+    from deepspeed._core.optim.base import MicroStepKind
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

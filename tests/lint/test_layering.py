@@ -185,3 +185,24 @@ def test_cuda_detector_catches_direct_use(source: str, expected: int) -> None:
     probe = PKG / "runtime" / "probe.py"  # never written: only used to resolve relative imports
     found = _touches_torch_cuda(ast.parse(source), probe)
     assert len(found) == expected
+
+
+# Lower layers of _core never import higher ones (style.md §3: plan -> layout/buffers -> ... -> engine).
+CORE_LOWER_LAYERS = {
+    "_core/optim/": ("deepspeed._core.engine", "deepspeed._core.zero"),
+    "_core/zero/": ("deepspeed._core.engine",),
+    "_core/plan.py": ("deepspeed._core.engine", "deepspeed._core.zero", "deepspeed._core.optim"),
+}
+
+
+def test_core_dependency_direction() -> None:
+    bad = []
+    for path in _sources():
+        rel = _rel(path)
+        for prefix, banned in CORE_LOWER_LAYERS.items():
+            if not rel.startswith(prefix):
+                continue
+            for lineno, name in _imported_modules(_parse(path), path):
+                if name.startswith(banned):
+                    bad.append(f"{rel}:{lineno} imports {name}")
+    assert not bad, "a lower _core layer imports a higher one:\n" + "\n".join(bad)

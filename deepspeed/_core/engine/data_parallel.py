@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from deepspeed._core.engine.clipping import NormScope, clip_, global_norm
-from deepspeed._core.engine.grad_sync import BucketedAllReduce, ReduceScaling
-from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.clipping import NormScope, clip_, global_norm
+from deepspeed._core.engine.grad_sync import BucketedAllReduce
+from deepspeed._core.optim.scaling import ReduceScaling
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero.param_mapping import attach_hp_mapping, detach_hp_mapping

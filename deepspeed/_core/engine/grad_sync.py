@@ -14,24 +14,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.plan import GradPolicy, ReduceOp
-
-
-@dataclass(frozen=True)
-class ReduceScaling:
-    """Factors applied before and after the sum-reduction (``prescale`` / ``predivide_factor`` semantics)."""
-
-    pre: float
-    post: float
-
-    @staticmethod
-    def from_policy(policy: GradPolicy, world_size: int) -> ReduceScaling:
-        """Derive the factors so that the result is the mean (or sum) over ``world_size`` ranks."""
-        if policy.reduce_op is ReduceOp.SUM:
-            return ReduceScaling(1.0, 1.0)
-        if policy.prescale:
-            return ReduceScaling(1.0 / policy.predivide_factor, policy.predivide_factor / world_size)
-        return ReduceScaling(1.0, 1.0 / world_size)
+from deepspeed._core.optim.scaling import ReduceScaling
 
 
 @dataclass

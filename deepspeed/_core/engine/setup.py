@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.engine.data_parallel import DataParallelOptimizer
-from deepspeed._core.engine.optimizer_base import EngineOptimizer
+from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.engine.precision import cast_module_params
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero.manager import ZeroParamManager

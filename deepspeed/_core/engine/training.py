@@ -13,7 +13,7 @@ import torch
 
 from deepspeed._core.engine.accumulation import AccumulationState
 from deepspeed._core.engine.memory import MemoryReporter
-from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.engine.progress import ProgressReporter
 from deepspeed._core.plan import RunPlan

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.engine.grad_sync import ReduceScaling
-from deepspeed._core.engine.optimizer_base import MicroStepKind
+from deepspeed._core.optim.scaling import ReduceScaling
+from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers
 from deepspeed._core.zero.layout import GroupLayout, Range, plan_buckets
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.engine.clipping import local_sq_norm
-from deepspeed._core.engine.grad_sync import ReduceScaling
-from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.clipping import local_sq_norm
+from deepspeed._core.optim.scaling import ReduceScaling
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage12_checkpoint
 from deepspeed._core.zero.chunked_step import step_in_chunks

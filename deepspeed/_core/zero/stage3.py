@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
-from deepspeed._core.engine.clipping import local_sq_norm
-from deepspeed._core.engine.grad_sync import ReduceScaling
-from deepspeed._core.engine.optimizer_base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.clipping import local_sq_norm
+from deepspeed._core.optim.scaling import ReduceScaling
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage3_checkpoint
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers
