@@ -8,7 +8,7 @@ import torch
 
 from tests._harness import run_distributed
 from tests.reference.models import make_model, micro_batch
-from tests.reference.zero_oracle import engine_micro_index
+from tests.reference.zero_oracle import engine_micro_index, reference_train
 
 GAS = 2
 LR = 1e-2
@@ -57,15 +57,8 @@ def _resume(world: int, stage: int, bf16: bool, save_dir: str, start: int, end: 
 def _reference(worlds: list[int]) -> dict:
     """fp32 single-process training where step ``s`` sees ``worlds[s] * GAS`` micro-batches."""
     model = make_model(0)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
-    for step, world in enumerate(worlds):
-        n = world * GAS
-        for index in range(n):
-            (model(*micro_batch(step, index)) / n).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01)  # noqa: E731
+    reference_train(model, len(worlds), worlds, GAS, opt, clip=1.0)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

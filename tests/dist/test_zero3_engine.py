@@ -109,16 +109,10 @@ def _resume(world: int, save_dir: str, start: int, end: int) -> dict:
 
 
 def _reference(worlds: list[int]) -> dict:
+    """fp32 single-process training where step ``s`` sees ``worlds[s] * GAS`` micro-batches."""
     model = make_model(0)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-    for step, world in enumerate(worlds):
-        n = world * GAS
-        for index in range(n):
-            (model(*micro_batch(step, index)) / n).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)  # noqa: E731
+    reference_train(model, len(worlds), worlds, GAS, opt, clip=1.0)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -7,7 +7,7 @@ clipped to the global norm, then a plain torch optimizer step. Micro-batch ``i``
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,7 +17,7 @@ from tests.reference.models import micro_batch
 def reference_train(
     model: torch.nn.Module,
     steps: int,
-    world_size: int,
+    world_size: int | Sequence[int],
     gas: int,
     make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     clip: float = 0.0,
@@ -25,6 +25,9 @@ def reference_train(
     working_dtype: torch.dtype = torch.float32,
 ) -> list[float]:
     """Train ``model`` in place; returns the mean loss of every step.
+
+    ``world_size`` may be a per-step sequence, for runs resumed at another data-parallel size: step ``s``
+    then sees ``world_size[s] * gas`` micro-batches.
 
     With a low-precision ``working_dtype`` the model computes in that dtype while the optimizer steps
     on fp32 master copies (the textbook mixed-precision recipe), so the reference has the same
@@ -36,10 +39,11 @@ def reference_train(
     optimizer = make_optimizer(masters)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
     losses = []
+    worlds = [world_size] * steps if isinstance(world_size, int) else list(world_size)
     for step in range(steps):
         model.zero_grad(set_to_none=True)
         total = 0.0
-        n = world_size * gas
+        n = worlds[step] * gas
         for index in range(n):
             loss = model(*micro_batch(step, index)) / n
             loss.backward()
