@@ -94,6 +94,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
+        # A step chunk holds as many bytes as one reduce bucket, the transient memory_targets.md allows.
+        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
+        master_bytes = torch.empty((), dtype=precision.master_dtype).element_size()
+        self._step_chunk_numel = max(1, plan.zero.buckets.reduce_bucket_size * comm_bytes // master_bytes)
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
@@ -186,10 +190,7 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
             master.grad = None
             return
         # Narrow dtype or host master (offload): convert and scale one chunk at a time ([Note: chunked step]).
-        # A chunk holds as many bytes as one reduce bucket, the transient memory_targets.md allows.
-        comm_bytes = torch.empty((), dtype=self.plan.precision.comm_dtype).element_size()
-        chunk = max(1, self.plan.zero.buckets.reduce_bucket_size * comm_bytes // master.element_size())
-        step_in_chunks(self.optimizer, index, part, chunk, coef)
+        step_in_chunks(self.optimizer, index, part, self._step_chunk_numel, coef)
 
     def publish_weights(self) -> None:
         """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""
