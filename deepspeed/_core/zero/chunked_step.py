@@ -16,6 +16,17 @@ from typing import Any
 import torch
 
 
+STEP_CHUNK_BYTES_CAP = 1 << 28
+"""At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
+model steps in ~6 chunks), small enough to stay well under the floor's one-bucket transient."""
+
+
+def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype) -> int:
+    """Elements per step chunk: one reduce bucket's bytes, capped at :data:`STEP_CHUNK_BYTES_CAP`."""
+    master_bytes = torch.empty((), dtype=master_dtype).element_size()
+    return max(1, min(bucket_bytes, STEP_CHUNK_BYTES_CAP) // master_bytes)
+
+
 def _is_per_element(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
 

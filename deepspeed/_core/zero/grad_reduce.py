@@ -30,7 +30,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import MicroStepKind
-from deepspeed._core.zero.host_transfer import Fold, HostTransfers
+from deepspeed._core.zero.host_transfer import Fold, HostTransfers, slot_bytes_for
 from deepspeed._core.zero.layout import GroupLayout, Range, plan_buckets
 
 
@@ -119,7 +119,9 @@ class ReducerConfig:
     scaling: ReduceScaling
     device: torch.device
     grad_device: torch.device  # where partition gradients live: the master's device (host when offloading)
-    max_in_flight: int = 1  # buckets reduced concurrently (2 with overlap_comm: double buffering)
+    # Bucket buffers alive at once, counting the one being filled: 2 with overlap_comm (double buffering:
+    # one reducing while the next fills), 1 without (each bucket reduced before the next is staged).
+    max_in_flight: int = 1
 
 
 class GradReducer:
@@ -152,7 +154,8 @@ class GradReducer:
         self._next_launch = 0
         self._reducing = False
         self._in_flight: list[_Bucket] = []
-        self.host = HostTransfers()
+        comm_bytes = torch.empty((), dtype=config.comm_dtype).element_size()
+        self.host = HostTransfers(slot_bytes_for(config.bucket_numel * comm_bytes))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
         ]
@@ -207,7 +210,7 @@ class GradReducer:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
-            self._drain(self.config.max_in_flight)
+            self._drain(self.config.max_in_flight - 1)  # leave room for the bucket that fills next
 
     def _drain(self, keep: int) -> None:
         """Finish the oldest launched buckets until at most ``keep`` remain in flight (bounds staging memory)."""
@@ -303,7 +306,7 @@ class GradReducer:
                 handle.wait()
             bucket.data, bucket.handles = None, []
         self._in_flight.clear()
-        self.host.pending.clear()
+        self.host.discard()
         self._reducing = False
 
     def remove_hooks(self) -> None:
@@ -311,3 +314,4 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.host.release()

@@ -69,10 +69,16 @@ def all_gather_partitions(flat: FlatBuffer, window_numel: int, group: Any) -> No
     if world == 1:
         return
     rank = dist.get_rank(group=group)
-    for window in partition_windows(layout, max(1, window_numel)):
-        mine = torch.empty(window.size, dtype=flat.dtype, device=flat.device)
+    windows = list(partition_windows(layout, max(1, window_numel)))
+    widest = max((w.size for w in windows), default=0)
+    # One staging pair for every window: allocating per window kept the previous window's buffer alive
+    # while the next was allocated, doubling this transient at the step peak.
+    mine_buf = torch.empty(widest, dtype=flat.dtype, device=flat.device)
+    gathered_buf = torch.empty(widest * world, dtype=flat.dtype, device=flat.device)
+    for window in windows:
+        mine = mine_buf[: window.size]
         flat.copy_out(window.shift(layout.partition(rank).start), mine)
-        gathered = torch.empty(window.size * world, dtype=flat.dtype, device=flat.device)
+        gathered = gathered_buf[: window.size * world]
         dist.all_gather_into_tensor(gathered, mine, group=group)
         for r in range(world):
             if r == rank:

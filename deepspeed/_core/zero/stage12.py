@@ -20,7 +20,7 @@ from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage12_checkpoint
-from deepspeed._core.zero.chunked_step import step_in_chunks
+from deepspeed._core.zero.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.zero.flat_buffer import FlatBuffer
 from deepspeed._core.zero.grad_reduce import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
 from deepspeed._core.zero.inplace_flatten import FlattenPath, flatten_params
@@ -94,10 +94,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
-        # A step chunk holds as many bytes as one reduce bucket, the transient memory_targets.md allows.
+        # A step chunk holds at most one reduce bucket's bytes, the transient memory_targets.md allows.
         comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
-        master_bytes = torch.empty((), dtype=precision.master_dtype).element_size()
-        self._step_chunk_numel = max(1, plan.zero.buckets.reduce_bucket_size * comm_bytes // master_bytes)
+        self._step_chunk_numel = step_chunk_numel(plan.zero.buckets.reduce_bucket_size * comm_bytes,
+                                                  precision.master_dtype)
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
@@ -171,8 +171,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         coef = decision.coef
         for index, (group, part) in enumerate(zip(self.groups, parts)):
             self._step_group(index, group, part, coef)
-        self.publish_weights()
+        del parts
+        # Gradients go before the all-gather, so its staging never coexists with them (the N=8 step peak).
         self._clear_grads()
+        self.publish_weights()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True

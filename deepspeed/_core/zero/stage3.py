@@ -4,8 +4,15 @@ Parameters are partitioned and fetched by :class:`~deepspeed._core.zero.manager.
 module subscribes to its "gradient ready" seam: each full gradient (available while its parameter is
 still gathered) is copied into a bucket laid out rank-major, ``param.grad`` is dropped at once (lean) and,
 when the bucket is full, one ``reduce_scatter_tensor`` hands every rank the sum of its own slices
-([Note: zero3-grads] below). Reduced slices are added into an fp32 accumulator per optimizer group, which
-the inner optimizer receives as the gradient of the group's fp32 master shard without a copy.
+([Note: zero3-grads] below). Reduced slices are added into an accumulator per optimizer group, kept in
+``grad_accum_dtype`` (``data_types.grad_accum_dtype``; the working dtype by default, the ``bg`` of the
+memory floors). When it matches the master's dtype and device the inner optimizer receives it as the
+master's gradient without a copy; otherwise the step converts one chunk at a time ([Note: chunked step]).
+
+With ``offload_optimizer`` the master, the optimizer state and the accumulator live in pageable host
+memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
+weights go back to the shards one chunk at a time, so host memory is the master, the moments and the
+accumulator plus a few fixed-size staging buffers.
 
 [Note: zero3-grads] A bucket of parameters p_1..p_k with per-rank shard sizes s_i is a ``(world, S)``
 staging tensor, ``S = sum(s_i)``; row ``r`` holds, for each p_i, the ``r``-th ``s_i`` slice of its
@@ -26,13 +33,13 @@ from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage3_checkpoint
-from deepspeed._core.zero.host_transfer import Fold, HostTransfers
+from deepspeed._core.zero.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.zero.host_transfer import Fold, HostTransfers, slot_bytes_for
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.stage3_access import Stage3ParamAccess
 from deepspeed._core.zero.step_common import ShardedStepMixin
 from deepspeed._core.zero.stage12 import _package_version
 from deepspeed._core.zero.param import ZeroParam, zero_state
-from deepspeed.accelerator import get_accelerator
 
 
 @dataclass
@@ -42,12 +49,13 @@ class Stage3Group:
     states: list[ZeroParam]
     offsets: list[int]  # start of each state's shard inside the group's flat shard
     master: torch.nn.Parameter
+    accum_dtype: torch.dtype = torch.float32
     accumulator: torch.Tensor | None = None
 
     def ensure_accumulator(self) -> torch.Tensor:
-        """fp32 zeros shaped like the master shard, allocated on first use in a step."""
+        """Zeros in ``accum_dtype`` beside the master shard, allocated on first use in a step."""
         if self.accumulator is None:
-            self.accumulator = torch.zeros_like(self.master.data)
+            self.accumulator = torch.zeros(self.master.numel(), dtype=self.accum_dtype, device=self.master.device)
         return self.accumulator
 
 
@@ -90,10 +98,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
         self.bucket = _Bucket()
         self.pending: list[_Pending] = []
-        self.host = HostTransfers()
+        precision = plan.precision
+        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
+        bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
+        self.host = HostTransfers(slot_bytes_for(bucket_bytes))
+        # A step chunk holds at most one reduce bucket's bytes (the transient memory_targets.md allows).
+        self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
         self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
-        precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
         self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
@@ -117,14 +129,15 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             total += s.layout.partition_numel
         offload = self.plan.zero.offload_optimizer
         device = torch.device("cpu") if offload.enabled else (states[0].shard.device if states else "cpu")
+        # Offloaded masters stay pageable even with pin_memory: the CPU optimizer does not need page-locked
+        # memory, and pinning a model-sized tensor costs up to twice its size ([Note: pinned ring]).
+        # pin_memory governs the fixed staging slots instead.
         master = torch.empty(total, dtype=self.plan.precision.master_dtype, device=device)
         for s, off in zip(states, offsets):
             master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
-        if offload.enabled and offload.pin_memory and get_accelerator().device_name() != "cpu":
-            master = get_accelerator().pin_memory(master)
         param = torch.nn.Parameter(master, requires_grad=False)
         param_group["params"] = [param]
-        return Stage3Group(states, offsets, param)
+        return Stage3Group(states, offsets, param, self.plan.precision.grad_accum_dtype)
 
     # --- gradients ----------------------------------------------------------------------------------
     def prepare_backward(self, kind: MicroStepKind) -> None:
@@ -164,7 +177,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         output = torch.empty(width, dtype=comm_dtype, device=staging.device)
         handle = dist.reduce_scatter_tensor(output, staging.view(-1), group=self.dp_group, async_op=True)
         self.pending.append(_Pending(output, handle, targets))
-        while len(self.pending) > self.max_in_flight:
+        while len(self.pending) > self.max_in_flight - 1:  # room for the bucket that fills next
             self._finish(self.pending.pop(0))
 
     def _finish(self, pending: _Pending) -> None:
@@ -196,32 +209,48 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.flush()
         accs = [grp.accumulator for grp in self.groups if grp.accumulator is not None]
         # The scalar is reduced on the compute device, where the gathered parameters live.
-        sq = local_sq_norm(accs).to(self.groups[0].states[0].full.device)
+        sq = local_sq_norm(accs, self._step_chunk_numel).to(self.groups[0].states[0].full.device)
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
             return self._skip_step()
         self._global_grad_norm = decision.norm
         coef = decision.coef
-        for grp in self.groups:
-            grad = grp.ensure_accumulator()
-            if coef != 1.0:
-                grad.mul_(coef)
-            grp.master.grad = grad
-        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        for index, grp in enumerate(self.groups):
+            self._step_group(index, grp, coef, closure)
         self.write_back()
         self._clear_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
 
+    def _step_group(self, index: int, grp: Stage3Group, coef: float, closure: Any) -> None:
+        """Update one group's master; groups step one at a time so no other master holds a gradient."""
+        grad, master = grp.ensure_accumulator(), grp.master
+        if grad.dtype == master.dtype and grad.device == master.device:
+            if coef != 1.0:
+                grad.mul_(coef)
+            master.grad = grad  # handed over, no copy
+            self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            master.grad = None
+            return
+        step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef)
+
     def write_back(self) -> None:
-        """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters."""
+        """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.
+
+        Each shard is converted to its working dtype where the master lives, ``_step_chunk_numel``
+        elements at a time, so a host master never sends fp32 bytes nor a model-sized temporary.
+        """
+        chunk = self._step_chunk_numel
         with torch.no_grad():
             for grp in self.groups:
                 for state, off in zip(grp.states, grp.offsets):
-                    src = grp.master.data[off : off + state.layout.partition_numel]
-                    state.shard.reshape(-1).copy_(src.to(state.shard.device))
+                    dst = state.shard.reshape(-1)
+                    for start in range(0, dst.numel(), chunk):
+                        end = min(start + chunk, dst.numel())
+                        src = grp.master.data[off + start : off + end]
+                        dst[start:end].copy_(src.to(dst.dtype), non_blocking=False)
         self.manager.refresh_persistent()
 
     # --- checkpoints (interface: deepspeed._core.engine.checkpointing.ShardedCheckpointOptimizer) -------
@@ -263,6 +292,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         for pending in self.pending:
             pending.handle.wait()
         self.pending.clear()
+        self.host.discard()
         self._clear_grads()
         for grp in self.groups:
             for state in grp.states:
@@ -275,6 +305,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         for handle in self._subscriptions:
             handle.remove()
         self.zero_grad()
+        self.host.release()
         for grp in self.groups:
             for state in grp.states:
                 if state.param is not None and getattr(state.param, "_z3_optimizer", None) is self:
