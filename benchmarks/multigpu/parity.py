@@ -21,6 +21,7 @@ import torch
 
 import deepspeed
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.reference.models import make_model, micro_batch  # noqa: E402
@@ -58,15 +59,16 @@ def _train(stage: int, prec: str, world: int) -> dict[str, torch.Tensor]:
     else:
         sd = {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
     engine.destroy()
-    return {k: v.float() for k, v in sd.items()} if sd is not None else {}
+    return {k: v.float().cpu() for k, v in sd.items()} if sd is not None else {}
 
 
-def _reference(world: int, prec: str) -> dict[str, torch.Tensor]:
+def _reference(world: int, prec: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """The single-process reference, on ``device``: bf16 kernels round differently on CPU and GPU."""
     model = make_model(0)
     dtype = torch.bfloat16 if prec == "bf16" else torch.float32  # offload cases train in fp32
     opt = lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01)  # noqa: E731
-    reference_train(model, STEPS, world, GAS, opt, clip=1.0, working_dtype=dtype)
-    return {k: v.detach().float() for k, v in model.state_dict().items()}
+    reference_train(model, STEPS, world, GAS, opt, clip=1.0, working_dtype=dtype, device=device)
+    return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
 def main() -> None:
@@ -82,12 +84,12 @@ def main() -> None:
         got = _train(stage, prec, world)
         if rank != 0:
             continue
-        ref = _reference(world, prec)
+        ref = _reference(world, prec, torch.device(get_accelerator().current_device_name()))
         worst = max(float((got[k] - v).norm() / v.norm()) for k, v in ref.items())
         tol = 1e-2 if prec == "bf16" else 1e-5
         ok = worst < tol
         failures += not ok
-        row = dict(stage=stage, precision=prec, world_size=world, backend=dist.get_backend() if hasattr(
+        row = dict(stage=stage, precision=prec, world_size=world, reference_device=get_accelerator().device_name(), backend=dist.get_backend() if hasattr(
             dist, "get_backend") else "", worst_rel_err=worst, tol=tol, ok=ok, seconds=round(time.time() - start, 2))
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:

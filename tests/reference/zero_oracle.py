@@ -23,6 +23,7 @@ def reference_train(
     clip: float = 0.0,
     lr_lambda: Callable[[int], float] | None = None,
     working_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> list[float]:
     """Train ``model`` in place; returns the mean loss of every step.
 
@@ -31,9 +32,11 @@ def reference_train(
 
     With a low-precision ``working_dtype`` the model computes in that dtype while the optimizer steps
     on fp32 master copies (the textbook mixed-precision recipe), so the reference has the same
-    rounding points as a correct engine.
+    rounding points as a correct engine. ``device`` is where the reference computes: a GPU engine's bf16
+    results are compared with a reference on the same kind of device, since CPU and GPU bf16 kernels round
+    differently.
     """
-    model.to(working_dtype)  # masters start from the rounded weights, as in any engine that casts first
+    model.to(device=device, dtype=working_dtype)  # masters start from the rounded weights, as in any engine that casts first
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     optimizer = make_optimizer(masters)
@@ -45,7 +48,7 @@ def reference_train(
         total = 0.0
         n = worlds[step] * gas
         for index in range(n):
-            loss = model(*micro_batch(step, index)) / n
+            loss = model(*(t.to(device) for t in micro_batch(step, index))) / n
             loss.backward()
             total += float(loss.detach())
         for p, m in zip(params, masters):
