@@ -170,3 +170,34 @@ def _safe_get_z3(world: int) -> dict:
 def test_safe_get_helpers_under_zero3() -> None:
     for r in run_distributed(_safe_get_z3, 2, 2):
         assert all(r.values()), {k: v for k, v in r.items() if not v}
+
+
+def _offload_placement(world: int) -> dict:
+    import deepspeed
+
+    cfg = _config(offload_optimizer={"device": "cpu", "pin_memory": True})
+    cfg["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    opt = engine.optimizer
+    seen = {}
+    for m in range(GAS):  # stop before the boundary step to look at the accumulated shards
+        engine.backward(engine(*micro_batch(0, engine_micro_index(m, 0, world))))
+        if m < GAS - 1:
+            engine.step()
+    seen["acc"] = [(g.accumulator.dtype, g.accumulator.device.type) for g in opt.groups]
+    seen["master"] = [(g.master.dtype, g.master.device.type, g.master.is_pinned()) for g in opt.groups]
+    engine.step()
+    seen["after_step"] = opt.live_grad_buffers()
+    seen["state_devices"] = {v.device.type for st in opt.optimizer.state.values() for v in st.values()
+                             if torch.is_tensor(v) and v.dim() > 0}
+    engine.destroy()
+    return seen
+
+
+def test_zero3_offload_keeps_host_state_lean() -> None:
+    """Offloaded ZeRO-3: masters and moments pageable on the host, gradient shards in grad_accum_dtype."""
+    (seen,) = run_distributed(_offload_placement, 1, 1)
+    assert seen["acc"] and all(a == (torch.bfloat16, "cpu") for a in seen["acc"])  # bf16 run: bg = 2 bytes
+    assert all(m == (torch.float32, "cpu", False) for m in seen["master"])
+    assert seen["state_devices"] == {"cpu"}
+    assert seen["after_step"]["accumulators"] == 0 and seen["after_step"]["param_grads"] == 0
