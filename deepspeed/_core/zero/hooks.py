@@ -135,7 +135,9 @@ class ModuleHooks:
             target.post_forward(mod)
 
         self.forward_hooks.append(module.register_forward_pre_hook(fetch))
-        self.forward_hooks.append(module.register_forward_hook(release))
+        # always_call: a non-reentrant checkpoint stops its recompute early by raising out of the last
+        # module it needs; without it that module would stay gathered until the backward ends.
+        self.forward_hooks.append(module.register_forward_hook(release, always_call=True))
         self.backward_hooks.append(module.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True))
         self.backward_hooks.append(module.register_forward_hook(self._watch_outputs))
         original = module.__dict__["_parameters"]
