@@ -149,6 +149,30 @@ class LeanPolicy:
     stream_ordered_release: bool = True
 
 
+DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""Upstream's default ``zero_optimization.leaf_module.classes``: Hugging Face MoE blocks whose experts run in a
+data-dependent order. Entries of this list that match nothing are not reported."""
+
+
+@dataclass(frozen=True)
+class LeafModulePolicy:
+    """ZeRO-3 leaf-module selection (``zero_optimization.leaf_module``); rules in ``_core/zero/leaf_policy.py``.
+
+    Attributes:
+        classes: class names, bare (``__name__``) or fully qualified (``module.qualname``).
+        names: qualified module names as ``named_modules()`` yields them.
+        name_suffixes: suffixes of those qualified names.
+    """
+
+    classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Stage3Policy:
     """ZeRO-3 fetch/release knobs (sizes in elements)."""
@@ -161,6 +185,7 @@ class Stage3Policy:
     gather_16bit_weights_on_model_save: bool = False
     module_granularity_threshold: int = 0
     sub_group_size: int = 1_000_000_000
+    leaf_module: LeafModulePolicy = field(default_factory=LeafModulePolicy)
 
 
 @dataclass(frozen=True)
@@ -180,6 +205,23 @@ class ZeroPlan:
 
 
 @dataclass(frozen=True)
+class MemoryTimelinePolicy:
+    """Allocator-history recording of one optimizer step (config ``memory_timeline``).
+
+    Attributes:
+        enabled: record and write the timeline.
+        step: global optimizer step to record, counting from 1 (first micro-step through the optimizer step).
+        path: output prefix; each rank writes ``<path>_rank<r>.pickle``, ``.json`` and ``.png``.
+        max_entries: size of the allocator's history ring buffer.
+    """
+
+    enabled: bool = False
+    step: int = 2
+    path: str = "memory_timeline"
+    max_entries: int = 1_000_000
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The whole validated run configuration, as the engine consumes it."""
 
@@ -193,3 +235,4 @@ class RunPlan:
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     managed_gradient_accumulation: bool = True
+    memory_timeline: MemoryTimelinePolicy = field(default_factory=MemoryTimelinePolicy)

@@ -179,6 +179,25 @@ class DeepSpeedAccelerator(abc.ABC):
     def available_memory(self, device_index: int | None = None) -> int:
         """Bytes that could still be allocated."""
 
+    # Allocator history (config ``memory_timeline``). Not abstract: devices without such a history keep these.
+    def memory_history_supported(self) -> bool:
+        """True when :meth:`record_memory_history` can record every allocation and free with its stack."""
+        return False
+
+    def record_memory_history(self, enabled: bool, max_entries: int = 1_000_000) -> None:
+        """Start (``enabled``) or stop recording the allocator's alloc/free history with Python stacks.
+
+        ``max_entries`` bounds the history (a ring buffer: older entries are dropped). Read the history with
+        :meth:`memory_snapshot` before stopping.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no allocator history to record; "
+                                  "memory_timeline needs a CUDA device")
+
+    def memory_snapshot(self) -> dict[str, Any] | None:
+        """The allocator's segments and recorded history in ``torch.cuda.memory._snapshot()`` format."""
+        raise NotImplementedError(f"{type(self).__name__} has no allocator snapshot; memory_timeline needs a CUDA "
+                                  "device")
+
     # ------------------------------------------------------------------ dtypes
     @abc.abstractmethod
     def is_bf16_supported(self) -> bool:

@@ -272,6 +272,17 @@ class CPU_Accelerator(DeepSpeedAccelerator):
         except ImportError:
             return _meminfo_bytes("MemAvailable")
 
+    def memory_history_supported(self) -> bool:
+        """False: the CPU allocator keeps no alloc/free history."""
+        return False
+
+    def record_memory_history(self, enabled: bool, max_entries: int = 1_000_000) -> None:
+        """No-op: the CPU allocator keeps no alloc/free history to record."""
+
+    def memory_snapshot(self) -> dict[str, Any] | None:
+        """``None``: the CPU allocator has no segments or history to snapshot."""
+        return None
+
     def is_bf16_supported(self) -> bool:
         """bfloat16 arithmetic works on every CPU torch supports."""
         return True

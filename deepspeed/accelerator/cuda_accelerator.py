@@ -6,6 +6,7 @@ instead of initialising the driver).
 """
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -179,6 +180,27 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         """Free bytes as reported by the driver (other processes' use included)."""
         free, _total = torch.cuda.mem_get_info(device_index)
         return free
+
+    def memory_history_supported(self) -> bool:
+        """True when a CUDA device is usable."""
+        return torch.cuda.is_available()
+
+    def record_memory_history(self, enabled: bool, max_entries: int = 1_000_000) -> None:
+        """``torch.cuda.memory._record_memory_history``: every action with its Python stack (alloc and free), or
+        off. Turning it on clears an older history where torch supports that (``clear_history``, torch >= 2.5)."""
+        record = torch.cuda.memory._record_memory_history
+        if not enabled:
+            record(enabled=None)
+            return
+        options: dict[str, Any] = {"context": "all", "stacks": "python", "max_entries": max_entries}
+        if "clear_history" in inspect.signature(getattr(torch.cuda.memory, "_record_memory_history_impl",
+                                                        record)).parameters:
+            options["clear_history"] = True
+        record(enabled="all", **options)
+
+    def memory_snapshot(self) -> dict[str, Any] | None:
+        """``torch.cuda.memory._snapshot()``: segments alive now and the recorded trace of every device."""
+        return torch.cuda.memory._snapshot()
 
     def is_bf16_supported(self) -> bool:
         """``torch.cuda.is_bf16_supported`` (False when no device is usable)."""

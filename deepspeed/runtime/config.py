@@ -23,8 +23,9 @@ import hjson
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from deepspeed._core.plan import (BatchPlan, BucketPolicy, GradPolicy, LeanPolicy, LossScalePolicy, OffloadDevice,
-                                  OffloadPolicy, PrecisionPolicy, ReduceOp, RunPlan, Stage3Policy, ZeroPlan)
+from deepspeed._core.plan import (BatchPlan, BucketPolicy, GradPolicy, LeafModulePolicy, LeanPolicy, LossScalePolicy,
+                                  MemoryTimelinePolicy, OffloadDevice, OffloadPolicy, PrecisionPolicy, ReduceOp,
+                                  RunPlan, Stage3Policy, ZeroPlan)
 from deepspeed.comm.config import CommsLoggerConfig, DeepSpeedCommsConfig
 from deepspeed.monitor.config import CometConfig, CSVConfig, DeepSpeedMonitorConfig, TensorBoardConfig, WandbConfig
 from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
@@ -161,6 +162,22 @@ class SchedulerBlockConfig(DeepSpeedLenientConfigModel):
     """Keyword arguments of the scheduler constructor."""
 
 
+class MemoryTimelineConfig(DeepSpeedConfigModel):
+    """``memory_timeline`` block (a deepspeed-lean key): record one optimizer step's allocator history and write
+    it with a per-category summary and chart (see docs/config.md)."""
+
+    config_block: ClassVar[str] = "memory_timeline"
+
+    enabled: bool = False
+    """Record the allocator history of one optimizer step (CUDA only; elsewhere one warning, nothing recorded)."""
+    step: int = Field(2, ge=1)
+    """Global optimizer step to record, counting from 1: from its first micro-step through its optimizer step."""
+    path: str = Field("memory_timeline", min_length=1)
+    """Output prefix: every rank writes ``<path>_rank<r>.pickle``, ``.json`` and (with matplotlib) ``.png``."""
+    max_entries: int = Field(1_000_000, ge=1)
+    """Size of the allocator's history ring buffer; entries beyond it overwrite the oldest."""
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The whole config.
 
@@ -256,6 +273,8 @@ class _RootConfig(DeepSpeedLenientConfigModel):
     """The ``csv_monitor`` monitor block."""
     comet: CometConfig = Field(default_factory=CometConfig)
     """The ``comet`` monitor block."""
+    memory_timeline: MemoryTimelineConfig = Field(default_factory=MemoryTimelineConfig)
+    """The ``memory_timeline`` block (allocator history of one step, by category)."""
 
     _dtype_names_valid = field_validator("communication_data_type",
                                          "seq_parallel_communication_data_type")(validate_float_dtype_name)
@@ -515,7 +534,10 @@ def _zero_plan(zero: DeepSpeedZeroConfig) -> ZeroPlan:
                           model_persistence_threshold=zero.model_persistence_threshold,
                           gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
                           module_granularity_threshold=zero.module_granularity_threshold,
-                          sub_group_size=zero.sub_group_size)
+                          sub_group_size=zero.sub_group_size,
+                          leaf_module=LeafModulePolicy(classes=tuple(zero.leaf_module.classes),
+                                                       names=tuple(zero.leaf_module.names),
+                                                       name_suffixes=tuple(zero.leaf_module.name_suffixes)))
     lean = LeanPolicy(inplace_flatten=zero.lean_inplace_flatten, eager_grad_release=zero.lean_eager_grad_release,
                       stream_ordered_release=zero.lean_stream_ordered_release)
     return ZeroPlan(stage=int(zero.stage), buckets=buckets, offload_optimizer=_offload_policy(zero.offload_optimizer, 4),
@@ -523,6 +545,10 @@ def _zero_plan(zero: DeepSpeedZeroConfig) -> ZeroPlan:
                     round_robin_gradients=zero.round_robin_gradients,
                     ignore_unused_parameters=zero.ignore_unused_parameters,
                     load_from_fp32_weights=zero.load_from_fp32_weights, elastic_checkpoint=zero.elastic_checkpoint)
+
+
+def _memory_timeline_policy(block: MemoryTimelineConfig) -> MemoryTimelinePolicy:
+    return MemoryTimelinePolicy(enabled=block.enabled, step=block.step, path=block.path, max_entries=block.max_entries)
 
 
 def build_run_plan(root: _RootConfig, batch: BatchPlan) -> RunPlan:
@@ -533,7 +559,8 @@ def build_run_plan(root: _RootConfig, batch: BatchPlan) -> RunPlan:
                    memory_breakdown=root.memory_breakdown,
                    zero_allow_untested_optimizer=root.zero_allow_untested_optimizer,
                    zero_force_ds_cpu_optimizer=root.zero_force_ds_cpu_optimizer,
-                   managed_gradient_accumulation=root.managed_gradient_accumulation)
+                   managed_gradient_accumulation=root.managed_gradient_accumulation,
+                   memory_timeline=_memory_timeline_policy(root.memory_timeline))
 
 
 # --------------------------------------------------------------------------------------------------------------

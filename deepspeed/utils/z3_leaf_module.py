@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from deepspeed._core.zero.leaf_policy import class_entry_matches
 from deepspeed._core.zero.manager import Z3_LEAF_ATTR, is_z3_leaf
 
 __all__ = [
@@ -56,14 +57,19 @@ def _mark(model: nn.Module, matches: Callable[[str, nn.Module], bool], flag: boo
 
 
 def _class_matcher(leaf_module_classes: Sequence[type | str]) -> Callable[[str, nn.Module], bool]:
+    # A class object matches subclasses too; a string names the exact class, bare or fully qualified.
     classes = tuple(c for c in leaf_module_classes if isinstance(c, type))
-    names = {c for c in leaf_module_classes if isinstance(c, str)}
-    return lambda name, module: isinstance(module, classes) or type(module).__name__ in names
+    names = [c for c in leaf_module_classes if isinstance(c, str)]
+    return lambda name, module: isinstance(module, classes) or any(class_entry_matches(n, module) for n in names)
 
 
 def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
                         raise_if_not_found: bool = True) -> list[nn.Module]:
-    """Mark every module of the given classes (types or class names) as a leaf; return them."""
+    """Mark every module of the given classes as a leaf; return them.
+
+    A class object also matches its subclasses; a string matches the exact class by bare or fully qualified name.
+    The config key ``zero_optimization.leaf_module.classes`` matches strings the same way (``_core/zero/leaf_policy``).
+    """
     return _mark(model, _class_matcher(leaf_module_classes), True, str(list(leaf_module_classes)),
                  raise_if_not_found)
 

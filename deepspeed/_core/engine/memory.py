@@ -1,17 +1,27 @@
-"""Model-state memory floors and the per-phase memory report (config ``memory_breakdown``).
+"""Model-state memory floors, the per-phase memory report (config ``memory_breakdown``) and the one-step
+allocator-history recorder (config ``memory_timeline``).
 
 The floors are the formulas of ``shared/spec/memory_targets.md``: bytes that the parameters, gradients
 and Adam-style optimizer state must occupy per rank for a stage, before activations and transients.
 """
 from __future__ import annotations
 
+import enum
+import json
+import logging
+import pickle
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from deepspeed._core.plan import RunPlan
+from deepspeed import comm as dist
+from deepspeed._core.engine import memory_timeline
+from deepspeed._core.plan import MemoryTimelinePolicy, RunPlan
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils.logging import log_dist
+from deepspeed.utils.logging import log_dist, logger
 
 _GIB = float(1 << 30)
 
@@ -56,9 +66,14 @@ class MemoryReporter:
         self.enabled = plan.memory_breakdown
         self.floor = model_state_floor(plan, n_params, dp_world)
         self.records: list[dict[str, float | str]] = []
+        self.timeline = TimelineRecorder(plan.memory_timeline)
 
     def report(self, phase: str) -> dict[str, float | str] | None:
-        """Record (and log on rank 0) the memory at ``phase``; returns the record when enabled."""
+        """Record (and log on rank 0) the memory at ``phase``; returns the record when enabled.
+
+        While a ``memory_timeline`` step is being recorded, ``phase`` is also marked on its timeline.
+        """
+        self.timeline.mark(phase)
         if not self.enabled:
             return None
         acc = get_accelerator()
@@ -77,3 +92,81 @@ class MemoryReporter:
             ranks=[0],
         )
         return record
+
+
+class _Recording(enum.Enum):
+    WAITING = "waiting"  # the configured step has not started yet
+    ON = "on"
+    DONE = "done"  # written, disabled, or not supported on this device
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class TimelineRecorder:
+    """Records the allocator history of one optimizer step and writes it (config ``memory_timeline``).
+
+    The engine calls :meth:`begin` at every micro-step start, :meth:`mark` at phase points and :meth:`finish`
+    after every optimizer step. Recording costs a Python stack per allocation, so only the chosen step pays it.
+
+    Args:
+        policy: the ``memory_timeline`` policy of the run plan.
+    """
+
+    def __init__(self, policy: MemoryTimelinePolicy) -> None:
+        self.policy = policy
+        self.state = _Recording.WAITING if policy.enabled else _Recording.DONE
+        self.phases: list[dict[str, Any]] = []
+        self.written: list[str] = []
+        if policy.enabled and not get_accelerator().memory_history_supported():
+            log_dist(f"memory_timeline: recording an allocator history needs a CUDA device; the "
+                     f"{get_accelerator().device_name()} accelerator has none, so no timeline is written",
+                     ranks=[0], level=logging.WARNING)
+            self.state = _Recording.DONE
+
+    def begin(self, completed_steps: int) -> None:
+        """Start recording if the step after ``completed_steps`` optimizer steps is the configured one."""
+        if self.state is _Recording.WAITING and completed_steps + 1 == self.policy.step:
+            get_accelerator().record_memory_history(True, self.policy.max_entries)
+            self.state = _Recording.ON
+            self.mark("start")
+
+    def mark(self, phase: str) -> None:
+        """Note ``phase`` at the current wall-clock time (the trace's ``time_us`` clock) while recording."""
+        if self.state is _Recording.ON:
+            self.phases.append({"name": phase, "time_us": time.time_ns() / 1000.0})
+
+    def finish(self, completed_steps: int, module: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        """After the configured optimizer step: stop recording, write the files and return the summary."""
+        if self.state is not _Recording.ON or completed_steps < self.policy.step:
+            return None
+        acc = get_accelerator()
+        snapshot = acc.memory_snapshot()
+        acc.record_memory_history(False)
+        self.state = _Recording.DONE
+        device = acc.current_device()
+        snapshot["category_hints"] = memory_timeline.tensor_hints(module, optimizer)
+        snapshot["recording"] = {"step": self.policy.step, "rank": _rank(), "device": device,
+                                 "max_entries": self.policy.max_entries, "phases": self.phases}
+        return self._write(snapshot, device)
+
+    def _write(self, snapshot: dict[str, Any], device: int) -> dict[str, Any]:
+        prefix = Path(f"{self.policy.path}_rank{_rank()}")
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        files = {kind: prefix.with_name(prefix.name + f".{kind}") for kind in ("pickle", "json", "png")}
+        with open(files["pickle"], "wb") as fd:
+            pickle.dump(snapshot, fd)
+        summary = memory_timeline.summarize(snapshot, device)
+        files["json"].write_text(json.dumps(summary, indent=2) + "\n")
+        self.written = [str(files["pickle"]), str(files["json"])]
+        try:
+            memory_timeline.plot_timeline(memory_timeline.build_timeline(snapshot, device), str(files["png"]),
+                                          title=f"step {self.policy.step}, rank {_rank()}, device {device}")
+            self.written.append(str(files["png"]))
+        except memory_timeline.MatplotlibMissingError as err:
+            logger.warning(f"memory_timeline: {files['png']} skipped ({err})")
+        peak = summary["peak_by_category"]
+        logger.info(f"memory_timeline step {self.policy.step}: peak {summary['peak_allocated_bytes'] / _GIB:.3f} GiB "
+                    f"({', '.join(f'{k} {v / _GIB:.3f}' for k, v in peak.items() if v)}); wrote {self.written}")
+        return summary

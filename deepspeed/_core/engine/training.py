@@ -53,6 +53,7 @@ class TrainingLoop:
         if self.plan.precision.auto_cast:
             inputs = cast_inputs(inputs, self.plan.precision.param_dtype)
             kwargs = cast_inputs(kwargs, self.plan.precision.param_dtype)
+        self.memory.timeline.begin(self.global_steps)
         out = self.module(*inputs, **kwargs)
         self.memory.report("after forward")
         return out
@@ -63,6 +64,7 @@ class TrainingLoop:
             raise RuntimeError("backward() needs an optimizer: pass one to deepspeed.initialize or configure one")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward() expects a scalar loss tensor, got {type(loss).__name__}")
+        self.memory.timeline.begin(self.global_steps)
         self.accumulation.on_backward()
         if scale_wrt_gas and self.accumulation.gas > 1:
             loss = loss / self.accumulation.gas
@@ -76,6 +78,7 @@ class TrainingLoop:
         """Return ``loss`` scaled for a caller-run ``loss.backward()`` (arms the reduction as backward would)."""
         if self.optimizer is None:
             raise RuntimeError("scale() needs an optimizer")
+        self.memory.timeline.begin(self.global_steps)
         self.accumulation.on_backward()
         loss = loss / self.accumulation.gas if self.accumulation.gas > 1 else loss
         self.optimizer.prepare_backward(self._micro_step_kind())
@@ -100,6 +103,7 @@ class TrainingLoop:
         if self.accumulation.is_boundary() and self.optimizer is not None:
             self._take_model_step(lr_kwargs)
             self.memory.report("after step")
+            self.memory.timeline.finish(self.global_steps, self.module, self.optimizer)
         self.accumulation.on_step()
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:

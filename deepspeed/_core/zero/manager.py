@@ -19,6 +19,7 @@ from torch import nn
 from deepspeed._core.plan import LeanPolicy, OffloadPolicy, Stage3Policy
 from deepspeed._core.zero.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.zero.hooks import ModuleHooks
+from deepspeed._core.zero.leaf_policy import report_leaf_selection, select_leaf_modules
 from deepspeed._core.zero.offload_param import ShardPlacement
 from deepspeed._core.zero.param import (
     Persistence,
@@ -48,6 +49,16 @@ BackwardEndCallback = Callable[[], None]
 def is_z3_leaf(module: nn.Module) -> bool:
     """True when ``module`` is fetched as one unit together with all its descendants."""
     return bool(getattr(module, Z3_LEAF_ATTR, False))
+
+
+def mark_config_leaves(module: nn.Module, stage3: Stage3Policy) -> list[nn.Module]:
+    """Mark the leaves ``stage3.leaf_module`` and ``stage3.module_granularity_threshold`` select in ``module``'s
+    tree (rules: ``leaf_policy.py``); log entries that match nothing. Returns the newly marked modules."""
+    selection = select_leaf_modules(module, stage3.leaf_module, stage3.module_granularity_threshold, is_z3_leaf)
+    report_leaf_selection(module, selection, stage3.module_granularity_threshold)
+    for _, sub in selection.modules:
+        setattr(sub, Z3_LEAF_ATTR, True)
+    return [sub for _, sub in selection.modules]
 
 
 def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -140,6 +151,9 @@ class ZeroParamManager:
 
         ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]).
         """
+        # Leaves first: the hooks and units built below read the marks, and a bad policy fails here, before any
+        # collective.
+        self.config_leaves = mark_config_leaves(module, stage3)
         self.module = module
         self.group = group
         self.policy = stage3

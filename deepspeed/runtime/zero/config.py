@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
+from deepspeed._core.plan import DEFAULT_LEAF_MODULE_CLASSES
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, pp_int
 from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
                                                    DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum)
@@ -37,12 +38,16 @@ def _cpu_offload_param(enabled: bool | None) -> dict | None:
 
 
 class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
-    """``zero_optimization.leaf_module``: modules ZeRO-3 treats as one unit (gathered/freed together)."""
+    """``zero_optimization.leaf_module``: modules ZeRO-3 treats as one unit (gathered/freed together).
+
+    Matching rules: ``deepspeed/_core/zero/leaf_policy.py``. Entries that match no module are logged and
+    ignored, as upstream (whose default ``classes`` name Hugging Face MoE blocks most models lack).
+    """
 
     config_block: ClassVar[str] = "zero_optimization.leaf_module"
 
-    classes: list[str] = Field(default_factory=list)
-    """Class names (or fully qualified names) of leaf modules."""
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    """Class names, bare (``MyBlock``) or fully qualified (``pkg.mod.MyBlock``), of leaf modules (exact class)."""
 
     names: list[str] = Field(default_factory=list)
     """Exact module names (as in ``named_modules()``) of leaf modules."""
@@ -132,7 +137,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """ZeRO-3: gather full 16-bit weights for ``save_16bit_model`` / consolidated state dicts."""
 
     module_granularity_threshold: int = Field(pp_int(0), ge=0, alias="stage3_module_granularity_threshold")
-    """ZeRO-3: modules with fewer parameter elements than this are made leaf modules (0 = off)."""
+    """ZeRO-3: a module whose subtree holds fewer than this many parameter elements per module (elements /
+    (1 + descendants)) becomes a leaf, fetched as one unit (0 = off)."""
 
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
     """ZeRO-3: gather parameters with all-reduce instead of all-gather."""

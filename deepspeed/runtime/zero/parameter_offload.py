@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from deepspeed._core.plan import LeanPolicy, OffloadDevice, OffloadPolicy, Stage3Policy
+from deepspeed._core.plan import LeafModulePolicy, LeanPolicy, OffloadDevice, OffloadPolicy, Stage3Policy
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.param import ShardGroup
 from deepspeed._core.zero.streams import SideStreams, StreamSet
@@ -31,6 +31,12 @@ def _offload_policy(offload_param_config: Any) -> OffloadPolicy:
 def _lean_policy(ds_config: Any) -> LeanPolicy:
     plan = getattr(ds_config, "plan", None)
     return plan.zero.lean if plan is not None else LeanPolicy()
+
+
+def _leaf_policy(ds_config: Any) -> LeafModulePolicy:
+    """``zero_optimization.leaf_module`` of ``ds_config`` (a ``DeepSpeedConfig``), else the defaults."""
+    plan = getattr(ds_config, "plan", None)
+    return plan.zero.stage3.leaf_module if plan is not None else LeafModulePolicy()
 
 
 class DeepSpeedZeRoOffload:
@@ -54,7 +60,8 @@ class DeepSpeedZeRoOffload:
                               max_reuse_distance=int(max_reuse_distance),
                               param_persistence_threshold=int(param_persistence_threshold),
                               model_persistence_threshold=int(model_persistence_threshold),
-                              module_granularity_threshold=int(zero_module_granularity_threshold))
+                              module_granularity_threshold=int(zero_module_granularity_threshold),
+                              leaf_module=_leaf_policy(ds_config))
         group = ShardGroup.resolve(zero_param_parallel_group if zero_param_parallel_group is not None
                                    else dp_process_group)
         streams = StreamSet(side=SideStreams.SEPARATE if overlap_comm else SideStreams.SHARED)

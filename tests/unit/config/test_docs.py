@@ -10,7 +10,7 @@ from deepspeed.comm.config import CommsLoggerConfig
 from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
 from deepspeed.runtime.config import (AioConfig, CheckpointConfig, DeepSpeedFlopsProfilerConfig, OptimizerBlockConfig,
-                                      SchedulerBlockConfig, _RootConfig)
+                                      MemoryTimelineConfig, SchedulerBlockConfig, _RootConfig)
 from deepspeed.runtime.precision_config import DataTypesConfig, DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
@@ -18,7 +18,7 @@ from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerC
 MODELS = [_RootConfig, DeepSpeedZeroConfig, DeepSpeedZeroOffloadParamConfig, DeepSpeedZeroOffloadOptimizerConfig,
           DeepSpeedFP16Config, DeepSpeedBF16Config, DataTypesConfig, OptimizerBlockConfig, SchedulerBlockConfig,
           DeepSpeedActivationCheckpointingConfig, DeepSpeedFlopsProfilerConfig, CheckpointConfig, AioConfig,
-          CommsLoggerConfig, TensorBoardConfig, WandbConfig, CSVConfig, CometConfig]
+          CommsLoggerConfig, TensorBoardConfig, WandbConfig, CSVConfig, CometConfig, MemoryTimelineConfig]
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "config.md").read_text()
 
 
