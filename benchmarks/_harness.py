@@ -163,6 +163,47 @@ def ds_config(spec: dict) -> dict:
     return cfg
 
 
+def hf_auto_config(spec: dict, hidden: int) -> dict:
+    """Scenario S3's DeepSpeed config: what HF Trainer's ``"auto"`` values resolve to for hidden size ``hidden``.
+
+    ZeRO-3 (``spec["stage"]`` 3, the default): ``stage3_prefetch_bucket_size`` 0.9·h², ``stage3_param_persistence_
+    threshold`` 10·h, ``reduce_bucket_size`` h², max live parameters and reuse distance 1e9, overlap_comm,
+    contiguous_gradients, 16-bit weights gathered on save; bf16, clipping 1.0, micro-batch 1. ZeRO-2 (the S3
+    comparison row): HF's ZeRO-2 template (``allgather_bucket_size`` 2e8, ``reduce_bucket_size`` h², overlap_comm,
+    reduce_scatter, contiguous_gradients). ``spec["offload"]`` puts the optimizer on the CPU (pinned) and allows the
+    client torch optimizer there (``zero_force_ds_cpu_optimizer`` false, else upstream refuses it);
+    ``spec["offload_param"]`` also offloads the parameter shards (stage 3). ``ours_leanoff`` gets the lean
+    switches off, as in :func:`ds_config`.
+    """
+    h = int(hidden)
+    stage = int(spec.get("stage") or 3)
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                            "reduce_bucket_size": h * h}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=int(0.9 * h * h), stage3_param_persistence_threshold=10 * h,
+                    stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
+                    stage3_gather_16bit_weights_on_model_save=True)
+    else:
+        zero.update(allgather_bucket_size=int(2e8), reduce_scatter=True)
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": int(spec.get("micro_batch", 1)),
+        "gradient_accumulation_steps": int(spec.get("gas", 1)),
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+    }
+    if spec.get("offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    if spec.get("offload_param") and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if spec["impl"] == "ours_leanoff":
+        zero.update(lean_inplace_flatten=False, lean_eager_grad_release=False, lean_stream_ordered_release=False)
+    return cfg
+
+
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
     """Report 1's Adam settings as torch AdamW (fused on CUDA); the same object type for every implementation."""
     return torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -193,12 +234,14 @@ class Trainer:
 class DeepSpeedTrainer(Trainer):
     """``deepspeed.initialize`` of whichever ``deepspeed`` package is on the path (ours or upstream)."""
 
-    def __init__(self, model: torch.nn.Module, spec: dict) -> None:
+    def __init__(self, model: torch.nn.Module, spec: dict, config: dict | None = None) -> None:
+        """``config`` defaults to :func:`ds_config` of ``spec``."""
         import deepspeed
 
         self.name = spec["impl"]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=make_optimizer(model.parameters()), config=ds_config(spec))
+            model=model, optimizer=make_optimizer(model.parameters()),
+            config=config if config is not None else ds_config(spec))
 
     def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.engine(ids, labels)

@@ -7,7 +7,8 @@ Several files may be given; a later record of the same configuration (scenario, 
 size) replaces an earlier one, so a re-run of a few failed configurations can be layered over a full run. Every
 number in the tables is read from those files; floors come from ../shared/spec/memory_targets.md:
 stage 0 16P; ZeRO-1 (bp+bg)P + 12P/N; ZeRO-2 bp·P + (bg+12)P/N; ZeRO-3 16P/N; FSDP2 (all sharded) 16P/N, with
-bp = bg = 2 bytes (bf16/fp16 parameters and gradients, fp32 Adam state K = 12).
+bp = bg = 2 bytes (bf16/fp16 parameters and gradients, fp32 Adam state K = 12). S3 records carry their own floors
+(``scenarios/s3_zero3.floors``: the offloaded variants too) and are keyed also by model and offload.
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def bucket_gib(double: bool = True, elem_bytes: int = 2) -> float:
 
 # ------------------------------------------------------------------------------------------------ loading
 def _key(r: dict) -> tuple:
-    return (r.get("scenario"), r.get("impl"), r.get("stage"), r.get("dtype"), r.get("gas"), r.get("world_size"))
+    """Identity of a configuration (S3 also by model and offload: one worker each)."""
+    return (r.get("scenario"), r.get("impl"), r.get("stage"), r.get("dtype"), r.get("gas"), r.get("world_size"),
+            r.get("model"), bool(r.get("offload")), bool(r.get("offload_param")))
 
 
 def load(paths: Iterable[Path]) -> list[dict]:
@@ -189,6 +192,116 @@ def throughput_table(records: list[dict]) -> list[str]:
     return out
 
 
+S3_IMPL_ORDER = ("ours", "ours_leanoff", "upstream", "fsdp2")
+
+
+def _s3_group(r: dict) -> tuple:
+    return (r.get("model"), r.get("world_size"), bool(r.get("offload")))
+
+
+def _s3_sort(r: dict) -> tuple:
+    return (str(r.get("model")), r.get("world_size") or 0, bool(r.get("offload")), bool(r.get("offload_param")),
+            r.get("stage") == 2, S3_IMPL_ORDER.index(r["impl"]) if r.get("impl") in S3_IMPL_ORDER else 9)
+
+
+def _s3_ref(records: list[dict], r: dict, impl: str) -> dict | None:
+    """The ok ZeRO-3 (or FSDP2) record of ``impl`` for the same model, N and optimizer offload."""
+    for o in records:
+        if (o.get("scenario") == "s3" and o.get("status") == "ok" and o.get("impl") == impl
+                and _s3_group(o) == _s3_group(r) and not o.get("offload_param") and o.get("stage") != 2):
+            return o
+    return None
+
+
+def _i(x: object) -> str:
+    return "—" if x is None else str(x)
+
+
+def _s3_trace_cells(r: dict) -> tuple[str, str]:
+    t = r.get("trace") or {}
+    if "skipped" in t or not t:
+        return "—", "—"
+    if t.get("error") and "gathered_layers_alive_max_from_trace" not in t:
+        return "err", "err"
+    d = t.get("deferred_frees") or {}
+    delay = d.get("max_delay_us")
+    frees = "—" if not d else (f"{d.get('count', '?')} ({d.get('gathered_count', '?')} gathered"
+                               + (f", max {delay / 1000:.1f} ms)" if delay is not None else ")"))
+    return _f(t.get("gathered_layers_alive_max_from_trace")), frees
+
+
+def _s3_ratio(r: dict, other: dict | None) -> str:
+    """Peak-allocated ratio of ``r`` to ``other`` (none for itself or for the ZeRO-2 row)."""
+    if other is None or other is r or r.get("stage") == 2:
+        return "—"
+    return _ratio(r.get("peak_alloc_gib"), other.get("peak_alloc_gib"))
+
+
+def s3_table(records: list[dict]) -> list[str]:
+    """One row per S3 configuration: peak vs floor, gathered layers (hooks, trace), deferred frees, host, time."""
+    recs = sorted((r for r in records if r.get("scenario") == "s3" and r.get("impl") in S3_IMPL_ORDER), key=_s3_sort)
+    out = [("| model | N | offload | impl | stage | peak alloc / reserved GiB | floor GiB | peak/floor | reserved/alloc | "
+            "gathered layers fwd / bwd max (hooks) | layer-equiv fwd / bwd | from trace | deferred frees | host B/param "
+            "| step s | retries | vs upstream | vs FSDP2 |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in recs:
+        off = ("opt+param" if r.get("offload_param") else "opt") if r.get("offload") else "—"
+        st = "FSDP2" if r.get("impl") == "fsdp2" else r.get("stage")
+        head = f"| {r.get('model')} | {r.get('world_size')} | {off} | {r['impl']} | {st} |"
+        if r.get("status") != "ok":
+            err = str(r.get("error", r.get("skip_reason", ""))).replace("|", "\\|").replace("\n", " ")[:100]
+            out.append(head + f" **{r.get('status')}**: {err} |" + " |" * 12)
+            continue
+        peak = r.get("peak_alloc_gib")
+        up, fs = _s3_ref(records, r, "upstream"), _s3_ref(records, r, "fsdp2")
+        from_trace, frees = _s3_trace_cells(r)
+        out.append(
+            head + f" {_f(peak)} / {_f(r.get('peak_reserved_gib'))} | {_f(r.get('floor_gib'))} | "
+            f"{_f(r.get('peak_over_floor'))} | {_f(r.get('reserved_over_alloc'))} | "
+            f"{_i(r.get('gathered_layers_fwd_max'))} / {_i(r.get('gathered_layers_bwd_max'))} of {_i(r.get('layers'))} | "
+            f"{_f(r.get('gathered_layer_equiv_fwd_max'))} / {_f(r.get('gathered_layer_equiv_bwd_max'))} | "
+            f"{from_trace} | {frees} | {_f(r.get('host_bytes_per_param'), 1)} | {_f(r.get('step_time_s'))} | "
+            f"{_i(r.get('alloc_retries'))} | {_s3_ratio(r, up)} | {_s3_ratio(r, fs)} |")
+    return out
+
+
+def _check(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "**NO**")
+
+
+def s3_targets(records: list[dict]) -> list[str]:
+    """The issue's acceptance figures for ours, checked mechanically against the S3 records."""
+    lines = []
+    for r in sorted((r for r in records if r.get("scenario") == "s3" and r.get("impl") == "ours"
+                     and r.get("status") == "ok" and r.get("stage") != 2), key=_s3_sort):
+        tag = f"{r.get('model')} N={r.get('world_size')}" + (" offload" if r.get("offload") else "") + (
+            "+param" if r.get("offload_param") else "")
+        limit = 1 + (r.get("prefetch_budget_layers") or 0)
+        g = [r.get("gathered_layer_equiv_fwd_max"), r.get("gathered_layer_equiv_bwd_max")]
+        gathered = None if None in g else max(g) <= limit + 1e-9
+        fs = _s3_ref(records, r, "fsdp2")
+        peak = r.get("peak_alloc_gib")
+        vs_fsdp2 = None if fs is None or not peak else peak <= fs["peak_alloc_gib"]
+        frees = ((r.get("trace") or {}).get("deferred_frees") or {}).get("gathered_count")
+        parts = [(f"gathered layer-equivalents ≤ 1 + prefetch budget ({limit:.2f}): {_check(gathered)} "
+                  f"({_f(max(g) if gathered is not None else None)})"),
+                 f"peak ≤ FSDP2's: {_check(vs_fsdp2)}",
+                 f"no deferred free of a gathered block (trace): {_check(None if frees is None else frees == 0)}"]
+        if r.get("world_size", 1) > 1 and not r.get("offload"):
+            parts.append(f"peak ≤ 1.3× floor: {_check(None if not peak else r['peak_over_floor'] <= 1.3)}")
+            parts.append(f"reserved ≤ 1.1× allocated: {_check(None if not peak else r['reserved_over_alloc'] <= 1.1)}")
+        if r.get("offload"):
+            parts.append(f"host ≤ 13.5 B/param: {_check(r.get('host_bytes_per_param', 99) <= 13.5)} "
+                         f"({_f(r.get('host_bytes_per_param'), 1)})")
+        z2 = next((o for o in records if o.get("scenario") == "s3" and o.get("impl") == "ours" and o.get("stage") == 2
+                   and o.get("status") == "ok" and _s3_group(o) == _s3_group(r)), None)
+        if z2 is not None and not r.get("offload_param"):
+            parts.append(f"ZeRO-3 peak ≤ ZeRO-2 peak ({_f(z2.get('peak_alloc_gib'))}): "
+                         f"{_check(None if not peak else peak <= z2['peak_alloc_gib'])}")
+        lines.append(f"- {tag}: " + "; ".join(parts))
+    return lines or ["- no ok `ours` S3 record"]
+
+
 def failures(records: list[dict]) -> list[str]:
     """Every configuration that did not produce a number, with its error."""
     bad = [r for r in records if r.get("status") != "ok"]
@@ -197,7 +310,9 @@ def failures(records: list[dict]) -> list[str]:
     out = ["| scenario | impl | stage | dtype | GAS | N | status | error |", "|---|---|---|---|---|---|---|---|"]
     for r in bad:
         err = str(r.get("error") or r.get("skip_reason", "")).replace("|", "\\|").replace("\n", " ")[:300]
-        out.append(f"| {r.get('scenario')} | {r.get('impl')} | {r.get('stage')} | {r.get('dtype')} | {r.get('gas', '-')} | "
+        scen = r.get("scenario") if r.get("scenario") != "s3" else f"s3 {r.get('model')}" + (
+            " offload" if r.get("offload") else "")
+        out.append(f"| {scen} | {r.get('impl')} | {r.get('stage')} | {r.get('dtype')} | {r.get('gas', '-')} | "
                    f"{r.get('world_size')} | {r.get('status')} | {err} |")
     return out
 
@@ -209,17 +324,24 @@ def not_ahead(records: list[dict]) -> list[str]:
         if r.get("status") != "ok" or r.get("impl") != "ours":
             continue
         match = {k: r.get(k) for k in ("scenario", "stage", "dtype", "gas", "world_size")}
+        if r["scenario"] == "s3":
+            if r.get("stage") == 2 or r.get("offload_param"):
+                continue
+            match.update(model=r.get("model"), offload=r.get("offload"))
         for other in ("upstream", "fsdp2"):
             o = _ok(records, **dict(match, impl=other, stage=None if other == "fsdp2" else r.get("stage")))
             if o is None:
                 continue
-            field = {"s1": "peak_alloc_gib", "s2": "init_peak_alloc_gib", "throughput": "tokens_per_s"}.get(r["scenario"])
+            field = {"s1": "peak_alloc_gib", "s2": "init_peak_alloc_gib", "throughput": "tokens_per_s",
+                     "s3": "peak_alloc_gib"}.get(r["scenario"])
             if field is None:
                 continue
             a, b = r.get(field), o.get(field)
             worse = a < b if field == "tokens_per_s" else a > b
             if worse:
-                lines.append(f"- {r['scenario']} stage {r.get('stage')} {r.get('dtype')} GAS {r.get('gas', '-')} "
+                scen = r["scenario"] + (f" {r.get('model')}{' offload' if r.get('offload') else ''}"
+                                        if r["scenario"] == "s3" else "")
+                lines.append(f"- {scen} stage {r.get('stage')} {r.get('dtype')} GAS {r.get('gas', '-')} "
                              f"N={r.get('world_size')}: ours {field} {a:.2f} vs {other} {b:.2f}")
     return lines or ["- none in these results"]
 
@@ -227,7 +349,7 @@ def not_ahead(records: list[dict]) -> list[str]:
 def short_table(records: list[dict]) -> str:
     """A compact plain-text summary for the end of stdout."""
     lines = ["scenario   impl          st dtype gas ws  status  main figures"]
-    for r in sorted(records, key=lambda r: (r.get("scenario", ""), r.get("world_size", 0), str(r.get("dtype")),
+    for r in sorted(records, key=lambda r: (r.get("scenario", ""), r.get("world_size") or 0, str(r.get("dtype")),
                                             r.get("gas") or 0, str(r.get("stage")), r.get("impl", ""))):
         if r.get("status") != "ok":
             fig = str(r.get("error", r.get("skip_reason", "")))[:70]
@@ -236,6 +358,11 @@ def short_table(records: list[dict]) -> str:
                    f"rss+ {r['host_rss_peak_growth_gib']:.2f} {r['init_wall_s']:.1f}s")
         elif r["scenario"] == "throughput":
             fig = f"{r['tokens_per_s']:.0f} tok/s peak {r['peak_alloc_gib']:.2f}"
+        elif r["scenario"] == "s3":
+            fig = (f"{r.get('model')}{' off' if r.get('offload') else ''}{'+p' if r.get('offload_param') else ''} "
+                   f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} "
+                   f"gathered {r.get('gathered_layers_fwd_max')}/{r.get('gathered_layers_bwd_max')} "
+                   f"host {r.get('host_bytes_per_param', 0):.1f}B/p step {r.get('step_time_s', 0):.2f}s")
         else:
             fig = f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} step {r.get('step_time_s', 0):.2f}s"
         lines.append(f"{r.get('scenario', ''):<10} {r.get('impl', ''):<13} {r.get('stage')!s:<2} "
@@ -244,9 +371,45 @@ def short_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def s3_section(records: list[dict]) -> list[str]:
+    """The S3 part of the page: what was run, the table, the acceptance checks (or a line saying none ran)."""
+    s3 = [r for r in records if r.get("scenario") == "s3"]
+    if not s3:
+        return ["No S3 record in these results (`run_all.py --only s3`).", ""]
+    if all(r.get("status") == "skipped" for r in s3):
+        return ["Not measured: every S3 record is `skipped` (stage 3 was not available in that build).", ""]
+    intro = (
+        "Qwen2-shaped decoders with random weights (`benchmarks/models.py`), sequence 512, micro-batch 1, bf16, "
+        "activation checkpointing inside every decoder layer; DeepSpeed config = HF Trainer's `auto` values "
+        "(prefetch bucket 0.9·h², persistence threshold 10·h, reduce bucket h², max live / reuse distance 1e9); "
+        "`opt` = `offload_optimizer` cpu (pinned), FSDP2 `CPUOffloadPolicy`. Floor = per-rank model states "
+        "(16P/N; optimizer offloaded: 4P/N, FSDP2 0; ZeRO-2 row: 2P + 14P/N). Peak, step time and retries: the "
+        "measured step (untraced); gathered layers: a later step with hooks at every module boundary of the decoder "
+        "layers (a layer counts when any non-persistent parameter is gathered or in flight; layer-equiv = gathered "
+        "elements / one layer's); `from trace` and deferred frees: the same step's CUDA memory-history trace "
+        "(`deepspeed/_core/engine/memory_timeline.py`). `vs upstream` / `vs FSDP2` = peak allocated ratio.")
+    return [intro, "", *s3_table(records), "", "### Report 3's targets for ours (mechanical)", "",
+            *s3_targets(records), ""]
+
+
 # ------------------------------------------------------------------------------------------------ plots
+def _s3_panel(ax: object, s3: list[dict]) -> None:
+    """S3 bars: peak allocated (and reserved behind it) per configuration."""
+    s3 = sorted(s3, key=_s3_sort)
+    labels = [f"{r['impl']}\n{str(r.get('model')).replace('qwen', 'q')} N{r.get('world_size')}"
+              f"{' off' if r.get('offload') else ''}{'+p' if r.get('offload_param') else ''}"
+              f"{' z2' if r.get('stage') == 2 else ''}" for r in s3]
+    ax.bar(labels, [r.get("peak_reserved_gib") or 0 for r in s3], label="peak reserved", alpha=0.4)
+    ax.bar(labels, [r.get("peak_alloc_gib") or 0 for r in s3], label="peak allocated")
+    ax.set_ylabel("GiB")
+    ax.set_title("S3: ZeRO-3 step peak (Qwen2 shapes)")
+    ax.tick_params(axis="x", labelsize=6)
+    ax.legend(fontsize=7)
+
+
 def plots(records: list[dict], out_dir: Path) -> str | None:
-    """One PNG (S1 peak vs GAS, S2 init peak, throughput); returns its file name, or None without matplotlib."""
+    """One PNG (S1 peak vs GAS, S2 init peak, throughput, S3 peaks when there are S3 records); returns its file
+    name, or None without matplotlib."""
     try:
         import matplotlib
 
@@ -254,7 +417,10 @@ def plots(records: list[dict], out_dir: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    s3 = [r for r in records if r.get("scenario") == "s3" and r.get("status") == "ok"]
+    fig, axes = plt.subplots(1, 4 if s3 else 3, figsize=(24 if s3 else 18, 5))
+    if s3:
+        _s3_panel(axes[3], s3)
     ax = axes[0]
     for impl in IMPLS:
         for stage in (1, 2, None):
@@ -334,9 +500,7 @@ def write_report(paths: list[Path], md_path: Path, command: str, plots_dir: Path
               "its fp32 params (4P). Param bytes = P × dtype bytes of the model as built.", ""]
     lines += s2_table(records)
     lines += ["", "## Throughput (solo runs)", ""] + throughput_table(records)
-    lines += ["", "## S3: ZeRO-3 (slot)", "",
-              "Not measured: stage 3 of deepspeed-lean is not available in this build. `scenarios/s3_zero3.py` "
-              "holds the slot (`run_all.py --with-s3`).", ""]
+    lines += ["", "## S3: ZeRO-3 (user report 3)", ""] + s3_section(records)
     if plot:
         link = plot_link or plot
         lines += ["## Plots", "", f"![benchmarks]({link})", ""]

@@ -6,13 +6,39 @@ compute through ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, f
 reduced every micro-step, as FSDP2 does unless ``set_requires_gradient_sync(False)``). Its model-state floor is
 therefore the stage-0 one, 16 B/param, divided by the world size for everything (ZeRO-3-like).
 fp16 is not run under FSDP2 (it would need a sharded grad scaler; not comparable to DeepSpeed's loss scaler).
+``spec["offload"]`` passes ``CPUOffloadPolicy(pin_memory=True)`` (unpinned on a CPU-only machine) to every
+``fully_shard`` call (sharded fp32 parameters, gradients and the AdamW step on the CPU). A model built on the meta device (S3 at N > 1, so the full
+model never exists on the rank) is materialised after sharding with ``to_empty`` and a random normal fill.
+:func:`layer_unsharded` is the S3 probe: does an FSDP2 unit hold unsharded (gathered) parameters right now?
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from _harness import Trainer, make_optimizer
+from _harness import Trainer, device, make_optimizer
+from torch import nn
+
+
+def _materialise(model: nn.Module, where: torch.device) -> None:
+    """Allocate a meta-built, already sharded model on ``where`` (local shards only) and fill it randomly."""
+    model.to_empty(device=where)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.normal_(0.0, 0.02)
+
+
+def layer_unsharded(module: nn.Module) -> bool:
+    """True when an FSDP2 unit (a module given to ``fully_shard``) holds unsharded parameters or a pending
+    all-gather: reads the unit's parameter group(s) state (``FSDPParamGroup.is_sharded`` and its all-gather result),
+    torch-internal names, so a caller must treat an exception as "probe unavailable"."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        groups = [] if group is None else [group]
+    return any((not g.is_sharded) or g._all_gather_result is not None for g in groups)
 
 
 class FSDP2Trainer(Trainer):
@@ -25,10 +51,18 @@ class FSDP2Trainer(Trainer):
 
         if spec.get("dtype", "bf16") != "bf16":
             raise ValueError("the FSDP2 baseline runs bf16 only (fp16 would need ShardedGradScaler)")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        self.offload = bool(spec.get("offload"))
+        if self.offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            # Pinned host memory needs an accelerator; a CPU smoke test runs the same path unpinned.
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         for block in model.layers:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        if any(p.is_meta for p in model.parameters()):
+            _materialise(model, torch.device("cpu") if self.offload else device())
         self.model = model
         self.gas = int(spec.get("gas", 1))
         self.optimizer = make_optimizer(model.parameters())
@@ -51,4 +85,6 @@ class FSDP2Trainer(Trainer):
         self.steps += 1
 
     def info(self) -> dict[str, Any]:
-        return {"optimizer_class": "torch.optim.AdamW(fused) on FSDP2 fp32 shards", "skipped_steps": 0}
+        where = "on the CPU (CPUOffloadPolicy, pinned)" if self.offload else ""
+        return {"optimizer_class": f"torch.optim.AdamW(fused) on FSDP2 fp32 shards {where}".strip(),
+                "skipped_steps": 0}
