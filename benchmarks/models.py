@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+CHECKPOINT_USE_REENTRANT = False
+"""Set by a worker (spec ``checkpoint_reentrant``): upstream ZeRO-3 fails under the non-reentrant form on the H200
+image (its recompute sees released, size-0 weights), so its S3 rows use the reentrant one, as HF models did."""
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -151,7 +155,7 @@ class Block(nn.Module):
         hooks) this is the same as checkpointing the block from outside.
         """
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._body, x, cos, sin, use_reentrant=False)
+            return checkpoint(self._body, x, cos, sin, use_reentrant=CHECKPOINT_USE_REENTRANT)
         return self._body(x, cos, sin)
 
     def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -279,7 +283,7 @@ class QwenDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The layer, under activation checkpointing when configured and gradients are on."""
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._body, x, cos, sin, use_reentrant=False)
+            return checkpoint(self._body, x, cos, sin, use_reentrant=CHECKPOINT_USE_REENTRANT)
         return self._body(x, cos, sin)
 
     def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

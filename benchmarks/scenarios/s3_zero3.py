@@ -46,6 +46,7 @@ from _harness import (
     sync,
     worker_main,
 )
+import models
 from models import MODELS, build_model, decoder_layers, random_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -438,6 +439,7 @@ def _instrumented_step(trainer: Any, module: torch.nn.Module, spec: dict, batch:
 
 def run(spec: dict) -> dict:
     """Measure one configuration (see the module docstring)."""
+    models.CHECKPOINT_USE_REENTRANT = bool(spec.get("checkpoint_reentrant", False))
     cfg = MODELS[spec["model"]]
     with RssSampler() as init_rss:
         trainer, module, n_params = _build(spec)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.zero.codec import ShardCodec
+from deepspeed._core.zero.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.zero.layout import Stage3GroupLayout, plan_stage3_group
 from deepspeed._core.zero.param import ShardGroup
 from deepspeed._core.zero.streams import StreamRole, StreamSet
@@ -32,14 +32,16 @@ class AllGatherResult:
         work: the asynchronous collective handle (``None`` for a single-rank group).
     """
 
-    flat: torch.Tensor
+    flat: torch.Tensor | None
     layout: Stage3GroupLayout
     event: Any
     work: Any
     world_size: int
+    sources: list[torch.Tensor] | None = None  # single-rank groups: the shards themselves, no flat buffer
 
     def rows(self) -> torch.Tensor:
         """``flat`` as ``[world_size, rank_numel]``."""
+        assert self.flat is not None, "a single-rank gather has no flat buffer"
         return self.flat.view(self.world_size, self.layout.rank_numel)
 
 
@@ -55,6 +57,10 @@ def start_all_gather(shards: Sequence[torch.Tensor], numels: Sequence[int], grou
     wire = codec.wire_dtype(shards[0].dtype)
     # Shards may have just been written on the compute stream (optimizer step): order the copy-in after that.
     ready = streams.record(StreamRole.COMPUTE)
+    if group.world_size == 1 and codec is IDENTITY_CODEC and all(s.device == device for s in shards):
+        # One rank: each shard already holds its whole (padded) parameter, so the copy-out reads the shards
+        # directly; a flat buffer would cost the unit's bytes once more (the S3 N=1 peak on the H200).
+        return AllGatherResult(None, layout, ready, None, 1, sources=list(shards))
     with streams.use(StreamRole.ALL_GATHER):
         streams.wait(StreamRole.ALL_GATHER, ready)
         flat = torch.empty(group.world_size * layout.rank_numel, dtype=wire, device=device)
@@ -82,6 +88,13 @@ def finish_all_gather(result: AllGatherResult, outputs: Sequence[torch.Tensor], 
         streams.wait(copy_role, result.event)
         if result.work is not None:
             result.work.wait()
+        if result.sources is not None:
+            for src, out in zip(result.sources, outputs):
+                codec.decode(src.reshape(1, -1), out.view(1, -1))
+            done = streams.record(copy_role)
+            if copy_role is not StreamRole.COMPUTE:
+                streams.wait(StreamRole.COMPUTE, done)
+            return done
         rows = result.rows()
         for slot, out in zip(result.layout.slots, outputs):
             window = result.layout.rank_range(slot)

@@ -154,6 +154,9 @@ class GradReducer:
         self._next_launch = 0
         self._reducing = False
         self._in_flight: list[_Bucket] = []
+        # Lean ZeRO-2 on one rank: the reduction is the identity, so gradients fold straight into the
+        # partition gradient; staging buckets would only add their bytes to the peak (benchmarks S1, N=1).
+        self._direct = config.path is GradPath.STAGE2_FREE and all(g.layout.world_size == 1 for g in self.groups)
         comm_bytes = torch.empty((), dtype=config.comm_dtype).element_size()
         self.host = HostTransfers(slot_bytes_for(config.bucket_numel * comm_bytes))
         self._handles = [
@@ -186,6 +189,9 @@ class GradReducer:
         if path is GradPath.STAGE1_ACCUMULATE:
             acc = grads.ensure_accumulator(self.config.device)
             acc[grads.layout.slots[s].range.as_slice()].add_(param.grad.reshape(-1))
+            param.grad = None
+        elif self._direct:
+            self._fold_direct(grads, s, param.grad)
             param.grad = None
         elif path in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN):
             self._stage(bucket, s, param.grad)
@@ -234,7 +240,20 @@ class GradReducer:
             return torch.zeros(bucket.range.size, dtype=self.config.comm_dtype, device=self.config.device)
         return bucket.data
 
+    def _fold_direct(self, grads: GroupGrads, slot_index: int, grad: torch.Tensor) -> None:
+        """One rank, lean ZeRO-2: add ``grad`` (scaled as a reduction would) into the partition gradient."""
+        piece = grad.reshape(-1).to(self.config.comm_dtype)
+        scale = self.config.scaling.pre * self.config.scaling.post
+        if scale != 1.0:
+            piece = piece * scale
+        owned = grads.layout.slots[slot_index].range
+        self._sink(grads, owned, piece)
+
     def _launch(self, bucket: _Bucket) -> None:
+        if self._direct:  # every gradient of the bucket is already in the partition gradient
+            self.observer("launched", bucket.index)
+            self.observer("reduced", bucket.index)
+            return
         data = self._bucket_data(bucket)
         bucket.data = data
         if self.config.scaling.pre != 1.0:

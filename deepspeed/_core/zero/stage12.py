@@ -169,9 +169,9 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
             return self._skip_step()
         self._global_grad_norm = decision.norm
         coef = decision.coef
-        for index, (group, part) in enumerate(zip(self.groups, parts)):
-            self._step_group(index, group, part, coef)
-        del parts
+        for index in range(len(self.groups)):
+            self._step_group(index, self.groups[index], parts[index], coef)
+        del parts  # the last reference to views of the accumulators (a loop variable kept one alive)
         # Gradients go before the all-gather, so its staging never coexists with them (the N=8 step peak).
         self._clear_grads()
         self.publish_weights()
