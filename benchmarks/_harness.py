@@ -194,6 +194,10 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": zero,
     }
+    if int(spec.get("world_size", 1)) > 1:
+        # Fake process group: collectives leave outputs uninitialised, so an overflow check would skip every step
+        # and the optimizer state would never exist (ours checks bf16 by default; upstream's default is off).
+        cfg["bf16"]["check_grad_overflow"] = False
     if spec.get("offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         cfg["zero_force_ds_cpu_optimizer"] = False

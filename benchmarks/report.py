@@ -237,6 +237,12 @@ def _s3_ratio(r: dict, other: dict | None) -> str:
     return _ratio(r.get("peak_alloc_gib"), other.get("peak_alloc_gib"))
 
 
+def _s3_invalid(r: dict) -> bool:
+    """A run whose every step was skipped (fake-group garbage tripping an overflow check) never built optimizer
+    state, so its memory figures are not comparable."""
+    return bool(r.get("skipped_steps")) and r["skipped_steps"] >= int(r.get("warmup_steps") or 0) + 1
+
+
 def s3_table(records: list[dict]) -> list[str]:
     """One row per S3 configuration: peak vs floor, gathered layers (hooks, trace), deferred frees, host, time."""
     recs = sorted((r for r in records if r.get("scenario") == "s3" and r.get("impl") in S3_IMPL_ORDER), key=_s3_sort)
@@ -251,6 +257,10 @@ def s3_table(records: list[dict]) -> list[str]:
         if r.get("status") != "ok":
             err = str(r.get("error", r.get("skip_reason", ""))).replace("|", "\\|").replace("\n", " ")[:100]
             out.append(head + f" **{r.get('status')}**: {err} |" + " |" * 12)
+            continue
+        if _s3_invalid(r):
+            out.append(head + f" **invalid**: every step skipped ({r.get('skipped_steps')}), so no optimizer state "
+                       f"existed (peak {_f(r.get('peak_alloc_gib'))} GiB) |" + " |" * 12)
             continue
         peak = r.get("peak_alloc_gib")
         up, fs = _s3_ref(records, r, "upstream"), _s3_ref(records, r, "fsdp2")
@@ -273,7 +283,7 @@ def s3_targets(records: list[dict]) -> list[str]:
     """The issue's acceptance figures for ours, checked mechanically against the S3 records."""
     lines = []
     for r in sorted((r for r in records if r.get("scenario") == "s3" and r.get("impl") == "ours"
-                     and r.get("status") == "ok" and r.get("stage") != 2), key=_s3_sort):
+                     and r.get("status") == "ok" and r.get("stage") != 2 and not _s3_invalid(r)), key=_s3_sort):
         tag = f"{r.get('model')} N={r.get('world_size')}" + (" offload" if r.get("offload") else "") + (
             "+param" if r.get("offload_param") else "")
         limit = 1 + (r.get("prefetch_budget_layers") or 0)
@@ -321,7 +331,7 @@ def not_ahead(records: list[dict]) -> list[str]:
     """Mechanical list of the comparisons ours does not win (memory: higher peak; speed: fewer tokens/s)."""
     lines = []
     for r in records:
-        if r.get("status") != "ok" or r.get("impl") != "ours":
+        if r.get("status") != "ok" or r.get("impl") != "ours" or (r["scenario"] == "s3" and _s3_invalid(r)):
             continue
         match = {k: r.get(k) for k in ("scenario", "stage", "dtype", "gas", "world_size")}
         if r["scenario"] == "s3":
@@ -417,7 +427,7 @@ def plots(records: list[dict], out_dir: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    s3 = [r for r in records if r.get("scenario") == "s3" and r.get("status") == "ok"]
+    s3 = [r for r in records if r.get("scenario") == "s3" and r.get("status") == "ok" and not _s3_invalid(r)]
     fig, axes = plt.subplots(1, 4 if s3 else 3, figsize=(24 if s3 else 18, 5))
     if s3:
         _s3_panel(axes[3], s3)
