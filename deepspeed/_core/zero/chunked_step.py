@@ -19,12 +19,15 @@ import torch
 STEP_CHUNK_BYTES_CAP = 1 << 28
 """At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
 model steps in ~6 chunks), small enough to stay well under the floor's one-bucket transient."""
+STEP_CHUNK_BYTES_MIN = 1 << 26
+"""At least 64 MiB per chunk, whatever the bucket: HF's "auto" ZeRO-3 bucket (hidden², 8 MiB in bf16 at
+hidden 2048) would otherwise step a 3B model in ~1,500 optimizer calls, each paying Python overhead."""
 
 
 def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype) -> int:
-    """Elements per step chunk: one reduce bucket's bytes, capped at :data:`STEP_CHUNK_BYTES_CAP`."""
+    """Elements per step chunk: one reduce bucket's bytes, clamped to [64 MiB, 256 MiB] of master dtype."""
     master_bytes = torch.empty((), dtype=master_dtype).element_size()
-    return max(1, min(bucket_bytes, STEP_CHUNK_BYTES_CAP) // master_bytes)
+    return max(1, min(max(bucket_bytes, STEP_CHUNK_BYTES_MIN), STEP_CHUNK_BYTES_CAP) // master_bytes)
 
 
 def _is_per_element(value: Any, numel: int) -> bool:

@@ -162,6 +162,9 @@ class ZeroParamManager:
         self.trace = StepTrace(PrefetchBudget.from_policy(stage3))
         self.units: dict[int, FetchUnit] = {}
         self._unit_by_module: dict[int, FetchUnit] = {}
+        self._unit_states: dict[int, tuple[tuple, list[ZeroParam]]] = {}
+        self._kept: set[int] = set()  # units released into UnitState.KEPT (left gathered for a near reuse)
+        self._total_numel: tuple[int, int] = (-1, 0)  # (number of states, their elements), recomputed on change
         self._names = {id(m): name or "<root>" for name, m in module.named_modules()}
         self.states: dict[int, ZeroParam] = {}
         self._grad_callbacks: list[GradReadyCallback] = []
@@ -218,15 +221,31 @@ class ZeroParamManager:
         unit = self._unit_by_module.get(id(module))
         if unit is None:
             unit = FetchUnit(len(self.units), self._names.get(id(module), type(module).__name__), self.engine,
-                             lambda: [self._adopt(p) for p in unit_parameters(module)])
+                             lambda: self._states_of(module))
             self.units[unit.unit_id] = unit
             self._unit_by_module[id(module)] = unit
         return unit
+
+    def _states_of(self, module: nn.Module) -> list[ZeroParam]:
+        """``module``'s unit states, rebuilt only when its parameter set changed.
+
+        Adopting every parameter on every hook call dominated the hooks' Python time; the signature (the
+        identities of the unit's parameters and externals) is cheap and catches replaced or added ones.
+        """
+        own = module.parameters() if is_z3_leaf(module) else dict.values(module._parameters)
+        key = (tuple(id(p) for p in own if p is not None), tuple(getattr(module, EXTERNAL_PARAMS_ATTR, {})))
+        cached = self._unit_states.get(id(module))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        states = [self._adopt(p) for p in unit_parameters(module)]
+        self._unit_states[id(module)] = (key, states)
+        return states
 
     # ---------------------------------------------------------------- fetch / release
     def fetch(self, module: nn.Module) -> None:
         """Make ``module``'s parameters available (and start prefetching what the trace says comes next)."""
         unit = self._unit_of(module)
+        unit.refresh()
         self.engine.drain()
         if unit.numel():
             self.trace.observe(unit.unit_id)
@@ -236,9 +255,16 @@ class ZeroParamManager:
         unit.wait_for_unshard()
 
     def _prefetch(self) -> None:
-        live = sum(s.numel for s in self.states.values() if not s.is_persistent and s.state is not ShardedState.SHARDED)
-        for unit_id in self.trace.prefetch_candidates(self._unit_numel, self._unit_gathered, live):
+        for unit_id in self.trace.prefetch_candidates(self._unit_numel, self._unit_gathered, self._live_numel):
             self.units[unit_id].unshard()
+
+    def _live_numel(self) -> int:
+        # When the live cap exceeds the whole model it can never bind; skip the walk over every parameter.
+        if self._total_numel[0] != len(self.states):
+            self._total_numel = (len(self.states), sum(st.numel for st in self.states.values()))
+        if self.trace.budget.max_live_numel >= self._total_numel[1]:
+            return 0
+        return sum(s.numel for s in self.states.values() if not s.is_persistent and s.state is not ShardedState.SHARDED)
 
     def _unit_numel(self, unit_id: int) -> int:
         return self.units[unit_id].numel()
@@ -253,14 +279,20 @@ class ZeroParamManager:
             return
         if unit.numel() and self.trace.reused_soon(unit.unit_id, self._unit_numel):
             unit.keep()
+            self._kept.add(unit.unit_id)
         else:
             unit.reshard()
         self._sweep_kept()
 
     def _sweep_kept(self) -> None:
-        for unit in self.units.values():
-            if unit.state is UnitState.KEPT and not self.trace.reused_soon(unit.unit_id, self._unit_numel):
+        # Only units released into KEPT are candidates; walking every unit per release cost O(units²) a step.
+        for unit_id in list(self._kept):
+            unit = self.units[unit_id]
+            if unit.state is not UnitState.KEPT:
+                self._kept.discard(unit_id)  # fetched again since
+            elif not self.trace.reused_soon(unit_id, self._unit_numel):
                 unit.reshard()
+                self._kept.discard(unit_id)
 
     def release_all(self) -> None:
         """Return every non-persistent parameter to the partitioned state (upstream ``empty_partition_cache``).
@@ -286,6 +318,8 @@ class ZeroParamManager:
         self.engine.shutdown()
         self.units.clear()
         self._unit_by_module.clear()
+        self._unit_states.clear()
+        self._kept.clear()
         self._grad_callbacks.clear()
         self._backward_end_callbacks.clear()
 
@@ -368,6 +402,7 @@ class ZeroParamManager:
         state = self._adopt(param)
         state.external = True
         unit = self._unit_of(module)
+        unit.refresh()  # the unit's release must see the parameter it just acquired
         if unit.refs:
             state.active_modules.add(unit.unit_id)
         self.engine.cancel_pending_frees([state])

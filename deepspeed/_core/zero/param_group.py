@@ -234,12 +234,19 @@ class FetchUnit:
         self.name = name
         self.engine = engine
         self._states_of = states_of
+        self._states: list[ZeroParam] | None = None
         self.refs = 0
         self.state = UnitState.IDLE
 
     def states(self) -> list[ZeroParam]:
-        """The unit's parameter states, in registration order."""
-        return self._states_of()
+        """The unit's parameter states, in registration order (as of the last :meth:`refresh`)."""
+        if self._states is None:
+            self._states = self._states_of()
+        return self._states
+
+    def refresh(self) -> None:
+        """Re-read the unit's parameters (the manager calls this once per fetch: parameters may be added)."""
+        self._states = self._states_of()
 
     def managed_states(self) -> list[ZeroParam]:
         """The non-persistent states: what fetch and release actually move."""

@@ -92,14 +92,17 @@ class StepTrace:
             return []
         return self.order[self.position:]
 
-    def prefetch_candidates(self, size_of: SizeOf, is_gathered: IsGathered, live_numel: int) -> list[int]:
+    def prefetch_candidates(self, size_of: SizeOf, is_gathered: IsGathered,
+                            live_numel: int | Callable[[], int]) -> list[int]:
         """Units to start gathering now, in trace order.
 
         Walks upcoming units, charging every distinct one (already gathered or not) to the prefetch window,
-        and stops when the window or ``max_live_numel`` would be exceeded.
+        and stops when the window or ``max_live_numel`` would be exceeded. ``live_numel`` may be a callable:
+        it is then evaluated only once a candidate fits the window (counting live memory walks every
+        parameter, which dominated the fetch path's Python time when the window is smaller than a layer).
         """
         window = 0
-        live = live_numel
+        live: int | None = live_numel if isinstance(live_numel, int) else None
         seen: set[int] = set()
         chosen: list[int] = []
         for unit_id in self._upcoming():
@@ -112,6 +115,8 @@ class StepTrace:
                 break
             if is_gathered(unit_id):
                 continue
+            if live is None:
+                live = live_numel()  # type: ignore[operator]
             if live + size > self.budget.max_live_numel:
                 break
             live += size

@@ -38,3 +38,11 @@ def test_chunked_equals_plain(name: str, chunk: int) -> None:
     for key, value in opt_plain.state[plain].items():
         got = opt_chunked.state[chunked][key]
         assert (torch.equal(got, value) if torch.is_tensor(value) else got == value), key
+
+
+def test_step_chunk_size_is_clamped_between_64_and_256_mib() -> None:
+    from deepspeed._core.zero.chunked_step import step_chunk_numel
+
+    assert step_chunk_numel(8 << 20, torch.float32) == (64 << 20) // 4  # HF "auto" ZeRO-3 bucket at hidden 2048
+    assert step_chunk_numel(100 << 20, torch.float32) == (100 << 20) // 4
+    assert step_chunk_numel(1 << 31, torch.float32) == (256 << 20) // 4  # a 5e8-element bf16 bucket

@@ -75,3 +75,19 @@ def test_reuse_is_bounded_by_the_prefetch_window_not_max_reuse_distance() -> Non
     assert not trace.reused_soon(1, SIZES.get)  # 0, 2, 3 come first: 30 > 20
     small = _trace(20, reuse=5)
     assert small.budget.reuse_numel == 5
+
+
+def test_live_count_is_evaluated_only_when_a_candidate_fits_the_window() -> None:
+    trace = _trace(5)  # smaller than any unit: nothing ever fits
+    _run_step(trace, [0, 1, 2])
+    trace.begin_step()
+    trace.observe(0)
+    calls = []
+    assert trace.prefetch_candidates(SIZES.get, lambda u: False, lambda: calls.append(1) or 0) == []
+    assert calls == []
+    wide = _trace(100, live=25)
+    _run_step(wide, [0, 1, 2, 3])
+    wide.begin_step()
+    wide.observe(0)
+    assert wide.prefetch_candidates(SIZES.get, lambda u: False, lambda: calls.append(1) or 10) == [1]
+    assert calls == [1]  # evaluated once, then tracked locally
