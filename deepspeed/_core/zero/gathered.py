@@ -53,6 +53,7 @@ class GatheredContext:
         """``states`` as returned by :func:`collect_states`."""
         self.states = states
         self.modifier = modifier
+        self._saved: list[tuple[ZeroParam, Any]] = []
 
     def __enter__(self) -> Self:
         overlapping = [s.ds_id for s in self.states if s.context_holds]
@@ -61,6 +62,10 @@ class GatheredContext:
                                "GatheredParameters context; overlapping nested contexts are not supported")
         for state in self.states:
             state.context_holds += 1
+        if self.modifier.rank is None:
+            # Read-only: changes must be discarded. A gathered tensor that is its own shard (one rank) would keep
+            # them, so its values are saved and put back on exit: the copy a separate gather would have cost.
+            self._saved = [(s, s.shard.detach().clone()) for s in self.states if s.aliases_shard]
         for batch in _by_gatherer(self.states):
             batch[0].gatherer.gather(batch)
         return self
@@ -73,6 +78,9 @@ class GatheredContext:
                 full = state.full_view()
                 broadcast_from(full, state.group, self.modifier.rank)
                 state.write_shard_from(full)
+        for state, values in self._saved:
+            state.shard.copy_(values)
+        self._saved = []
         for state in self.states:
             state.context_holds -= 1
         for batch in _by_gatherer(self.states):

@@ -22,6 +22,7 @@ from deepspeed._core.zero.hooks import ModuleHooks
 from deepspeed._core.zero.leaf_policy import report_leaf_selection, select_leaf_modules
 from deepspeed._core.zero.offload_param import ShardPlacement
 from deepspeed._core.zero.param import (
+    FullStorage,
     Persistence,
     ShardedState,
     ShardGroup,
@@ -146,10 +147,11 @@ class ZeroParamManager:
 
     def __init__(self, module: nn.Module, group: ShardGroup, stage3: Stage3Policy, lean: LeanPolicy,
                  streams: StreamSet | None = None, codec: ShardCodec = IDENTITY_CODEC,
-                 offload_param: OffloadPolicy | None = None) -> None:
+                 offload_param: OffloadPolicy | None = None, single_rank: FullStorage = FullStorage.SHARD) -> None:
         """Partition every parameter (adopting those ``zero.Init`` already partitioned) and install hooks.
 
-        ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]).
+        ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]); ``single_rank``
+        ``SEPARATE`` keeps separate gathered storage on one rank too (tests of the release mechanics).
         """
         # Leaves first: the hooks and units built below read the marks, and a bad policy fails here, before any
         # collective.
@@ -158,7 +160,7 @@ class ZeroParamManager:
         self.group = group
         self.policy = stage3
         self.engine = GatherEngine(streams if streams is not None else StreamSet(), codec, release_mode_of(lean),
-                                   ShardPlacement.from_policy(offload_param or OffloadPolicy()))
+                                   ShardPlacement.from_policy(offload_param or OffloadPolicy()), single_rank)
         self.trace = StepTrace(PrefetchBudget.from_policy(stage3))
         self.units: dict[int, FetchUnit] = {}
         self._unit_by_module: dict[int, FetchUnit] = {}

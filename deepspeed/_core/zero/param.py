@@ -65,6 +65,18 @@ class Persistence(enum.Enum):
     PERSISTENT = "persistent"
 
 
+class FullStorage(enum.Enum):
+    """Where a parameter's gathered values live.
+
+    ``SEPARATE``: their own storage, allocated at each gather and freed at release. ``SHARD``: one rank, the
+    shard on the compute device already *is* the whole parameter, so the gathered tensor is the shard itself
+    and a gather costs no memory ([Note: zero3-single-rank] in ``docs/design/zero3.md``).
+    """
+
+    SEPARATE = "separate"
+    SHARD = "shard"
+
+
 @dataclass(frozen=True)
 class ShardGroup:
     """The process group a parameter is sharded over, with this process's rank in it."""
@@ -118,10 +130,12 @@ class ZeroParam:
     """
 
     def __init__(self, param: nn.Parameter, ds_id: int, group: ShardGroup, shard: torch.Tensor,
-                 shape: Sequence[int], device: torch.device, gatherer: ParamGatherer) -> None:
+                 shape: Sequence[int], device: torch.device, gatherer: ParamGatherer,
+                 storage: FullStorage = FullStorage.SEPARATE) -> None:
         """Describe ``param`` (full ``shape``, computed on ``device``) by its local ``shard``.
 
         The shard may live elsewhere (offloaded); the caller swaps ``param.data`` for a placeholder.
+        ``storage`` ``SHARD`` is honoured only where it can hold (one rank, shard on ``device``, no padding).
         """
         self._param = weakref.ref(param)
         self.ds_id = ds_id
@@ -129,8 +143,13 @@ class ZeroParam:
         self.layout = Stage3ParamLayout(int(torch.Size(self.shape).numel()), group.world_size)
         self.group = group
         self.shard = shard
-        self.full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=device)
-        free_storage(self.full)
+        self.storage = storage if (storage is FullStorage.SHARD and group.world_size == 1 and shard.device == device
+                                   and shard.numel() == self.layout.padded_numel) else FullStorage.SEPARATE
+        if self.storage is FullStorage.SHARD:
+            self.full = shard
+        else:
+            self.full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=device)
+            free_storage(self.full)
         self.gatherer = gatherer
         self.state = ShardedState.SHARDED
         self.persistence = Persistence.PARTITIONED
@@ -173,8 +192,13 @@ class ZeroParam:
 
     @property
     def holds_memory(self) -> bool:
-        """True when the gathered storage is allocated."""
-        return storage_nbytes(self.full) > 0
+        """True when gathered storage of its own is allocated (never when the gathered tensor is the shard)."""
+        return not self.aliases_shard and storage_nbytes(self.full) > 0
+
+    @property
+    def aliases_shard(self) -> bool:
+        """True when the gathered tensor is the shard itself (one rank): gathers and releases move no memory."""
+        return self.storage is FullStorage.SHARD
 
     def full_view(self) -> torch.Tensor:
         """The gathered storage shaped like the parameter (valid in ``FULL``)."""
@@ -194,7 +218,8 @@ class ZeroParam:
     def mark_full(self) -> None:
         """GATHERING -> FULL: :attr:`full` holds the values; the parameter now shows them."""
         self._assert_state(ShardedState.GATHERING)
-        assert self.holds_memory or self.numel == 0, f"ds_id {self.ds_id}: FULL without gathered storage"
+        assert self.holds_memory or self.aliases_shard or self.numel == 0, \
+            f"ds_id {self.ds_id}: FULL without gathered storage"
         self.state = ShardedState.FULL
         self.pending = None
         param = self.param
@@ -214,6 +239,8 @@ class ZeroParam:
     def write_shard_from(self, full_values: torch.Tensor) -> None:
         """Copy this rank's slice of ``full_values`` (any shape with ``numel`` elements) into :attr:`shard`."""
         flat = full_values.reshape(-1)
+        if self.aliases_shard and flat.data_ptr() == self.shard.data_ptr():
+            return  # the values already are the shard
         local = self.local_range
         self.shard.narrow(0, 0, local.size).copy_(flat[local.as_slice()])  # may be device -> host (offload)
         if local.size < self.shard.numel():

@@ -25,6 +25,7 @@ from deepspeed._core.zero.flat_buffer import alloc_storage, free_storage
 from deepspeed._core.zero.layout import Stage3ParamLayout
 from deepspeed._core.zero.offload_param import ShardPlacement, allocate_shard
 from deepspeed._core.zero.param import (
+    FullStorage,
     ShardedState,
     ShardGroup,
     ZeroParam,
@@ -77,11 +78,13 @@ class GatherEngine:
 
     def __init__(self, streams: StreamSet, codec: ShardCodec = IDENTITY_CODEC,
                  release_mode: ReleaseMode = ReleaseMode.STREAM_ORDERED,
-                 placement: ShardPlacement | None = None) -> None:
-        """Use ``streams`` for collectives and copies, ``codec`` for the wire format, ``placement`` for shards."""
+                 placement: ShardPlacement | None = None, single_rank: FullStorage = FullStorage.SHARD) -> None:
+        """Use ``streams`` for collectives and copies, ``codec`` for the wire format, ``placement`` for shards;
+        ``single_rank`` says whether one-rank parameters gather into their shard (``SHARD``, where it can hold)."""
         self.streams = streams
         self.codec = codec
         self.release_mode = release_mode
+        self.single_rank = single_rank
         self.placement = placement if placement is not None else ShardPlacement()
         self.deferred = DeferredFreeQueue()
         self._flat: Handoff | None = None
@@ -97,8 +100,12 @@ class GatherEngine:
         layout = Stage3ParamLayout(data.numel(), group.world_size)
         shard = allocate_shard(layout.partition_numel, data.dtype, data.device, self.placement)
         shard.ds_numel = layout.partition_numel  # upstream readers use ds_tensor.ds_numel
+        # One rank, lean release, plain codec: the gathered tensor can be the shard itself (ZeroParam checks
+        # the rest: shard on the compute device, no padding). The upstream-like A/B mode keeps separate copies.
+        storage = self.single_rank if (self.release_mode is ReleaseMode.STREAM_ORDERED
+                                       and self.codec is IDENTITY_CODEC) else FullStorage.SEPARATE
         state = ZeroParam(param, next_ds_id() if ds_id is None else ds_id, group, shard, data.shape, data.device,
-                          self)
+                          self, storage)
         state.write_shard_from(data)
         attach_ds_view(param, state)
         param.data = placeholder(state.full)
@@ -136,7 +143,7 @@ class GatherEngine:
         with self.streams.use(role):
             for state in pending.states:
                 # DEFERRED: a cancelled free may have left the storage allocated; reuse it as is.
-                if not state.holds_memory:
+                if not state.holds_memory and not state.aliases_shard:
                     alloc_storage(state.full)
         result = pending.result
         assert result is not None, "pending gather finished twice"
@@ -177,6 +184,8 @@ class GatherEngine:
     def free(self, state: ZeroParam) -> None:
         """FULL -> SHARDED and give the gathered storage back according to :attr:`release_mode`."""
         state.mark_sharded()
+        if state.aliases_shard:
+            return  # the gathered tensor is the shard: nothing to give back
         if self.release_mode is ReleaseMode.STREAM_ORDERED:
             # [Note: streams-release]: the storage was allocated on the compute stream and its last use is
             # queued there, so freeing it now lets the allocator reuse it in stream order.

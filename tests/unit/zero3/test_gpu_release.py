@@ -14,7 +14,7 @@ from torch import nn
 
 from deepspeed._core.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.zero.manager import ZeroParamManager
-from deepspeed._core.zero.param import ShardGroup
+from deepspeed._core.zero.param import FullStorage, ShardGroup
 from deepspeed.accelerator import get_accelerator
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +37,9 @@ def _run(lean: bool, prefetch_layers: int) -> dict:
     device = torch.device(acc.current_device_name())
     model = _model(device)
     policy = Stage3Policy(prefetch_bucket_size=prefetch_layers * (WIDTH * WIDTH + WIDTH), param_persistence_threshold=0)
-    manager = ZeroParamManager(model, ShardGroup(None, 0, 1), policy, LeanPolicy(stream_ordered_release=lean))
+    # SEPARATE: one rank would otherwise gather into the shards themselves and no gathered memory would exist.
+    manager = ZeroParamManager(model, ShardGroup(None, 0, 1), policy, LeanPolicy(stream_ordered_release=lean),
+                               single_rank=FullStorage.SEPARATE)
     burn = torch.randn(4096, 4096, device=device)
     held: list[int] = []
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from deepspeed._core.zero.param import (
+    FullStorage,
     ShardedState,
     ShardGroup,
     ZeroParameter,
@@ -22,8 +23,11 @@ from deepspeed.runtime.zero.partition_parameters import (
 )
 
 
-def _partitioned(numel: int, rank: int = 0, world: int = 1) -> tuple[nn.Parameter, GatherEngine]:
-    engine = GatherEngine(StreamSet())
+def _partitioned(numel: int, rank: int = 0, world: int = 1,
+                 single_rank: FullStorage = FullStorage.SEPARATE) -> tuple[nn.Parameter, GatherEngine]:
+    # These tests check the allocate/free mechanics, which one-rank parameters skip by default (see the
+    # FullStorage.SHARD test at the end), so they ask for separate gathered storage.
+    engine = GatherEngine(StreamSet(), single_rank=single_rank)
     param = nn.Parameter(torch.arange(float(numel)))
     engine.partition(param, ShardGroup(None, rank, world))
     return param, engine
@@ -152,3 +156,25 @@ def test_shard_placement_from_offload_policy() -> None:
     assert cpu.device == torch.device("cpu") and cpu.pinning is Pinning.PAGEABLE
     with pytest.raises(ValueError, match="nvme"):
         ShardPlacement.from_policy(OffloadPolicy(device=OffloadDevice.NVME))
+
+
+def test_one_rank_gathers_into_the_shard_itself() -> None:
+    """FullStorage.SHARD: gathering moves no memory, release frees nothing, the shard keeps the values."""
+    param, engine = _partitioned(6, single_rank=FullStorage.SHARD)
+    state = zero_state(param)
+    assert state.aliases_shard and state.full is state.shard
+    engine.gather([state])
+    assert param.data_ptr() == state.shard.data_ptr() and param.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert not state.holds_memory  # no gathered storage of its own
+    engine.release([state])
+    assert state.state is ShardedState.SHARDED and param.numel() == 0
+    assert state.shard.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # release did not touch the values
+    state.shard.add_(1.0)  # an optimizer step writes the shard ...
+    engine.gather([state])
+    assert param.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # ... and the next gather shows it, with no copy
+    engine.release([state])
+
+
+def test_several_ranks_never_alias() -> None:
+    param, _ = _partitioned(10, rank=1, world=4, single_rank=FullStorage.SHARD)
+    assert not zero_state(param).aliases_shard
