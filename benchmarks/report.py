@@ -180,7 +180,7 @@ def throughput_table(records: list[dict]) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|"]
     fs = _find(records, scenario="throughput", impl="fsdp2")
     fv = fs.get("tokens_per_s") if fs and fs.get("status") == "ok" else None
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         c = {impl: _cell(records, "tokens_per_s", 0, scenario="throughput", impl=impl, stage=stage)
              for impl in ("ours", "ours_leanoff", "upstream")}
         pk = {impl: _cell(records, "peak_alloc_gib", 2, scenario="throughput", impl=impl, stage=stage)[0]

@@ -36,12 +36,13 @@ sharing the GPU, device GiB, host GiB) from ``_s3_estimate`` / ``_estimate``:
     host budget of a 128 GiB machine, so they are recorded not_run with that reason (force ours alone with
     ``--only s3 --host-budget-gib 120``). Without offload the 7.6B shape needs 16 B/param = 113 GiB at N=1, a
     solo run: not in the list; item 4 gives its gathered-layer counts.
-10. Throughput, solo, at the end: stages 0/1/2 x ours/lean-off/upstream + FSDP2 (10 jobs, 12-15 s: 117 s).
+10. Throughput, solo, at the end: stages 0-3 x ours/lean-off/upstream + FSDP2 (14 jobs, 12-15 s; upstream's
+    ZeRO-3 row uses reentrant checkpointing, which it needs on the H200 image).
 Arithmetic. Seconds, device and host estimates are calibrated on gpu_run4-7 (``job_wall_s`` with 4 workers
 sharing the GPU; peak reserved; host bytes per parameter). In those calls the list took three device calls
 (497 + 129 + 93 s of run_all). With the calibrated estimates, ``--plan`` with the defaults (``--jobs 5
---mem-budget-gib 125 --deadline-s 510``) predicts one call: every runnable job but about one finishes
-inside the deadline. Five workers at once is one more than was measured, so per-job seconds may stretch; the
+--mem-budget-gib 125 --deadline-s 510``) predicts one call in which every runnable job but about nine S1 GAS-4
+rows (the least needed: GAS 1 and 16 bound the growth) finishes inside the deadline; ``--rerun`` takes those. Five workers at once is one more than was measured, so per-job seconds may stretch; the
 next device call checks it. One call's wall time: ``device_run.sh`` ~25 s (wheel installs, environment lines),
 run_all ≤ ``--deadline-s`` + 20 s (kill grace) + ~5 s (report) = 560 s < the 600 s limit of one command.
 
@@ -243,12 +244,14 @@ def _specs(args: argparse.Namespace) -> list[Job]:
     if "s3" in only and q7 and 1 in wss:
         _s3(jobs, args, big, q7, 1, offload=True)
     if "throughput" in only:
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             for impl in (i for i in impls if i in DS_IMPLS):
                 if stage == 0 and impl == "ours_leanoff":
-                    continue  # the lean switches act on ZeRO-1/2 only
+                    continue  # the lean switches act on ZeRO-1/2/3 only
+                # Upstream's ZeRO-3 fails under the non-reentrant checkpoint on the H200 image (see S3).
+                extra = {"checkpoint_reentrant": True} if stage == 3 and impl == "upstream" else {}
                 jobs.add("throughput", solo=True, impl=impl, stage=stage, dtype="bf16", gas=1, world_size=1,
-                         model=s1_model, warmup=2, steps=args.tp_steps)
+                         model=s1_model, warmup=2, steps=args.tp_steps, **extra)
         if "fsdp2" in impls:
             jobs.add("throughput", solo=True, impl="fsdp2", stage=None, dtype="bf16", gas=1, world_size=1,
                      model=s1_model, warmup=2, steps=args.tp_steps)

@@ -1,4 +1,4 @@
-"""Throughput: training tokens per second for ZeRO stage 0/1/2 (ours, upstream) and FSDP2, on the same model.
+"""Throughput: training tokens per second for ZeRO stage 0-3 (ours, upstream) and FSDP2, on the same model.
 
 One worker = one (implementation, stage). run_all runs these workers one at a time (never beside another worker)
 so the GPU is not shared. ``warmup`` optimizer steps are discarded, then ``steps`` steps are timed with the host
@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import models
 from _harness import device, make_trainer, mem, reset_peak, sync, worker_main
 from models import random_batch
 
@@ -19,6 +20,7 @@ from models import random_batch
 def run(spec: dict) -> dict:
     """Time ``spec['steps']`` optimizer steps after ``spec['warmup']`` warm-up steps."""
     gas, mb = int(spec.get("gas", 1)), int(spec.get("micro_batch", 1))
+    models.CHECKPOINT_USE_REENTRANT = bool(spec.get("checkpoint_reentrant", False))
     trainer, cfg, n_params = make_trainer(spec["model"], spec)
     batches = [random_batch(cfg, mb, device(), seed=m) for m in range(gas)]
 
