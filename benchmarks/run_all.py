@@ -36,7 +36,7 @@ sharing the GPU, device GiB, host GiB) from ``_s3_estimate`` / ``_estimate``:
     host budget of a 128 GiB machine, so they are recorded not_run with that reason (force ours alone with
     ``--only s3 --host-budget-gib 120``). Without offload the 7.6B shape needs 16 B/param = 113 GiB at N=1, a
     solo run: not in the list; item 4 gives its gathered-layer counts.
-10. Throughput, solo, at the end: stages 0-3 x ours/lean-off/upstream + FSDP2 (14 jobs, 12-15 s; upstream's
+10. Throughput, solo, at the end: stages 0-3 x ours/lean-off/upstream + FSDP2 (12 jobs, 12-15 s; upstream's
     ZeRO-3 row uses reentrant checkpointing, which it needs on the H200 image).
 Arithmetic. Seconds, device and host estimates are calibrated on gpu_run4-7 (``job_wall_s`` with 4 workers
 sharing the GPU; peak reserved; host bytes per parameter). In those calls the list took three device calls
