@@ -25,6 +25,24 @@ class MasterPlacement(enum.Enum):
     PINNED_HOST = "pinned_host"  # offload_optimizer.device == cpu, pin_memory true
 
 
+TRANSFER_CHUNK_NUMEL = 1 << 24
+"""Elements per piece when master and working weights sit on different devices (64 MiB of fp32)."""
+
+
+class TransferPath(enum.Enum):
+    """How master values move to and from the working flat buffer.
+
+    ``DIRECT``: one ``copy_`` per buffer piece; on one device the dtype conversion needs no temporary.
+    ``CHUNKED``: a blocking cross-device ``copy_`` that also converts dtype converts on the host through a
+    temporary as large as the whole piece (a partition-sized bit16 host buffer at every offloaded write-back
+    and at creation), so the values go :data:`TRANSFER_CHUNK_NUMEL` at a time and the host transient stays
+    one chunk; only working-precision bytes cross the link either way.
+    """
+
+    DIRECT = "direct"
+    CHUNKED = "chunked"
+
+
 class MasterPartition:
     """fp32 copy of ``rank``'s partition of a bit16 :class:`FlatBuffer`.
 
@@ -34,9 +52,11 @@ class MasterPartition:
         master_dtype: dtype of the master copy (fp32).
         placement: where the master lives (the flat buffer's device, or pinned host memory when the
             optimizer is offloaded).
+        transfer: how values move between the two; ``None`` picks ``CHUNKED`` exactly when the devices differ.
     """
 
-    def __init__(self, flat: FlatBuffer, rank: int, master_dtype: torch.dtype, placement: MasterPlacement) -> None:
+    def __init__(self, flat: FlatBuffer, rank: int, master_dtype: torch.dtype, placement: MasterPlacement,
+                 transfer: TransferPath | None = None) -> None:
         self.flat = flat
         self.rank = rank
         part = flat.layout.partition(rank)
@@ -44,7 +64,14 @@ class MasterPartition:
         master = torch.empty(part.size, dtype=master_dtype, device=device)
         if placement is MasterPlacement.PINNED_HOST and flat.device.type != "cpu":
             master = get_accelerator().pin_memory(master)
-        flat.copy_out(part, master)  # converts dtype per piece: no bit16 temporary of the partition
+        self.transfer = transfer or (TransferPath.DIRECT if device == flat.device else TransferPath.CHUNKED)
+        if self.transfer is TransferPath.DIRECT:
+            flat.copy_out(part, master)  # converts dtype per piece: no bit16 temporary of the partition
+        else:
+            for start, end in _chunks(part.size):
+                piece = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
+                flat.copy_out(Range(part.start + start, part.start + end), piece)
+                master[start:end].copy_(piece)
         self.param = torch.nn.Parameter(master, requires_grad=False)
 
     @property
@@ -54,8 +81,17 @@ class MasterPartition:
 
     def write_back(self) -> None:
         """Copy the updated master values into this rank's slice of the working flat buffer."""
+        part, master = self.partition, self.param.data
         with torch.no_grad():
-            self.flat.copy_in(self.partition, self.param.data)
+            if self.transfer is TransferPath.DIRECT:
+                self.flat.copy_in(part, master)
+                return
+            for start, end in _chunks(part.size):
+                self.flat.copy_in(Range(part.start + start, part.start + end), master[start:end].to(self.flat.dtype))
+
+
+def _chunks(size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + TRANSFER_CHUNK_NUMEL, size)) for a in range(0, size, TRANSFER_CHUNK_NUMEL)]
 
 
 def all_gather_partitions(flat: FlatBuffer, window_numel: int, group: Any) -> None:

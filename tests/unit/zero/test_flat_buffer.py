@@ -306,3 +306,28 @@ def test_trim_cache_runs_after_each_segment_release() -> None:
         if entry == "trim":  # a trim follows the segment's releases and precedes the next allocation
             assert log[position - 1] == "storage_released"
             assert position + 1 == len(log) or log[position + 1] == "segment_allocated"
+
+
+def test_master_partition_chunked_transfer_matches_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cross-device (CHUNKED) path moves the same values as DIRECT, in pieces, both ways."""
+    from deepspeed._core.zero import optimizer_shard
+    from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, TransferPath
+
+    monkeypatch.setattr(optimizer_shard, "TRANSFER_CHUNK_NUMEL", 7)  # several chunks, some across segments
+    layout = plan_group(SHAPES, 2)
+    values = torch.randn(layout.padded_numel).to(torch.bfloat16)
+    bufs = []
+    for path in (TransferPath.DIRECT, TransferPath.CHUNKED):
+        buf = FlatBuffer.allocate(layout, CPU, torch.bfloat16, plan_segments(layout, 20))
+        buf.copy_in(Range(0, layout.padded_numel), values)
+        master = MasterPartition(buf, 1, torch.float32, MasterPlacement.DEVICE, path)
+        assert master.transfer is path
+        assert torch.equal(master.param.data, values[layout.partition(1).as_slice()].float())
+        master.param.data.add_(0.5)
+        master.write_back()
+        bufs.append(buf)
+    out = [torch.empty(layout.partition(1).size, dtype=torch.bfloat16) for _ in bufs]
+    for buf, o in zip(bufs, out):
+        buf.copy_out(layout.partition(1), o)
+    assert torch.equal(out[0], out[1])
+    assert torch.equal(out[1], (values[layout.partition(1).as_slice()].float() + 0.5).to(torch.bfloat16))
