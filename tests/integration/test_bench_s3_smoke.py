@@ -116,3 +116,22 @@ def test_run_all_plan_lists_s3_jobs() -> None:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("s3")]
     assert len(lines) == 12 and not any("not_run" in ln for ln in lines)
     assert sum("offload+param" in ln for ln in lines) == 1 and sum("ws=8" in ln for ln in lines) == 3
+
+
+def test_fake_group_runs_cannot_skip_every_step_unnoticed() -> None:
+    """Fake-group outputs are garbage: the config turns the bf16 overflow check off there, and the report marks a
+    run whose every step was skipped as invalid instead of printing its (optimizer-state-free) peak."""
+    import report
+    from _harness import hf_auto_config
+
+    assert hf_auto_config({"impl": "ours", "stage": 3, "world_size": 8}, 64)["bf16"]["check_grad_overflow"] is False
+    assert "check_grad_overflow" not in hf_auto_config({"impl": "ours", "stage": 3, "world_size": 1}, 64)["bf16"]
+    skipped = {"scenario": "s3", "impl": "ours", "status": "ok", "stage": 3, "model": "qwen2-3b", "world_size": 8,
+               "skipped_steps": 4, "warmup_steps": 2, "peak_alloc_gib": 5.0, "peak_reserved_gib": 6.0,
+               "peak_over_floor": 0.9, "reserved_over_alloc": 1.2}
+    assert report._s3_invalid(skipped)
+    assert not report._s3_invalid(dict(skipped, skipped_steps=0))
+    rows = report.s3_table([skipped])
+    assert any("**invalid**" in row for row in rows)
+    assert not any("qwen2-3b N=8" in line for line in report.s3_targets([skipped]))  # no target "met" by it
+    assert any("qwen2-3b N=8" in line for line in report.s3_targets([dict(skipped, skipped_steps=0)]))
