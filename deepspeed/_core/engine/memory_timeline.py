@@ -13,7 +13,8 @@ string annotations would need that entry).
 
 Live bytes
     A block counts from its ``alloc`` to its ``free_completed``. A block whose free was requested but not yet
-    completed still counts: that is the deferred-free memory of a ``record_stream`` design. Sizes are the sizes the
+    completed still counts: that is the deferred-free memory of a design that marks blocks as used by a side
+    stream (their free waits for that stream's work). Sizes are the sizes the
     trace reports (requested bytes), so the peak can sit slightly below ``max_memory_allocated`` (rounded blocks).
 
 Blocks from before the recording
@@ -514,7 +515,7 @@ def _deferred_from(analysis: _Analysis) -> dict[str, Any]:
 
 
 def deferred_frees(snapshot: Mapping[str, Any], device: int = 0) -> dict[str, Any]:
-    """Frees whose completion was deferred past later allocator activity (``record_stream``-style).
+    """Frees whose completion was deferred past later allocator activity (blocks marked as used by another stream).
 
     Returns ``count``, ``bytes``, ``max_delay_entries``, ``max_delay_us`` (None without timestamps),
     ``pending_at_end`` (requested but not completed when the snapshot was taken) and ``gathered_count`` /
