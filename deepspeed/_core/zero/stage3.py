@@ -194,12 +194,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             piece = grad.reshape(-1).to(comm_dtype)
             if scale != 1.0:
                 piece = piece * scale
-            acc = self.groups[g].ensure_accumulator()
-            target = acc[off : off + piece.numel()]
-            if acc.device != piece.device:  # optimizer offload: through the pinned ring
-                self.host.submit(target, piece, Fold.ADD)
-            else:
-                target.add_(piece.to(dtype=acc.dtype))
+            self._fold(g, off, piece)
             if not self.eager_release:
                 grad.zero_()
         bucket.entries.clear()
@@ -210,12 +205,16 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         if self.scaling.post != 1.0:
             out.mul_(self.scaling.post)
         for g, off, col, size in pending.targets:
-            acc = self.groups[g].ensure_accumulator()
-            piece = out[col : col + size]
-            if acc.device != piece.device:  # optimizer offload: event-ordered copy, folded in flush()
-                self.host.submit(acc[off : off + size], piece, Fold.ADD)
-            else:
-                acc[off : off + size].add_(piece.to(dtype=acc.dtype))
+            self._fold(g, off, out[col : col + size])
+
+    def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
+        """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset``."""
+        acc = self.groups[group_index].ensure_accumulator()
+        target = acc[offset : offset + piece.numel()]
+        if acc.device != piece.device:  # optimizer offload: through the pinned ring, folded by flush()
+            self.host.submit(target, piece, Fold.ADD)
+        else:
+            target.add_(piece.to(dtype=acc.dtype))
 
     def flush(self) -> None:
         """End of backward: reduce the partial bucket and fold every pending result."""
