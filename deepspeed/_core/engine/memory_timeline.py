@@ -129,6 +129,7 @@ ALLOC_RULES: tuple[Rule, ...] = (
     Rule(GATHERED, _FSDP + "_fsdp_param_group.py", ("*unshard*", "_backward_prefetch", "_to_sharded_post_forward")),
     # gradients
     Rule(GRADS, _Z + "grad_reduce.py"),
+    Rule(GRADS, _Z + "grad_shard.py"),
     Rule(GRADS, _Z + "stage3.py", ("_on_grad", "_launch_bucket", "_finish", "flush", "finish_backward",
                                    "ensure_accumulator", "_setup_grads")),
     Rule(GRADS, _Z + "stage12.py", ("prepare_backward", "finish_backward", "_grad_partition")),
@@ -197,6 +198,7 @@ HELPER_RULES: tuple[Rule, ...] = (
 FREE_RULES: tuple[Rule, ...] = (
     # gradient reduction and zero_grad: autograd-produced .grad tensors
     Rule(GRADS, _Z + "grad_reduce.py"),
+    Rule(GRADS, _Z + "grad_shard.py"),
     Rule(GRADS, _Z + "stage3.py", ("_on_grad", "_launch_bucket", "_finish", "flush", "_clear_grads")),
     Rule(GRADS, _Z + "stage12.py", ("finish_backward", "_clear_grads", "_grad_partition", "step")),
     Rule(GRADS, _E + "grad_sync.py"),

@@ -58,13 +58,18 @@ def _merge_back(master_state: dict, chunk_state: dict, master: torch.Tensor, sta
 
 
 def step_in_chunks(
-    optimizer: torch.optim.Optimizer, group_index: int, grad: torch.Tensor, chunk_numel: int, coef: float = 1.0
+    optimizer: torch.optim.Optimizer, group_index: int, grad: Any, chunk_numel: int, coef: float = 1.0,
+    consume: bool = False,
 ) -> None:
     """Apply one update to the single master parameter of ``optimizer.param_groups[group_index]``.
 
-    ``grad`` (any float dtype, same numel as the master) is converted to the master's dtype and device
-    ``chunk_numel`` elements at a time and multiplied by ``coef`` (unscale and clip) after conversion, so
-    an fp16 gradient is never divided in fp16. No other parameter may hold a gradient during the call.
+    ``grad`` (any float dtype, same numel as the master; a tensor, or an object whose ``window(start, end)``
+    returns that range, such as :class:`~deepspeed._core.zero.grad_shard.ChunkedGradShard`) is converted to
+    the master's dtype and device ``chunk_numel`` elements at a time and multiplied by ``coef`` (unscale and
+    clip) after conversion, so an fp16 gradient is never divided in fp16. With ``consume`` the caller gives
+    the gradient up: a range already in the master's dtype and device is scaled in place and used without a
+    copy, and a ``grad`` with ``release(start, end)`` is told when each range has been stepped. No other
+    parameter may hold a gradient during the call.
     """
     group = optimizer.param_groups[group_index]
     (master,) = group["params"]
@@ -81,13 +86,19 @@ def step_in_chunks(
             view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
             if existing:
                 optimizer.state[view] = _chunk_state(master_state, scalars, start, end)
-            view.grad = grad[start:end].to(device=master.device, dtype=master.dtype, copy=True)
+            piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
+            if consume and piece.dtype == master.dtype and piece.device == master.device:
+                view.grad = piece
+            else:
+                view.grad = piece.to(device=master.device, dtype=master.dtype, copy=True)
             if coef != 1.0:
                 view.grad.mul_(coef)
             group["params"] = [view]
             optimizer.step()
             updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)
             view.grad = None
+            if consume and hasattr(grad, "release"):
+                grad.release(start, end)  # stepped: its memory can serve the next chunk
         master_state.update(updated)
     finally:
         group["params"] = [master]

@@ -2,8 +2,8 @@
 
 The schedule code never calls ``dist.*`` itself; it calls :func:`start_all_gather` (issue, keep the handle) and
 later :func:`finish_all_gather` (wait, copy out). The flat buffer's lifetime rules are in [Note: streams-flat]
-(``docs/design/streams.md``): it is allocated on the all-gather stream and dropped only after that stream has
-been ordered behind the copy-out that last read it.
+(``docs/design/streams.md``): it comes from the pool of the stream that frees it, and is dropped only once that
+stream is ordered behind the copy-out that last read it (the compute stream under lean release).
 """
 from __future__ import annotations
 
@@ -46,24 +46,28 @@ class AllGatherResult:
 
 
 def start_all_gather(shards: Sequence[torch.Tensor], numels: Sequence[int], group: ShardGroup,
-                     streams: StreamSet, codec: ShardCodec, device: torch.device) -> AllGatherResult:
+                     streams: StreamSet, codec: ShardCodec, device: torch.device,
+                     alloc_role: StreamRole = StreamRole.ALL_GATHER) -> AllGatherResult:
     """Copy the local ``shards`` into one buffer on ``device`` and issue one all-gather of it on the all-gather
     stream.
 
     ``numels`` are the full element counts of the parameters the shards belong to (same order). All shards must
-    share one dtype and device; host shards (offloaded) are copied in asynchronously.
+    share one dtype and device; host shards (offloaded) are copied in asynchronously. ``alloc_role`` names the
+    stream whose allocator pool the flat buffer comes from ([Note: streams-flat]).
     """
     layout = plan_stage3_group([(n,) for n in numels], group.world_size)
     wire = codec.wire_dtype(shards[0].dtype)
-    # Shards may have just been written on the compute stream (optimizer step): order the copy-in after that.
-    ready = streams.record(StreamRole.COMPUTE)
     if group.world_size == 1 and codec is IDENTITY_CODEC and all(s.device == device for s in shards):
         # One rank: each shard already holds its whole (padded) parameter, so the copy-out reads the shards
         # directly; a flat buffer would cost the unit's bytes once more (the S3 N=1 peak on the H200).
-        return AllGatherResult(None, layout, ready, None, 1, sources=list(shards))
+        return AllGatherResult(None, layout, streams.record(StreamRole.COMPUTE), None, 1, sources=list(shards))
+    with streams.use(alloc_role):
+        flat = torch.empty(group.world_size * layout.rank_numel, dtype=wire, device=device)
+    # Recorded after the allocation: the shards may just have been written on the compute stream (optimizer
+    # step), and a block taken from the compute pool may still be read by compute work queued before now.
+    ready = streams.record(StreamRole.COMPUTE)
     with streams.use(StreamRole.ALL_GATHER):
         streams.wait(StreamRole.ALL_GATHER, ready)
-        flat = torch.empty(group.world_size * layout.rank_numel, dtype=wire, device=device)
         local = flat.narrow(0, group.rank * layout.rank_numel, layout.rank_numel)
         for slot, shard in zip(layout.slots, shards):
             window = layout.rank_range(slot)

@@ -87,6 +87,10 @@ class GatherEngine:
         self.single_rank = single_rank
         self.placement = placement if placement is not None else ShardPlacement()
         self.deferred = DeferredFreeQueue()
+        # Lean release takes flat all-gather buffers from the compute stream's pool and frees each right after
+        # its copy-out; the A/B baseline allocates them on the all-gather stream and keeps one until the next.
+        self._flat_role = (StreamRole.COMPUTE if release_mode is ReleaseMode.STREAM_ORDERED
+                           else StreamRole.ALL_GATHER)
         self._flat: Handoff | None = None
         self._last_copy_in: Any = None
 
@@ -123,7 +127,7 @@ class GatherEngine:
         for batch in batches.values():
             self._retire_flat()
             result = start_all_gather([s.shard for s in batch], [s.numel for s in batch], batch[0].group,
-                                      self.streams, self.codec, batch[0].full.device)
+                                      self.streams, self.codec, batch[0].full.device, self._flat_role)
             self._last_copy_in = result.event
             pending = PendingGather(result, batch)
             for state in batch:
@@ -148,8 +152,12 @@ class GatherEngine:
         result = pending.result
         assert result is not None, "pending gather finished twice"
         done = finish_all_gather(result, [s.full for s in pending.states], self.streams, role, self.codec)
-        self._retire_flat()
-        self._flat = Handoff(result.flat, done, StreamRole.ALL_GATHER)
+        if self._flat_role is StreamRole.ALL_GATHER:
+            self._retire_flat()
+            self._flat = Handoff(result.flat, done, StreamRole.ALL_GATHER)
+        # STREAM_ORDERED: the flat buffer came from the compute pool and the copy-out that last read it is
+        # queued on the compute stream, so dropping it here is already stream-ordered ([Note: streams-flat]).
+        result.flat = None
         pending.result = None
         for state in pending.states:
             state.mark_full()

@@ -6,8 +6,9 @@ still gathered) is copied into a bucket laid out rank-major, ``param.grad`` is d
 when the bucket is full, one ``reduce_scatter_tensor`` hands every rank the sum of its own slices
 ([Note: zero3-grads] below). Reduced slices are added into an accumulator per optimizer group, kept in
 ``grad_accum_dtype`` (``data_types.grad_accum_dtype``; the working dtype by default, the ``bg`` of the
-memory floors). When it matches the master's dtype and device the inner optimizer receives it as the
-master's gradient without a copy; otherwise the step converts one chunk at a time ([Note: chunked step]).
+memory floors), in chunks allocated as reductions reach them ([Note: lazy grad shard]). The step reads one
+chunk at a time: in place when it matches the master's dtype and device, else through one converted copy
+([Note: chunked step]).
 
 With ``offload_optimizer`` the master, the optimizer state and the accumulator live in pageable host
 memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
@@ -34,6 +35,7 @@ from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage3_checkpoint
 from deepspeed._core.zero.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.zero.grad_shard import ChunkedGradShard
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers, slot_bytes_for
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.stage3_access import Stage3ParamAccess
@@ -49,13 +51,15 @@ class Stage3Group:
     states: list[ZeroParam]
     offsets: list[int]  # start of each state's shard inside the group's flat shard
     master: torch.nn.Parameter
+    chunk_numel: int
     accum_dtype: torch.dtype = torch.float32
-    accumulator: torch.Tensor | None = None
+    accumulator: ChunkedGradShard | None = None
 
-    def ensure_accumulator(self) -> torch.Tensor:
-        """Zeros in ``accum_dtype`` beside the master shard, allocated on first use in a step."""
+    def ensure_accumulator(self) -> ChunkedGradShard:
+        """The gradient shard in ``accum_dtype`` beside the master; its chunks appear as gradients reach them."""
         if self.accumulator is None:
-            self.accumulator = torch.zeros(self.master.numel(), dtype=self.accum_dtype, device=self.master.device)
+            self.accumulator = ChunkedGradShard(self.master.numel(), self.chunk_numel, self.accum_dtype,
+                                                self.master.device)
         return self.accumulator
 
 
@@ -93,17 +97,18 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.dp_group, self.manager = dp_group, manager
         self.world_size = dist.get_world_size(group=dp_group)
         self.rank = dist.get_rank(group=dp_group)
+        precision = plan.precision
+        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
+        bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
+        # A step chunk holds at most one reduce bucket's bytes (the transient memory_targets.md allows); the
+        # gradient shard is chunked the same way, so the step reads each of its chunks in place.
+        self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
         self.groups = [self._build_group(g) for g in optimizer.param_groups]
         self._where = {s.ds_id: (g, off) for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
         self.bucket = _Bucket()
         self.pending: list[_Pending] = []
-        precision = plan.precision
-        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
-        bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
         self.host = HostTransfers(slot_bytes_for(bucket_bytes))
-        # A step chunk holds at most one reduce bucket's bytes (the transient memory_targets.md allows).
-        self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
         self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
@@ -137,7 +142,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
         param = torch.nn.Parameter(master, requires_grad=False)
         param_group["params"] = [param]
-        return Stage3Group(states, offsets, param, self.plan.precision.grad_accum_dtype)
+        return Stage3Group(states, offsets, param, self._step_chunk_numel, self.plan.precision.grad_accum_dtype)
 
     # --- gradients ----------------------------------------------------------------------------------
     def prepare_backward(self, kind: MicroStepKind) -> None:
@@ -163,8 +168,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             self._fold_unreduced(bucket, comm_dtype)
             return
         width = sum(state.layout.partition_numel for _, state, _, _ in bucket.entries)
-        staging = torch.empty(self.world_size, width, dtype=comm_dtype, device=bucket.entries[0][0].device)
+        staging = self._single_entry_rows(bucket, comm_dtype)
         targets, col = [], 0
+        if staging is not None:  # the gradient already is the (world, width) layout
+            _, _, g, off = bucket.entries[0]
+            targets.append((g, off, 0, width))
+            bucket.entries.clear()
+        else:
+            staging = torch.empty(self.world_size, width, dtype=comm_dtype, device=bucket.entries[0][0].device)
         for grad, state, g, off in bucket.entries:
             size = state.layout.partition_numel
             flat = grad.reshape(-1).to(comm_dtype)
@@ -182,6 +193,21 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.pending.append(_Pending(output, handle, targets))
         while len(self.pending) > self.max_in_flight - 1:  # room for the bucket that fills next
             self._finish(self.pending.pop(0))
+
+    def _single_entry_rows(self, bucket: _Bucket, comm_dtype: torch.dtype) -> torch.Tensor | None:
+        """The bucket's one gradient viewed as the ``(world, S)`` staging rows, when no copy is needed.
+
+        A parameter larger than the bucket (a tied embedding) travels alone; with no padding and the wire dtype
+        its flattened gradient's row ``r`` is already rank ``r``'s shard, and a staging copy would hold its
+        bytes twice at the end of the backward. Only under eager release, where the bucket owns the gradient
+        (pre-division scales it in place).
+        """
+        if len(bucket.entries) != 1 or not self.eager_release:
+            return None
+        grad, state, _, _ = bucket.entries[0]
+        if grad.dtype != comm_dtype or not grad.is_contiguous() or state.layout.padding:
+            return None
+        return grad.view(self.world_size, state.layout.partition_numel)
 
     def _fold_unreduced(self, bucket: _Bucket, comm_dtype: torch.dtype) -> None:
         """One rank: the reduction is the identity, so each gradient folds straight into its accumulator.
@@ -210,11 +236,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
         """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset``."""
         acc = self.groups[group_index].ensure_accumulator()
-        target = acc[offset : offset + piece.numel()]
         if acc.device != piece.device:  # optimizer offload: through the pinned ring, folded by flush()
-            self.host.submit(target, piece, Fold.ADD)
+            for pos, target in acc.pieces(offset, piece.numel()):
+                self.host.submit(target, piece[pos : pos + target.numel()], Fold.ADD)
         else:
-            target.add_(piece.to(dtype=acc.dtype))
+            acc.add_(offset, piece)
 
     def flush(self) -> None:
         """End of backward: reduce the partial bucket and fold every pending result."""
@@ -230,7 +256,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def step(self, closure: Any = None) -> bool:
         """Overflow check and global norm (one all-reduce), unscale and clip, inner step, shards written back."""
         self.flush()
-        accs = [grp.accumulator for grp in self.groups if grp.accumulator is not None]
+        accs = [chunk for grp in self.groups if grp.accumulator is not None for chunk in grp.accumulator.allocated()]
         # The scalar is reduced on the compute device, where the gathered parameters live.
         sq = local_sq_norm(accs, self._step_chunk_numel).to(self.groups[0].states[0].full.device)
         decision = self._decide_step(sq)
@@ -240,24 +266,17 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self._global_grad_norm = decision.norm
         coef = decision.coef
         for index, grp in enumerate(self.groups):
-            self._step_group(index, grp, coef, closure)
+            self._step_group(index, grp, coef)
         self.write_back()
         self._clear_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
 
-    def _step_group(self, index: int, grp: Stage3Group, coef: float, closure: Any) -> None:
-        """Update one group's master; groups step one at a time so no other master holds a gradient."""
-        grad, master = grp.ensure_accumulator(), grp.master
-        if grad.dtype == master.dtype and grad.device == master.device:
-            if coef != 1.0:
-                grad.mul_(coef)
-            master.grad = grad  # handed over, no copy
-            self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-            master.grad = None
-            return
-        step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef)
+    def _step_group(self, index: int, grp: Stage3Group, coef: float) -> None:
+        """Update one group's master, one gradient chunk at a time; groups step one at a time so no other
+        master holds a gradient. The shard is dropped after the step, so its chunks are consumed in place."""
+        step_in_chunks(self.optimizer, index, grp.ensure_accumulator(), self._step_chunk_numel, coef, consume=True)
 
     def write_back(self) -> None:
         """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.

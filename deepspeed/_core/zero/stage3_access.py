@@ -6,20 +6,12 @@ this rank's valid slice; "full" accessors all-gather the slices (collective: eve
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from deepspeed import comm as dist
-
-
-class IfMissing(enum.Enum):
-    """What to do when the gradient accumulator does not exist yet."""
-
-    RETURN_NONE = "none"
-    CREATE = "create"
 
 
 class Stage3ParamAccess:
@@ -38,35 +30,49 @@ class Stage3ParamAccess:
                     return grp, state, off
         raise ValueError(f"parameter with ds_id={ds_id} is not optimized by this ZeRO-3 optimizer")
 
-    def _flat(self, grp: Any, key: str | None, missing: IfMissing = IfMissing.RETURN_NONE) -> torch.Tensor | None:
-        """The group's flat fp32 tensor: the master (``key`` None), an optimizer state, or the gradient."""
+    def _flat(self, grp: Any, key: str | None) -> torch.Tensor:
+        """The group's flat fp32 tensor: the master (``key`` None) or an optimizer state (not the gradient,
+        which is a :class:`~deepspeed._core.zero.grad_shard.ChunkedGradShard`)."""
         if key is None:
             return grp.master.data
-        if key == "grad":
-            return grp.ensure_accumulator() if missing is IfMissing.CREATE else grp.accumulator
         value = self.optimizer.state.get(grp.master, {}).get(key)
         if value is None:
             raise ValueError(f"optimizer state {key!r} does not exist (yet); known: "
                              f"{sorted(self.optimizer.state.get(grp.master, {}))}")
         return value
 
-    def _local(self, param: torch.nn.Parameter, key: str | None, missing: IfMissing = IfMissing.RETURN_NONE) -> torch.Tensor | None:
+    def _local(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor:
         grp, state, off = self._where_is(param)
-        flat = self._flat(grp, key, missing)
-        if flat is None:
-            return None
-        return flat[off : off + state.local_range.size]
+        return self._flat(grp, key)[off : off + state.local_range.size]
+
+    def _read(self, param: torch.nn.Parameter, key: str | None, size_of: Callable[[Any], int]) -> torch.Tensor | None:
+        """``size_of(state)`` elements of ``param``'s slice of ``key`` (``"grad"``: ``None`` outside a window)."""
+        grp, state, off = self._where_is(param)
+        if key == "grad":
+            acc = grp.accumulator
+            return None if acc is None else acc.read(off, size_of(state))
+        return self._flat(grp, key)[off : off + size_of(state)]
+
+    def _write(self, param: torch.nn.Parameter, key: str | None, values: torch.Tensor) -> None:
+        """Overwrite the start of ``param``'s slice of ``key`` with the 1-D ``values``."""
+        grp, _, off = self._where_is(param)
+        with torch.no_grad():
+            if key == "grad":
+                grp.ensure_accumulator().write(off, values)
+                return
+            local = self._flat(grp, key)[off : off + values.numel()]
+            local.copy_(values.to(local.device, dtype=local.dtype))
 
     def _full(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
-        grp, state, off = self._where_is(param)
-        flat = self._flat(grp, key)
-        if flat is None:
+        _, state, _ = self._where_is(param)
+        slice_ = self._read(param, key, lambda s: s.layout.partition_numel)
+        if slice_ is None:
             return None
         size = state.layout.partition_numel
-        mine = flat[off : off + size].to(state.full.device, dtype=torch.float32)
+        mine = slice_.to(state.full.device, dtype=torch.float32)
         gathered = torch.empty(size * self.world_size, dtype=torch.float32, device=state.full.device)
         dist.all_gather_into_tensor(gathered, mine.contiguous(), group=self.dp_group)
-        return gathered[: state.numel].view(state.shape).to(flat.device)
+        return gathered[: state.numel].view(state.shape).to(slice_.device)
 
     # --- full (collective) ----------------------------------------------------------------------------
     def get_full_hp_param(self, param: torch.nn.Parameter, optim_state_key: str | None = None) -> torch.Tensor:
@@ -86,11 +92,9 @@ class Stage3ParamAccess:
         self._write_slice(value, param, "grad")
 
     def _write_slice(self, value: torch.Tensor, param: torch.nn.Parameter, key: str | None) -> None:
-        grp, state, off = self._where_is(param)
+        _, state, _ = self._where_is(param)
         rng = state.local_range
-        local = self._local(param, key, IfMissing.CREATE)
-        with torch.no_grad():
-            local.copy_(value.reshape(-1)[rng.start : rng.end].to(local.device, dtype=local.dtype))
+        self._write(param, key, value.reshape(-1)[rng.start : rng.end])
 
     def update_fp32_grad_for_param_vectorized(
         self, update_func: Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor],
@@ -109,17 +113,12 @@ class Stage3ParamAccess:
 
     def set_local_hp_param(self, value: torch.Tensor, param: torch.nn.Parameter, optim_state_key: str | None = None) -> None:
         """Overwrite this rank's valid slice of the master (or of an optimizer state)."""
-        local = self._local(param, optim_state_key)
-        with torch.no_grad():
-            local.copy_(value.reshape(-1).to(local.device, dtype=local.dtype))
+        self._write(param, optim_state_key, value.reshape(-1))
 
     def get_local_fp32_grad_for_param(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """This rank's valid slice of the accumulated fp32 gradient (``None`` outside a window)."""
-        local = self._local(param, "grad")
-        return None if local is None else local.clone()
+        return self._read(param, "grad", lambda s: s.local_range.size)
 
     def set_local_grad_for_param(self, value: torch.Tensor, param: torch.nn.Parameter) -> None:
         """Overwrite this rank's valid slice of the fp32 gradient."""
-        local = self._local(param, "grad", IfMissing.CREATE)
-        with torch.no_grad():
-            local.copy_(value.reshape(-1).to(local.device, dtype=local.dtype))
+        self._write(param, "grad", value.reshape(-1))

@@ -1,0 +1,116 @@
+"""One optimizer group's gradient shard, held as fixed-size chunks that exist only once a gradient lands in them.
+
+[Note: lazy grad shard] ZeRO-3 reduces gradients layer by layer, last layer first. A shard allocated whole at
+the first reduction sits there as zeros from the start of the backward pass, which is exactly when the
+logits, their gradient, the loss's fp32 temporaries and a tied embedding's full gradient are alive: on the
+H200 that is where the Qwen2-3B step peak was (``benchmarks/results``), with the whole shard counted in it.
+Allocating chunk by chunk as reductions reach them moves most of the shard to the end of the backward, by
+which point those activations are gone. FSDP2 gets the same effect by creating each sharded gradient at its
+reduce-scatter. Chunks are as large as one optimizer step chunk ([Note: chunked step]), so the step reads
+each chunk in place; a chunk no gradient reached is stepped as zeros, as a zero-filled shard would be.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+class ChunkedGradShard:
+    """A 1-D gradient of ``numel`` elements in ``chunk_numel`` pieces, each allocated (zeroed) on first write.
+
+    Args:
+        numel: elements of the shard (the group's master partition).
+        chunk_numel: elements per chunk (the last one may be shorter).
+        dtype: element type (``grad_accum_dtype``).
+        device: where the chunks live (the master's device: the accelerator, or the host when offloaded).
+    """
+
+    def __init__(self, numel: int, chunk_numel: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        if numel < 0 or chunk_numel <= 0:
+            raise ValueError(f"ChunkedGradShard: numel must be >= 0 and chunk_numel > 0 (got {numel}, {chunk_numel})")
+        self.numel = numel
+        self.chunk_numel = chunk_numel
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._chunks: list[torch.Tensor | None] = [None] * -(-numel // chunk_numel)
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """``[start, end)`` of chunk ``index`` in shard coordinates."""
+        start = index * self.chunk_numel
+        return start, min(start + self.chunk_numel, self.numel)
+
+    def _chunk(self, index: int) -> torch.Tensor:
+        chunk = self._chunks[index]
+        if chunk is None:
+            start, end = self.bounds(index)
+            chunk = torch.zeros(end - start, dtype=self.dtype, device=self.device)
+            self._chunks[index] = chunk
+        return chunk
+
+    def pieces(self, offset: int, size: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Writable views covering ``[offset, offset + size)``, allocating the chunks they fall in.
+
+        Yields ``(position inside the range, view)`` pairs in order; the views' lengths add up to ``size``.
+        """
+        if offset < 0 or offset + size > self.numel:
+            raise IndexError(f"range [{offset}, {offset + size}) outside a gradient shard of {self.numel} elements")
+        pos = 0
+        while pos < size:
+            index, inner = divmod(offset + pos, self.chunk_numel)
+            chunk = self._chunk(index)
+            length = min(size - pos, chunk.numel() - inner)
+            yield pos, chunk[inner : inner + length]
+            pos += length
+
+    def add_(self, offset: int, values: torch.Tensor) -> None:
+        """Add the 1-D ``values`` (any dtype, same device) into ``[offset, offset + len)``."""
+        for pos, view in self.pieces(offset, values.numel()):
+            view.add_(values[pos : pos + view.numel()].to(self.dtype))
+
+    def write(self, offset: int, values: torch.Tensor) -> None:
+        """Overwrite ``[offset, offset + len)`` with the 1-D ``values`` (any dtype or device)."""
+        for pos, view in self.pieces(offset, values.numel()):
+            view.copy_(values[pos : pos + view.numel()])
+
+    def read(self, offset: int, size: int) -> torch.Tensor:
+        """A new tensor with the values of ``[offset, offset + size)`` (zeros where no chunk exists yet)."""
+        if offset < 0 or offset + size > self.numel:
+            raise IndexError(f"range [{offset}, {offset + size}) outside a gradient shard of {self.numel} elements")
+        out = torch.zeros(size, dtype=self.dtype, device=self.device)
+        pos = 0
+        while pos < size:
+            index, inner = divmod(offset + pos, self.chunk_numel)
+            start, end = self.bounds(index)
+            length = min(size - pos, end - start - inner)
+            chunk = self._chunks[index]
+            if chunk is not None:
+                out[pos : pos + length].copy_(chunk[inner : inner + length])
+            pos += length
+        return out
+
+    def window(self, start: int, end: int) -> torch.Tensor:
+        """``[start, end)`` for a step: the chunk itself (a view) when the range lies in one allocated chunk,
+        otherwise a new tensor (zeros for a chunk no gradient reached)."""
+        index, inner = divmod(start, self.chunk_numel)
+        chunk = self._chunks[index] if index < len(self._chunks) else None
+        if chunk is not None and inner + (end - start) <= chunk.numel():
+            return chunk[inner : inner + (end - start)]
+        return self.read(start, end - start)
+
+    def release(self, start: int, end: int) -> None:
+        """Free the chunks lying wholly inside ``[start, end)`` (already consumed by the step)."""
+        first = -(-start // self.chunk_numel)
+        for index in range(first, len(self._chunks)):
+            if self.bounds(index)[1] > end:
+                break
+            self._chunks[index] = None
+
+    def allocated(self) -> list[torch.Tensor]:
+        """The chunks that exist (for the norm: missing chunks are zeros)."""
+        return [c for c in self._chunks if c is not None]
+
+    @property
+    def allocated_numel(self) -> int:
+        """Elements currently allocated."""
+        return sum(c.numel() for c in self._chunks if c is not None)
