@@ -30,6 +30,14 @@ from tests.reference.zero_oracle import engine_micro_index, reference_train  # n
 STEPS, GAS, LR = 8, 2, 1e-2
 CASES = [(stage, prec) for stage in (0, 1, 2, 3) for prec in ("fp32", "bf16")]
 CASES += [(2, "fp32+offload"), (3, "fp32+offload")]  # optimizer on the host: async pinned D2H gradients
+# Even-sized embedding/head (912 elements): at world size 2 they need no padding, so ZeRO-3 reduce-scatters
+# them straight from their gradients, and their flat all-gather buffers are the largest.
+CASES += [(3, "fp32+even"), (3, "bf16+even")]
+EVEN_MODEL = {"vocab": 38, "hidden": 24}
+
+
+def _model(prec: str) -> torch.nn.Module:
+    return make_model(0, **(EVEN_MODEL if prec.endswith("+even") else {}))
 
 
 def _config(stage: int, prec: str) -> dict:
@@ -40,15 +48,20 @@ def _config(stage: int, prec: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 400, "allgather_bucket_size": 600},
     }
-    if prec == "bf16":
+    if prec.startswith("bf16"):
         cfg["bf16"] = {"enabled": True}
+    if prec == "bf16+even":
+        # bf16 on the wire (the default, as upstream) put this model 2.2e-2 from the reference in stages 2 and
+        # 3 alike over gloo (5.3e-3 with fp32 on the wire): a wire-precision effect, not a sharding one, so
+        # this case, which exists for the ZeRO-3 paths, reduces in fp32.
+        cfg["communication_data_type"] = "fp32"
     if prec.endswith("+offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return cfg
 
 
 def _train(stage: int, prec: str, world: int) -> dict[str, torch.Tensor]:
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(stage, prec))
+    engine, *_ = deepspeed.initialize(model=_model(prec), config=_config(stage, prec))
     for step in range(STEPS):
         for m in range(GAS):
             tokens, labels = micro_batch(step, engine_micro_index(m, dist.get_rank(), world))
@@ -64,8 +77,8 @@ def _train(stage: int, prec: str, world: int) -> dict[str, torch.Tensor]:
 
 def _reference(world: int, prec: str, device: torch.device) -> dict[str, torch.Tensor]:
     """The single-process reference, on ``device``: bf16 kernels round differently on CPU and GPU."""
-    model = make_model(0)
-    dtype = torch.bfloat16 if prec == "bf16" else torch.float32  # offload cases train in fp32
+    model = _model(prec)
+    dtype = torch.bfloat16 if prec.startswith("bf16") else torch.float32  # offload cases train in fp32
     opt = lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01)  # noqa: E731
     reference_train(model, STEPS, world, GAS, opt, clip=1.0, working_dtype=dtype, device=device)
     return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
@@ -86,7 +99,7 @@ def main() -> None:
             continue
         ref = _reference(world, prec, torch.device(get_accelerator().current_device_name()))
         worst = max(float((got[k] - v).norm() / v.norm()) for k, v in ref.items())
-        tol = 1e-2 if prec == "bf16" else 1e-5
+        tol = 1e-2 if prec.startswith("bf16") else 1e-5
         ok = worst < tol
         failures += not ok
         row = dict(stage=stage, precision=prec, world_size=world, reference_device=get_accelerator().device_name(), backend=dist.get_backend() if hasattr(
