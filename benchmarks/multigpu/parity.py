@@ -34,6 +34,9 @@ CASES += [(2, "fp32+offload"), (3, "fp32+offload")]  # optimizer on the host: as
 # them straight from their gradients, and their flat all-gather buffers are the largest.
 CASES += [(3, "fp32+even"), (3, "bf16+even")]
 EVEN_MODEL = {"vocab": 38, "hidden": 24}
+# Stage pairs that reduce the same way (0/1: fp32 accumulation, then all-reduce / reduce-scatter; 2/3: per
+# micro-step reduce-scatter into bf16 shards) must match each other far more tightly than the reference.
+SAME_PATH = {((0, "bf16"), (1, "bf16")): 1e-3, ((2, "bf16"), (3, "bf16")): 1e-3}
 
 
 def _model(prec: str) -> torch.nn.Module:
@@ -87,17 +90,21 @@ def main() -> None:
     deepspeed.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     failures = 0
+    results: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for stage, prec in CASES:
         start = time.time()
         got = _train(stage, prec, world)
         if rank != 0:
             continue
+        results[(stage, prec)] = got
         ref = _reference(world, prec, torch.device(get_accelerator().current_device_name()))
         worst = max(float((got[k] - v).norm() / v.norm()) for k, v in ref.items())
-        # bf16+even: each micro-step's reduced gradient is rounded to bf16 (on the wire or in the accumulator)
-        # in another order than the reference's; over gloo stages 2 and 3 both land 2.2e-2 from it, equal to
-        # six digits, and 5.3e-3 with fp32 wire and accumulation. A sharding bug errs by O(1).
-        tol = 1e-5 if not prec.startswith("bf16") else (3e-2 if prec == "bf16+even" else 1e-2)
+        # bf16: each micro-step's gradient is rounded to bf16 (on the wire or in the accumulator) in another
+        # order than the reference's, and 8 Adam steps carry that on. Measured worst tensors: 5e-3 to 7e-3 over
+        # gloo on CPU, 1.1e-2 (stages 0/1) and 1.6e-2 (2/3) over NCCL on the H200, 2.2e-2 for the even model
+        # (5.3e-3 with fp32 wire and accumulation). A sharding bug errs by O(1); the stricter check for bf16
+        # is that stages sharing a reduction path agree with each other (SAME_PATH below).
+        tol = 3e-2 if prec.startswith("bf16") else 1e-5
         ok = worst < tol
         failures += not ok
         row = dict(stage=stage, precision=prec, world_size=world, reference_device=get_accelerator().device_name(), backend=dist.get_backend() if hasattr(
@@ -105,6 +112,18 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
+    if rank == 0:
+        for (a, b), tol in SAME_PATH.items():
+            if a not in results or b not in results:
+                continue
+            diff = max(float((results[b][k] - v).norm() / v.norm()) for k, v in results[a].items())
+            ok = diff < tol
+            failures += not ok
+            row = dict(check=f"stage {b[0]} vs stage {a[0]} ({a[1]})", world_size=world, max_rel_diff=diff, tol=tol,
+                       ok=ok)
+            print(json.dumps(row), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     dist.barrier()
     sys.exit(1 if failures else 0)
 

@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTI
     TORCH_EXTENSIONS_DIR=/tmp/torch_ext PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch,sys;print(sys.version);print(torch.__version__, torch.version.cuda, torch.cuda.device_count())'
-  git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+  } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 start=$(date +%s)
 timeout 300 python3 -m deepspeed.launcher.runner --num_gpus 2 benchmarks/multigpu/parity.py \
