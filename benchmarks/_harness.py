@@ -16,6 +16,7 @@ set by ``run_all.py``; every record carries ``deepspeed.__file__`` so this can b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -285,14 +286,50 @@ def make_trainer(model_name: str, spec: dict) -> tuple[Trainer, Any, int]:
 
 
 # ----------------------------------------------------------------------------------------------- worker main
+def default_checkpoint_reentrant(spec: dict) -> bool:
+    """Activation-checkpoint form when a spec does not say (``spec["checkpoint_reentrant"]`` wins): reentrant for
+    upstream at ZeRO-3 (S3, and the stage-3 throughput row), whose ZeRO-3 fails under torch's non-reentrant
+    checkpoint on the H200 image (HF Transformers' ``gradient_checkpointing_enable`` defaults to reentrant too);
+    non-reentrant otherwise."""
+    if "checkpoint_reentrant" in spec:
+        return bool(spec["checkpoint_reentrant"])
+    return spec.get("impl") == "upstream" and spec.get("stage", 3) == 3
+
+
+def _before_gate() -> None:
+    """CPU-only start-up work a prelaunched worker does before it is released: torch.optim's first construction
+    imports torch._dynamo (seconds). Nothing here touches the GPU."""
+    with contextlib.suppress(Exception):  # only a head start: warm_up_deepspeed does the real thing after the gate
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+
+
+def _wait_for_gate(path: str) -> float:
+    """Block until ``path`` exists (run_all releases a prelaunched worker); exit if run_all is gone."""
+    parent = os.getppid()
+    t0 = time.perf_counter()
+    while not os.path.exists(path):
+        if os.getppid() != parent:
+            os._exit(4)
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
 def worker_main(scenario: str, body: Callable[[dict], dict]) -> None:
-    """Parse ``--spec``/``--result``, run ``body(spec)``, and write its record (or the error) to the result file."""
+    """Parse ``--spec``/``--result`` (and ``--gate``), run ``body(spec)``, and write its record (or the error) to the
+    result file. With ``--gate FILE`` the worker finishes its imports, then waits for FILE before anything else."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--gate", default="")
     args = ap.parse_args()
     spec = json.loads(args.spec)
     record: dict[str, Any] = {"scenario": scenario, **spec}
+    _before_gate()
+    with contextlib.suppress(Exception):  # informational only
+        import psutil
+
+        record["startup_s"] = round(time.time() - psutil.Process().create_time(), 2)  # process start to here
+    record["gate_wait_s"] = round(_wait_for_gate(args.gate), 2) if args.gate else None
     t0 = time.perf_counter()
     try:
         init_process_group(spec["impl"], int(spec.get("world_size", 1)))
@@ -305,6 +342,7 @@ def worker_main(scenario: str, body: Callable[[dict], dict]) -> None:
         if torch.cuda.is_available():
             record["mem_at_error"] = mem()
     record["worker_wall_s"] = round(time.perf_counter() - t0, 2)
+    record["torch_threads"] = torch.get_num_threads()
     record["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     record["torch"] = torch.__version__
     with open(args.result, "w") as f:

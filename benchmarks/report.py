@@ -183,6 +183,10 @@ def throughput_table(records: list[dict]) -> list[str]:
     for stage in (0, 1, 2, 3):
         c = {impl: _cell(records, "tokens_per_s", 0, scenario="throughput", impl=impl, stage=stage)
              for impl in ("ours", "ours_leanoff", "upstream")}
+        for impl in c:  # † = reentrant activation checkpointing (the note under the table)
+            r = _find(records, scenario="throughput", impl=impl, stage=stage)
+            if r is not None and r.get("checkpoint_reentrant") and r.get("status") == "ok":
+                c[impl] = (c[impl][0] + " †", c[impl][1])
         pk = {impl: _cell(records, "peak_alloc_gib", 2, scenario="throughput", impl=impl, stage=stage)[0]
               for impl in ("ours", "upstream")}
         fcell = "—" if fs is None else (f"{fv:.0f}" if fv is not None else f"**{fs.get('status')}**")
@@ -193,6 +197,12 @@ def throughput_table(records: list[dict]) -> list[str]:
 
 
 S3_IMPL_ORDER = ("ours", "ours_leanoff", "upstream", "fsdp2")
+
+
+def checkpoint_mode(r: dict) -> str:
+    """The activation-checkpoint form of a record: ``reentrant`` or ``non-reentrant`` (records written before the
+    field existed ran the non-reentrant form unless their spec said otherwise)."""
+    return "reentrant" if r.get("checkpoint_reentrant") else "non-reentrant"
 
 
 def _s3_group(r: dict) -> tuple:
@@ -246,14 +256,14 @@ def _s3_invalid(r: dict) -> bool:
 def s3_table(records: list[dict]) -> list[str]:
     """One row per S3 configuration: peak vs floor, gathered layers (hooks, trace), deferred frees, host, time."""
     recs = sorted((r for r in records if r.get("scenario") == "s3" and r.get("impl") in S3_IMPL_ORDER), key=_s3_sort)
-    out = [("| model | N | offload | impl | stage | peak alloc / reserved GiB | floor GiB | peak/floor | reserved/alloc | "
-            "gathered layers fwd / bwd max (hooks) | layer-equiv fwd / bwd | from trace | deferred frees | host B/param "
-            "| step s | retries | vs upstream | vs FSDP2 |"),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [("| model | N | offload | impl | stage | ckpt | peak alloc / reserved GiB | floor GiB | peak/floor | "
+            "reserved/alloc | gathered layers fwd / bwd max (hooks) | layer-equiv fwd / bwd | from trace | deferred "
+            "frees | host B/param | step s | retries | vs upstream | vs FSDP2 |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         off = ("opt+param" if r.get("offload_param") else "opt") if r.get("offload") else "—"
         st = "FSDP2" if r.get("impl") == "fsdp2" else r.get("stage")
-        head = f"| {r.get('model')} | {r.get('world_size')} | {off} | {r['impl']} | {st} |"
+        head = f"| {r.get('model')} | {r.get('world_size')} | {off} | {r['impl']} | {st} | {checkpoint_mode(r)} |"
         if r.get("status") != "ok":
             err = str(r.get("error", r.get("skip_reason", ""))).replace("|", "\\|").replace("\n", " ")[:100]
             out.append(head + f" **{r.get('status')}**: {err} |" + " |" * 12)
@@ -397,7 +407,12 @@ def s3_section(records: list[dict]) -> list[str]:
         "measured step (untraced); gathered layers: a later step with hooks at every module boundary of the decoder "
         "layers (a layer counts when any non-persistent parameter is gathered or in flight; layer-equiv = gathered "
         "elements / one layer's); `from trace` and deferred frees: the same step's CUDA memory-history trace "
-        "(`deepspeed/_core/engine/memory_timeline.py`). `vs upstream` / `vs FSDP2` = peak allocated ratio.")
+        "(`deepspeed/_core/engine/memory_timeline.py`). `vs upstream` / `vs FSDP2` = peak allocated ratio. "
+        "`ckpt` = the activation-checkpoint form (`torch.utils.checkpoint`'s `use_reentrant`): upstream runs the "
+        "reentrant form by default (its ZeRO-3 fails under the non-reentrant one on the H200 image; HF Transformers' "
+        "`gradient_checkpointing_enable` also defaults to reentrant), ours and FSDP2 the non-reentrant form; "
+        "`run_all.py --s3-extra '{\"checkpoint_reentrant\": ...}'` sets one form for all. Step times of the "
+        "offloaded rows depend on the CPU threads the worker had (`omp_threads` in the record).")
     return [intro, "", *s3_table(records), "", "### Report 3's targets for ours (mechanical)", "",
             *s3_targets(records), ""]
 
@@ -510,6 +525,9 @@ def write_report(paths: list[Path], md_path: Path, command: str, plots_dir: Path
               "its fp32 params (4P). Param bytes = P × dtype bytes of the model as built.", ""]
     lines += s2_table(records)
     lines += ["", "## Throughput (solo runs)", ""] + throughput_table(records)
+    if any(r.get("scenario") == "throughput" and r.get("checkpoint_reentrant") for r in records):
+        lines += ["", "† reentrant activation checkpointing (`torch.utils.checkpoint(use_reentrant=True)`): upstream's "
+                  "ZeRO-3 fails under the non-reentrant form on the H200 image; every other row is non-reentrant."]
     lines += ["", "## S3: ZeRO-3 (user report 3)", ""] + s3_section(records)
     if plot:
         link = plot_link or plot

@@ -2,7 +2,10 @@
 
 One worker = one (implementation, model, world size, offload). Model: a Qwen2-shaped decoder with random weights
 (``models.py``: ``qwen2-3b`` 3.09 B, ``qwen2.5-7b`` 7.62 B, ``quick-qwen`` for CPU), sequence 512, micro-batch 1,
-bf16, activation checkpointing inside every decoder layer. DeepSpeed config: what HF Trainer's ``"auto"`` resolves
+bf16, activation checkpointing inside every decoder layer (``spec["checkpoint_reentrant"]``; by default the
+reentrant form for upstream, whose ZeRO-3 fails under the non-reentrant one on the H200 image, and the
+non-reentrant form for ours and FSDP2: ``_harness.default_checkpoint_reentrant``; the record says which ran).
+DeepSpeed config: what HF Trainer's ``"auto"`` resolves
 to (``_harness.hf_auto_config``), optimizer offloaded to pinned CPU memory with ``spec["offload"]`` (parameters
 too with ``spec["offload_param"]``, ours only); ``spec["stage"] = 2`` is the ZeRO-2 comparison row. FSDP2:
 ``fully_shard`` per decoder layer and on the root (``baselines/fsdp2.py``), ``CPUOffloadPolicy(pin_memory=True)``
@@ -39,6 +42,7 @@ from _harness import (
     DeepSpeedTrainer,
     GiB,
     RssSampler,
+    default_checkpoint_reentrant,
     device,
     hf_auto_config,
     mem,
@@ -439,7 +443,8 @@ def _instrumented_step(trainer: Any, module: torch.nn.Module, spec: dict, batch:
 
 def run(spec: dict) -> dict:
     """Measure one configuration (see the module docstring)."""
-    models.CHECKPOINT_USE_REENTRANT = bool(spec.get("checkpoint_reentrant", False))
+    reentrant = default_checkpoint_reentrant(spec)
+    models.CHECKPOINT_USE_REENTRANT = reentrant
     cfg = MODELS[spec["model"]]
     with RssSampler() as init_rss:
         trainer, module, n_params = _build(spec)
@@ -455,6 +460,7 @@ def run(spec: dict) -> dict:
     measured = _measured_step(trainer, batch, spec)
     layer_params = cfg.layer_params()
     rec: dict[str, Any] = {
+        "checkpoint_reentrant": reentrant,
         "params": n_params, "params_expected": cfg.num_params(), "layer_params": layer_params,
         "layers": cfg.layers, "model_cfg": cfg.to_dict(), "tokens_per_step": cfg.seq * int(spec.get("micro_batch", 1)),
         "alloc_after_init_gib": after_init["alloc"], "reserved_after_init_gib": after_init["reserved"],

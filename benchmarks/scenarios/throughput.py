@@ -13,14 +13,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models
-from _harness import device, make_trainer, mem, reset_peak, sync, worker_main
+from _harness import (
+    default_checkpoint_reentrant,
+    device,
+    make_trainer,
+    mem,
+    reset_peak,
+    sync,
+    worker_main,
+)
 from models import random_batch
 
 
 def run(spec: dict) -> dict:
     """Time ``spec['steps']`` optimizer steps after ``spec['warmup']`` warm-up steps."""
     gas, mb = int(spec.get("gas", 1)), int(spec.get("micro_batch", 1))
-    models.CHECKPOINT_USE_REENTRANT = bool(spec.get("checkpoint_reentrant", False))
+    models.CHECKPOINT_USE_REENTRANT = default_checkpoint_reentrant(spec)
     trainer, cfg, n_params = make_trainer(spec["model"], spec)
     batches = [random_batch(cfg, mb, device(), seed=m) for m in range(gas)]
 
@@ -53,6 +61,7 @@ def run(spec: dict) -> dict:
         "tflops_per_s": 8 * n_params * tokens / median / 1e12,  # 6·P·T plus the recompute forward (2·P·T)
         "peak_alloc_gib": m["peak_alloc"],
         "peak_reserved_gib": m["peak_reserved"],
+        "checkpoint_reentrant": models.CHECKPOINT_USE_REENTRANT,
         **trainer.info(),
     }
 

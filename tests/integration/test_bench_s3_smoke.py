@@ -3,7 +3,8 @@
 The GPU run (``bash benchmarks/device_run.sh``) measures; this only checks, on the CPU, that the Qwen2-shaped
 models have the parameter counts their shapes say, that the HF-"auto" ZeRO-3 config resolves as documented, that
 the worker runs ours at N=1 and FSDP2 at N=8 (fake group, meta-device build) with real hook counts, that a trace
-summary survives the analysis path, and that ``run_all.py --plan`` lists the S3 jobs.
+summary survives the analysis path, and that ``run_all.py --plan`` lists the S3 jobs (scheduler and checkpoint-form
+tests: ``test_bench_scheduler.py``).
 """
 from __future__ import annotations
 
@@ -57,23 +58,32 @@ def test_hf_auto_config_values() -> None:
     assert off["lean_stream_ordered_release"] is False and off["offload_param"]["device"] == "cpu"
 
 
-def _worker(spec: dict, out: Path) -> subprocess.Popen:
+def _worker(spec: dict, out: Path, gate: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(21000 + os.getpid() % 2000 + spec["world_size"]))
     cmd = [sys.executable, str(WORKER), "--spec", json.dumps(spec), "--result", str(out)]
+    cmd += ["--gate", str(gate)] if gate is not None else []
     return subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def test_worker_ours_n1_and_fsdp2_n8(tmp_path: Path) -> None:
-    """Both workers finish with status ok, the right parameter count and real gathered-layer counts."""
+    """Both workers finish with status ok, the right parameter count and real gathered-layer counts; the FSDP2
+    worker is started gated (as run_all --prelaunch does) and runs only once the gate file exists."""
     base = {"model": "quick-qwen", "dtype": "bf16", "gas": 1, "warmup": 1}
     runs = {"ours": ({**base, "impl": "ours", "stage": 3, "world_size": 1}, tmp_path / "ours.json"),
             "fsdp2": ({**base, "impl": "fsdp2", "stage": None, "world_size": 8}, tmp_path / "fsdp2.json")}
-    procs = {name: _worker(spec, out) for name, (spec, out) in runs.items()}
+    gate = tmp_path / "gate"
+    procs = {name: _worker(spec, out, gate if name == "fsdp2" else None) for name, (spec, out) in runs.items()}
     for name, proc in procs.items():
+        if name == "fsdp2":  # held at its gate all the while the ours worker ran
+            assert proc.poll() is None and not runs[name][1].exists()
+            gate.touch()
         log, _ = proc.communicate(timeout=120)
         record = json.loads(runs[name][1].read_text())
         assert record["status"] == "ok", (record.get("error"), log[-3000:])
+        assert record["checkpoint_reentrant"] is False  # ours and FSDP2: non-reentrant by default
+        assert record["startup_s"] > 0
+        assert (record["gate_wait_s"] > 0) if name == "fsdp2" else record["gate_wait_s"] is None
         assert record["params"] == record["params_expected"]
         assert record["gathered_probe_error"] is None
         assert record["trace"] == {"skipped": "no CUDA device: no memory-history trace"}
