@@ -10,7 +10,11 @@ post-accumulate-grad hook. What happens next is the :class:`GradPath`:
 - ``STAGE2_RETAIN`` (upstream behaviour, for A/B): same reduction, but autograd's ``.grad`` buffers are
   kept (zeroed) until the step ends.
 - ``STAGE1_ACCUMULATE`` (lean ZeRO-1): gradients are folded into one persistent full-size accumulator and
-  dropped at once; the accumulator is reduced bucket by bucket during the boundary backward.
+  dropped at once; the accumulator is reduced bucket by bucket during the boundary backward. A window of one
+  micro-step (``gradient_accumulation_steps`` 1) has nothing to accumulate, so its backward takes the
+  ``STAGE2_FREE`` route into the partition gradient instead: a full-size accumulator there cost 2 bytes per
+  parameter at the simulated N=8 step peak on the H200, where upstream's ZeRO-1 only stages buckets
+  (``benchmarks/results/diag/call3``).
 - ``STAGE1_AUTOGRAD`` (upstream behaviour, for A/B): gradients accumulate in ``.grad`` and are reduced from
   there at the boundary.
 
@@ -154,14 +158,18 @@ class GradReducer:
         self._next_launch = 0
         self._reducing = False
         self._in_flight: list[_Bucket] = []
-        # Lean ZeRO-2 on one rank: the reduction is the identity, so gradients fold straight into the
-        # partition gradient; staging buckets would only add their bytes to the peak (benchmarks S1, N=1).
-        self._direct = config.path is GradPath.STAGE2_FREE and all(g.layout.world_size == 1 for g in self.groups)
+        self._path = config.path  # this backward's route; begin() may pick STAGE2_FREE for lean ZeRO-1
+        self._direct = self._folds_directly(self._path)
         comm_bytes = torch.empty((), dtype=config.comm_dtype).element_size()
         self.host = HostTransfers(slot_bytes_for(config.bucket_numel * comm_bytes))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
         ]
+
+    def _folds_directly(self, path: GradPath) -> bool:
+        # Lean ZeRO-2 on one rank: the reduction is the identity, so gradients fold straight into the
+        # partition gradient; staging buckets would only add their bytes to the peak (benchmarks S1, N=1).
+        return path is GradPath.STAGE2_FREE and all(g.layout.world_size == 1 for g in self.groups)
 
     def _plan(self) -> list[_Bucket]:
         buckets: list[_Bucket] = []
@@ -176,7 +184,12 @@ class GradReducer:
     # --- micro-step protocol ------------------------------------------------------------------------
     def begin(self, kind: MicroStepKind) -> None:
         """Prepare for a backward; ``REDUCE`` marks the last micro-step of an accumulation window."""
-        self._reducing = kind is MicroStepKind.REDUCE or self.config.path.reduces_every_micro_step
+        self._path = self.config.path
+        if (self._path is GradPath.STAGE1_ACCUMULATE and kind is MicroStepKind.REDUCE
+                and all(g.accumulator is None for g in self.groups)):
+            self._path = GradPath.STAGE2_FREE  # a one-micro-step window: nothing to accumulate
+        self._direct = self._folds_directly(self._path)
+        self._reducing = kind is MicroStepKind.REDUCE or self._path.reduces_every_micro_step
         self._next_launch = 0
         for bucket in self.buckets:
             bucket.pending = len(bucket.slots)
@@ -185,7 +198,7 @@ class GradReducer:
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         bucket_index, g, s = self._where[id(param)]
         bucket, grads = self.buckets[bucket_index], self.groups[g]
-        path = self.config.path
+        path = self._path
         if path is GradPath.STAGE1_ACCUMULATE:
             acc = grads.ensure_accumulator(self.config.device)
             acc[grads.layout.slots[s].range.as_slice()].add_(param.grad.reshape(-1))
@@ -225,7 +238,7 @@ class GradReducer:
 
     # --- one bucket ---------------------------------------------------------------------------------
     def _bucket_data(self, bucket: _Bucket) -> torch.Tensor:
-        path, grads = self.config.path, self.groups[bucket.group]
+        path, grads = self._path, self.groups[bucket.group]
         if path is GradPath.STAGE1_ACCUMULATE:
             acc = grads.ensure_accumulator(self.config.device)[bucket.range.as_slice()]
             return acc if acc.dtype == self.config.comm_dtype else acc.to(self.config.comm_dtype)
@@ -287,7 +300,7 @@ class GradReducer:
         self.observer("reduced", bucket.index)
 
     def _sink(self, grads: GroupGrads, owned: Range, piece: torch.Tensor) -> None:
-        path = self.config.path
+        path = self._path
         if path is GradPath.STAGE1_ACCUMULATE:
             acc = grads.ensure_accumulator(self.config.device)
             target = acc[owned.as_slice()]

@@ -151,9 +151,7 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
     def _grad_partition(self, group: ZeroGroup) -> torch.Tensor | None:
         """This rank's partition gradient, as accumulated (``grad_accum_dtype``; not copied)."""
         grads = group.grads
-        if self.path is GradPath.STAGE1_ACCUMULATE:
-            if grads.accumulator is None:
-                return None
+        if grads.accumulator is not None:  # lean ZeRO-1 after a window of several micro-steps
             return grads.accumulator[group.master.partition.as_slice()]
         return grads.partition_grad
 
