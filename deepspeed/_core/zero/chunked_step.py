@@ -80,6 +80,10 @@ def step_in_chunks(
     numel = master.numel()
     scalars = {k: v for k, v in master_state.items() if not _is_per_element(v, numel)}
     updated: dict = {}
+    # One conversion buffer for every chunk. A fresh host tensor per chunk is page-faulted in (zeroed by the
+    # kernel) on first touch; on a 2-core CPU that made the bf16->fp32 conversion 4-5x slower than copying
+    # into a reused buffer (128M elements: 0.37-0.57 s vs 0.09-0.10 s), and it was most of an offloaded step.
+    convert: torch.Tensor | None = None
     try:
         for start in range(0, numel, max(1, chunk_numel)):
             end = min(start + chunk_numel, numel)
@@ -90,7 +94,10 @@ def step_in_chunks(
             if consume and piece.dtype == master.dtype and piece.device == master.device:
                 view.grad = piece
             else:
-                view.grad = piece.to(device=master.device, dtype=master.dtype, copy=True)
+                if convert is None:
+                    convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+                view.grad = convert[: end - start]
+                view.grad.copy_(piece)
             if coef != 1.0:
                 view.grad.mul_(coef)
             group["params"] = [view]

@@ -86,8 +86,20 @@ class MasterPartition:
             if self.transfer is TransferPath.DIRECT:
                 self.flat.copy_in(part, master)
                 return
+            stage = host_staging(min(TRANSFER_CHUNK_NUMEL, part.size), self.flat.dtype, self.flat.device)
             for start, end in _chunks(part.size):
-                self.flat.copy_in(Range(part.start + start, part.start + end), master[start:end].to(self.flat.dtype))
+                piece = stage[: end - start]
+                piece.copy_(master[start:end])  # converts on the host, into memory already faulted in
+                self.flat.copy_in(Range(part.start + start, part.start + end), piece)
+
+
+def host_staging(numel: int, dtype: torch.dtype, target: torch.device) -> torch.Tensor:
+    """A host buffer reused for every chunk of one host-to-``target`` transfer: page-locked when ``target`` is an
+    accelerator (faster, and allocated once per call rather than per chunk, so the caching host allocator's
+    rounding stays one chunk), pageable otherwise. Reusing it also spares the page faults a fresh host tensor
+    per chunk pays on first touch. Copies out of it must be synchronous (they are: ``non_blocking`` is off)."""
+    buf = torch.empty(numel, dtype=dtype)
+    return get_accelerator().pin_memory(buf) if target.type != "cpu" else buf
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:

@@ -38,6 +38,7 @@ from deepspeed._core.zero.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.zero.grad_shard import ChunkedGradShard
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers, slot_bytes_for
 from deepspeed._core.zero.manager import ZeroParamManager
+from deepspeed._core.zero.optimizer_shard import host_staging
 from deepspeed._core.zero.stage3_access import Stage3ParamAccess
 from deepspeed._core.zero.step_common import ShardedStepMixin
 from deepspeed._core.zero.stage12 import _package_version
@@ -282,9 +283,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.
 
         Each shard is converted to its working dtype where the master lives, ``_step_chunk_numel``
-        elements at a time, so a host master never sends fp32 bytes nor a model-sized temporary.
+        elements at a time through one reused host buffer, so a host master never sends fp32 bytes nor
+        allocates a model-sized (or per-chunk) temporary.
         """
         chunk = self._step_chunk_numel
+        stages: dict[tuple, torch.Tensor] = {}
         with torch.no_grad():
             for grp in self.groups:
                 for state, off in zip(grp.states, grp.offsets):
@@ -292,7 +295,15 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
                     for start in range(0, dst.numel(), chunk):
                         end = min(start + chunk, dst.numel())
                         src = grp.master.data[off + start : off + end]
-                        dst[start:end].copy_(src.to(dst.dtype), non_blocking=False)
+                        if src.device == dst.device:
+                            dst[start:end].copy_(src)  # converts in place, no temporary
+                            continue
+                        key = (dst.dtype, dst.device)
+                        if key not in stages:
+                            stages[key] = host_staging(chunk, dst.dtype, dst.device)
+                        piece = stages[key][: end - start]
+                        piece.copy_(src)
+                        dst[start:end].copy_(piece, non_blocking=False)
         self.manager.refresh_persistent()
 
     # --- checkpoints (interface: deepspeed._core.engine.checkpointing.ShardedCheckpointOptimizer) -------

@@ -46,3 +46,36 @@ def test_step_chunk_size_is_clamped_between_64_and_256_mib() -> None:
     assert step_chunk_numel(8 << 20, torch.float32) == (64 << 20) // 4  # HF "auto" ZeRO-3 bucket at hidden 2048
     assert step_chunk_numel(100 << 20, torch.float32) == (100 << 20) // 4
     assert step_chunk_numel(1 << 31, torch.float32) == (256 << 20) // 4  # a 5e8-element bf16 bucket
+
+
+class _Recorder(torch.optim.SGD):
+    """SGD that remembers where each step's gradient lived."""
+
+    def __init__(self, params) -> None:  # noqa: ANN001
+        super().__init__(params, lr=0.1)
+        self.grad_ptrs: list[int] = []
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        self.grad_ptrs += [p.grad.data_ptr() for g in self.param_groups for p in g["params"]]
+        return super().step(closure)
+
+
+def test_conversion_reuses_one_buffer_and_consumed_chunks_are_used_in_place() -> None:
+    """A narrow gradient is converted through one buffer for every chunk (no fresh host tensor per chunk); a
+    consumed gradient already in the master's dtype is stepped in place and released chunk by chunk."""
+    from deepspeed._core.zero.grad_shard import ChunkedGradShard
+
+    master = torch.nn.Parameter(torch.zeros(100))
+    opt = _Recorder([master])
+    step_in_chunks(opt, 0, torch.ones(100, dtype=torch.bfloat16), 30, coef=0.5)
+    assert len(opt.grad_ptrs) == 4 and len(set(opt.grad_ptrs)) == 1
+    assert torch.equal(master.detach(), torch.full((100,), -0.05))
+
+    shard = ChunkedGradShard(100, 30, torch.float32, "cpu")
+    shard.add_(0, torch.ones(100))
+    chunk_ptrs = [c.data_ptr() for c in shard.allocated()]
+    opt.grad_ptrs.clear()
+    step_in_chunks(opt, 0, shard, 30, coef=2.0, consume=True)
+    assert opt.grad_ptrs == chunk_ptrs  # the chunks themselves, scaled in place
+    assert shard.allocated_numel == 0  # each released once stepped
+    assert torch.equal(master.detach(), torch.full((100,), -0.25))
