@@ -1,0 +1,79 @@
+"""Host side of an offloaded optimizer step, on the CPU alone: where the time goes (a diagnostic).
+
+    PYTHONPATH=. python benchmarks/offload_step_cpu.py --numel 134217728 --chunk 16777216
+
+Times, on an fp32 master with ``DeepSpeedCPUAdam``: ``plain`` (an fp32 gradient handed over, one step),
+``chunked`` (a bf16 ``ChunkedGradShard`` stepped by ``step_in_chunks``, as offloaded ZeRO-3 does), and the
+bf16->fp32 conversion of every chunk into a fresh tensor per chunk (``convert_fresh``) vs one reused buffer
+(``convert_reused``). Each figure is the median of ``--reps`` runs after one warm-up run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deepspeed._core.zero.chunked_step import step_in_chunks  # noqa: E402
+from deepspeed._core.zero.grad_shard import ChunkedGradShard  # noqa: E402
+from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=128 << 20)
+    ap.add_argument("--chunk", type=int, default=16 << 20)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    n, ch = args.numel, args.chunk
+    torch.manual_seed(0)
+    master = torch.nn.Parameter(torch.randn(n), requires_grad=False)
+    opt = DeepSpeedCPUAdam([master], lr=1e-3)
+
+    def shard() -> ChunkedGradShard:
+        acc = ChunkedGradShard(n, ch, torch.bfloat16, "cpu")
+        for s in range(0, n, ch):
+            acc.add_(s, torch.randn(min(ch, n - s)).bfloat16())
+        return acc
+
+    def plain() -> float:
+        g = torch.randn(n)
+        t = time.perf_counter()
+        g.mul_(0.5)
+        master.grad = g
+        opt.step()
+        master.grad = None
+        return time.perf_counter() - t
+
+    def chunked() -> float:
+        acc = shard()
+        t = time.perf_counter()
+        step_in_chunks(opt, 0, acc, ch, 0.5, consume=True)
+        return time.perf_counter() - t
+
+    def convert(reuse: bool) -> float:
+        acc = shard()
+        buf = torch.empty(ch)
+        t = time.perf_counter()
+        for s in range(0, n, ch):
+            w = acc.window(s, min(s + ch, n))
+            x = buf[: w.numel()].copy_(w) if reuse else w.to(torch.float32, copy=True)
+            x.mul_(0.5)
+        return time.perf_counter() - t
+
+    cases = {"plain": plain, "chunked": chunked, "convert_fresh": lambda: convert(False),
+             "convert_reused": lambda: convert(True)}
+    out = {"numel": n, "chunk": ch, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    for name, fn in cases.items():
+        fn()
+        out[name + "_s"] = round(statistics.median(fn() for _ in range(args.reps)), 3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
