@@ -89,6 +89,10 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+_CONTAINERS = (list, tuple, dict)
+"""Argument types that may hold tensors inside: calls with one of these (or kwargs) take the pytree path."""
+
+
 def _grad_tensors(values: Iterable[Any]) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
 
@@ -171,6 +175,17 @@ class ModuleHooks:
     def _wrap_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():
             return None
+        if not kwargs and all(type(a) not in _CONTAINERS for a in args):
+            # The common call (``layer(x)``): no pytree round trip, which was about a fifth of the hooks'
+            # host time per step (benchmarks/zero3_hook_overhead.py).
+            positions = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.requires_grad]
+            if not positions:
+                return None
+            wrapped = _PostBackward.apply(self, module, *(args[i] for i in positions))
+            new_args = list(args)
+            for i, tensor in zip(positions, wrapped):
+                new_args[i] = tensor
+            return tuple(new_args), kwargs
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not positions:
@@ -183,8 +198,15 @@ class ModuleHooks:
     def _watch_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        tensors = _grad_tensors(pytree.tree_leaves(output))
-        if tensors:
+        if isinstance(output, torch.Tensor):
+            tensors = [output] if output.requires_grad else []
+        else:
+            tensors = _grad_tensors(pytree.tree_leaves(output))
+        if len(tensors) == 1:
+            # One output (the usual case): a plain tensor hook fires at the same point, before the module's
+            # backward, for a fraction of a multi-grad hook's host cost.
+            tensors[0].register_hook(lambda grad: self.on_pre_backward(module))
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.on_pre_backward(module),
                                                           mode="any")
 

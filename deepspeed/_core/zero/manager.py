@@ -249,8 +249,12 @@ class ZeroParamManager:
         unit = self._unit_of(module)
         unit.refresh()
         self.engine.drain()
-        if unit.numel():
-            self.trace.observe(unit.unit_id)
+        if not unit.numel():
+            # Nothing to gather (a container, or only persistent parameters): the trace does not record such
+            # units, so prefetch decisions wait for the next unit that has something to move.
+            unit.acquire()
+            return
+        self.trace.observe(unit.unit_id)
         unit.acquire()
         unit.unshard()
         self._prefetch()
@@ -277,9 +281,9 @@ class ZeroParamManager:
     def release(self, module: nn.Module) -> None:
         """One use of ``module`` ended; release its parameters when it was the last (unless reused soon)."""
         unit = self._unit_by_module.get(id(module))
-        if unit is None or unit.refs == 0 or unit.drop() > 0:
-            return
-        if unit.numel() and self.trace.reused_soon(unit.unit_id, self._unit_numel):
+        if unit is None or unit.refs == 0 or unit.drop() > 0 or not unit.numel():
+            return  # still in use, or nothing gathered to release (kept units are swept at the next release)
+        if self.trace.reused_soon(unit.unit_id, self._unit_numel):
             unit.keep()
             self._kept.add(unit.unit_id)
         else:

@@ -252,26 +252,38 @@ class FetchUnit:
         self.engine = engine
         self._states_of = states_of
         self._states: list[ZeroParam] | None = None
+        # Derived from _states at each refresh: the hooks ask for them several times per fetch and release.
+        self._managed: list[ZeroParam] = []
+        self._numel = 0
         self.refs = 0
         self.state = UnitState.IDLE
 
     def states(self) -> list[ZeroParam]:
         """The unit's parameter states, in registration order (as of the last :meth:`refresh`)."""
         if self._states is None:
-            self._states = self._states_of()
+            self.refresh()
         return self._states
 
     def refresh(self) -> None:
         """Re-read the unit's parameters (the manager calls this once per fetch: parameters may be added)."""
-        self._states = self._states_of()
+        states = self._states_of()
+        if states is not self._states:  # the manager hands back the same list while nothing changed
+            self._states = states
+            self._managed = [s for s in states if not s.is_persistent]
+            self._numel = sum(s.numel for s in self._managed)
 
     def managed_states(self) -> list[ZeroParam]:
-        """The non-persistent states: what fetch and release actually move."""
-        return [s for s in self.states() if not s.is_persistent]
+        """The non-persistent states: what fetch and release actually move (as of the last refresh;
+        persistence is decided when the manager is built)."""
+        if self._states is None:
+            self.refresh()
+        return self._managed
 
     def numel(self) -> int:
         """Elements the unit's non-persistent parameters occupy when gathered."""
-        return sum(s.numel for s in self.managed_states())
+        if self._states is None:
+            self.refresh()
+        return self._numel
 
     def is_gathered(self) -> bool:
         """True when every non-persistent parameter is ``FULL`` or already on its way."""
