@@ -7,8 +7,8 @@ Per module, four forward-time hooks ([Note: zero3-hooks] in ``docs/design/zero3.
 * forward pre-hook that routes the module's grad-requiring inputs through :class:`_PostBackward`, whose
   backward runs once the gradients of all those inputs exist, i.e. after the module's backward
   -> ``target.post_backward(module)``;
-* forward post-hook that puts a multi-grad hook ("any") on the grad-requiring outputs, which fires before any
-  of the module's backward runs -> ``target.pre_backward(module)``.
+* forward post-hook that puts a multi-grad hook ("any") on the grad-requiring outputs (a plain tensor hook when
+  there is one), which fires before any of the module's backward runs -> ``target.pre_backward(module)``.
 
 Both backward hooks are set up per call, so a module called twice gets two pre/post-backward pairs; the unit's
 use count in the manager keeps its parameters gathered until the last one. The first pre-backward of a backward
