@@ -83,7 +83,9 @@ def test_worker_ours_n1_and_fsdp2_n8(tmp_path: Path) -> None:
         assert record["status"] == "ok", (record.get("error"), log[-3000:])
         assert record["checkpoint_reentrant"] is False  # ours and FSDP2: non-reentrant by default
         assert record["startup_s"] > 0
-        assert (record["gate_wait_s"] > 0) if name == "fsdp2" else record["gate_wait_s"] is None
+        # The gated worker records how long it waited; on a loaded machine its imports can outlast the other
+        # worker's whole run, so the wait may round to 0 (that it did wait is checked above: no result before).
+        assert (record["gate_wait_s"] >= 0) if name == "fsdp2" else record["gate_wait_s"] is None
         assert record["params"] == record["params_expected"]
         assert record["gathered_probe_error"] is None
         assert record["trace"] == {"skipped": "no CUDA device: no memory-history trace"}
