@@ -89,8 +89,9 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-_CONTAINERS = (list, tuple, dict)
-"""Argument types that may hold tensors inside: calls with one of these (or kwargs) take the pytree path."""
+_LEAVES = (torch.Tensor, bool, int, float, str)
+"""Argument types that cannot hold tensors inside: calls made only of these (and no kwargs) skip the pytree path;
+anything else (containers, named tuples, registered pytree nodes) takes it."""
 
 
 def _grad_tensors(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -175,7 +176,7 @@ class ModuleHooks:
     def _wrap_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():
             return None
-        if not kwargs and all(type(a) not in _CONTAINERS for a in args):
+        if not kwargs and all(isinstance(a, _LEAVES) or a is None for a in args):
             # The common call (``layer(x)``): no pytree round trip, which was about a fifth of the hooks'
             # host time per step (benchmarks/zero3_hook_overhead.py).
             positions = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.requires_grad]
