@@ -98,8 +98,7 @@ def host_staging(numel: int, dtype: torch.dtype, target: torch.device) -> torch.
     accelerator (faster, and allocated once per call rather than per chunk, so the caching host allocator's
     rounding stays one chunk), pageable otherwise. Reusing it also spares the page faults a fresh host tensor
     per chunk pays on first touch. Copies out of it must be synchronous (they are: ``non_blocking`` is off)."""
-    buf = torch.empty(numel, dtype=dtype)
-    return get_accelerator().pin_memory(buf) if target.type != "cpu" else buf
+    return torch.empty(numel, dtype=dtype, pin_memory=target.type != "cpu")
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:
