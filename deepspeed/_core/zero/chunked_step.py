@@ -81,8 +81,8 @@ def step_in_chunks(
     scalars = {k: v for k, v in master_state.items() if not _is_per_element(v, numel)}
     updated: dict = {}
     # One conversion buffer for every chunk. A fresh host tensor per chunk is page-faulted in (zeroed by the
-    # kernel) on first touch; on a 2-core CPU that made the bf16->fp32 conversion 4-5x slower than copying
-    # into a reused buffer (128M elements: 0.37-0.57 s vs 0.09-0.10 s), and it was most of an offloaded step.
+    # kernel) on first touch: on the 2-core development CPU the bf16->fp32 conversion of 128M elements took
+    # 0.44 s that way and 0.09 s through one reused buffer (benchmarks/offload_step_cpu.py, cpu/README.md).
     convert: torch.Tensor | None = None
     try:
         for start in range(0, numel, max(1, chunk_numel)):

@@ -177,8 +177,8 @@ class ModuleHooks:
         if not torch.is_grad_enabled():
             return None
         if not kwargs and all(isinstance(a, _LEAVES) or a is None for a in args):
-            # The common call (``layer(x)``): no pytree round trip, which was about a fifth of the hooks'
-            # host time per step (benchmarks/zero3_hook_overhead.py).
+            # The common call (``layer(x)``) skips the pytree round trip: these hooks run on every module call,
+            # and their host time is what a ZeRO-3 step waits on (benchmarks/zero3_hook_overhead.py).
             positions = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.requires_grad]
             if not positions:
                 return None
@@ -205,7 +205,7 @@ class ModuleHooks:
             tensors = _grad_tensors(pytree.tree_leaves(output))
         if len(tensors) == 1:
             # One output (the usual case): a plain tensor hook fires at the same point, before the module's
-            # backward, for a fraction of a multi-grad hook's host cost.
+            # backward, without the handle and per-tensor bookkeeping a multi-grad hook builds.
             tensors[0].register_hook(lambda grad: self.on_pre_backward(module))
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.on_pre_backward(module),

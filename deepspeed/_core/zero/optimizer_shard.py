@@ -7,6 +7,7 @@ materialises a second copy of the gradient partition (memory_targets.md, report 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,19 +87,26 @@ class MasterPartition:
             if self.transfer is TransferPath.DIRECT:
                 self.flat.copy_in(part, master)
                 return
-            stage = host_staging(min(TRANSFER_CHUNK_NUMEL, part.size), self.flat.dtype, self.flat.device)
-            for start, end in _chunks(part.size):
-                piece = stage[: end - start]
-                piece.copy_(master[start:end])  # converts on the host, into memory already faulted in
-                self.flat.copy_in(Range(part.start + start, part.start + end), piece)
+            send_through_host(master, self.flat.dtype, self.flat.device, TRANSFER_CHUNK_NUMEL,
+                              lambda start, piece: self.flat.copy_in(Range(part.start + start,
+                                                                           part.start + start + piece.numel()), piece))
 
 
-def host_staging(numel: int, dtype: torch.dtype, target: torch.device) -> torch.Tensor:
-    """A host buffer reused for every chunk of one host-to-``target`` transfer: page-locked when ``target`` is an
-    accelerator (faster, and allocated once per call rather than per chunk, so the caching host allocator's
-    rounding stays one chunk), pageable otherwise. Reusing it also spares the page faults a fresh host tensor
-    per chunk pays on first touch. Copies out of it must be synchronous (they are: ``non_blocking`` is off)."""
-    return torch.empty(numel, dtype=dtype, pin_memory=target.type != "cpu")
+def send_through_host(src: torch.Tensor, dtype: torch.dtype, target: torch.device, chunk_numel: int,
+                      write: Callable[[int, torch.Tensor], None]) -> None:
+    """Convert the 1-D host tensor ``src`` to ``dtype`` ``chunk_numel`` elements at a time and hand each piece to
+    ``write(offset, piece)``, which copies it to its destination on ``target`` (synchronously).
+
+    The pieces share one host buffer: page-locked when ``target`` is an accelerator (faster copies, and one
+    allocation per call, so the caching host allocator's power-of-two rounding costs one chunk), pageable
+    otherwise. A fresh host tensor per chunk would also pay page faults on first touch (``cpu/README.md``).
+    Only working-precision bytes cross to ``target``.
+    """
+    stage = torch.empty(min(chunk_numel, src.numel()), dtype=dtype, pin_memory=target.type != "cpu")
+    for start in range(0, src.numel(), chunk_numel):
+        piece = stage[: min(chunk_numel, src.numel() - start)]
+        piece.copy_(src[start : start + piece.numel()])
+        write(start, piece)
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:

@@ -38,7 +38,7 @@ from deepspeed._core.zero.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.zero.grad_shard import ChunkedGradShard
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers, slot_bytes_for
 from deepspeed._core.zero.manager import ZeroParamManager
-from deepspeed._core.zero.optimizer_shard import host_staging
+from deepspeed._core.zero.optimizer_shard import send_through_host
 from deepspeed._core.zero.stage3_access import Stage3ParamAccess
 from deepspeed._core.zero.step_common import ShardedStepMixin
 from deepspeed._core.zero.stage12 import _package_version
@@ -286,24 +286,16 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         elements at a time through one reused host buffer, so a host master never sends fp32 bytes nor
         allocates a model-sized (or per-chunk) temporary.
         """
-        chunk = self._step_chunk_numel
-        stages: dict[tuple, torch.Tensor] = {}
         with torch.no_grad():
             for grp in self.groups:
                 for state, off in zip(grp.states, grp.offsets):
                     dst = state.shard.reshape(-1)
-                    for start in range(0, dst.numel(), chunk):
-                        end = min(start + chunk, dst.numel())
-                        src = grp.master.data[off + start : off + end]
-                        if src.device == dst.device:
-                            dst[start:end].copy_(src)  # converts in place, no temporary
-                            continue
-                        key = (dst.dtype, dst.device)
-                        if key not in stages:
-                            stages[key] = host_staging(chunk, dst.dtype, dst.device)
-                        piece = stages[key][: end - start]
-                        piece.copy_(src)
-                        dst[start:end].copy_(piece, non_blocking=False)
+                    src = grp.master.data[off : off + dst.numel()]
+                    if src.device == dst.device:
+                        dst.copy_(src)  # converts in place, no temporary
+                        continue
+                    send_through_host(src, dst.dtype, dst.device, self._step_chunk_numel,
+                                      lambda start, piece, dst=dst: dst[start : start + piece.numel()].copy_(piece))
         self.manager.refresh_persistent()
 
     # --- checkpoints (interface: deepspeed._core.engine.checkpointing.ShardedCheckpointOptimizer) -------

@@ -331,3 +331,21 @@ def test_master_partition_chunked_transfer_matches_direct(monkeypatch: pytest.Mo
         buf.copy_out(layout.partition(1), o)
     assert torch.equal(out[0], out[1])
     assert torch.equal(out[1], (values[layout.partition(1).as_slice()].float() + 0.5).to(torch.bfloat16))
+
+
+def test_send_through_host_converts_in_chunks_through_one_buffer() -> None:
+    """Every piece arrives converted, at its offset, in at most ``chunk_numel`` elements, from one shared buffer."""
+    from deepspeed._core.zero.optimizer_shard import send_through_host
+
+    src = torch.randn(23)
+    out = torch.full((23,), -1.0, dtype=torch.bfloat16)
+    seen: list[tuple[int, int, int]] = []
+
+    def write(start: int, piece: torch.Tensor) -> None:
+        seen.append((start, piece.numel(), piece.untyped_storage().data_ptr()))
+        out[start : start + piece.numel()].copy_(piece)
+
+    send_through_host(src, torch.bfloat16, CPU, 7, write)
+    assert [(s, n) for s, n, _ in seen] == [(0, 7), (7, 7), (14, 7), (21, 2)]
+    assert len({ptr for _, _, ptr in seen}) == 1
+    assert torch.equal(out, src.to(torch.bfloat16))
