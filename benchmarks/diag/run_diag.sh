@@ -5,10 +5,9 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/diag_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$REPO"/.whl_upstream/site/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/upstream_ds \
-    "$REPO"/.whl_upstream/deepspeed-0.19.8-py3-none-any.whl || echo "upstream install failed"
+source "$REPO/benchmarks/carried_wheels.sh"
+install_site_wheels "$REPO" || exit 1
+install_upstream_wheel "$REPO"
 export PYTHONUNBUFFERED=1 DS_BUILD_OPS=0 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 i=0
 for spec in "$@"; do

@@ -6,8 +6,8 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/profile_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$REPO"/.whl_upstream/site/*.whl || exit 1
+source "$REPO/benchmarks/carried_wheels.sh"
+install_site_wheels "$REPO" || exit 1
 export PYTHONPATH=$REPO:/tmp/site PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 for stage in 2 1 3; do
   for impl in ours ours_leanoff; do

@@ -7,8 +7,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/x2_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl_upstream/site/*.whl || exit 1
+source benchmarks/carried_wheels.sh
+install_site_wheels . || exit 1
 # NVLink multicast stays off (device README); the launcher passes the environment to every rank.
 export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     TORCH_EXTENSIONS_DIR=/tmp/torch_ext PYTHONUNBUFFERED=1
