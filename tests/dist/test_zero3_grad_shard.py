@@ -67,7 +67,8 @@ def test_zero3_grad_shard_chunks_are_lazy_and_exact(world: int, offload: bool) -
         first = r["first"]
         # Early in the first backward only the chunks reached so far exist; they only grow within it.
         assert first and first == sorted(first), first
-        assert first[0] < r["total"] // 2, (first[0], r["total"])
+        # Partly allocated at some point: a shard allocated whole at the first fold jumps from 0 to the total.
+        assert any(0 < v < r["total"] for v in first), (first, r["total"])
         assert r["after"]["accumulators"] == 0
         for k, v in model.state_dict().items():
             rel = float((r["weights"][k] - v).norm() / v.norm())
