@@ -5,7 +5,9 @@
 Times, on an fp32 master with ``DeepSpeedCPUAdam``: ``plain`` (an fp32 gradient handed over, one step),
 ``chunked`` (a bf16 ``ChunkedGradShard`` stepped by ``step_in_chunks``, as offloaded ZeRO-3 does), and the
 bf16->fp32 conversion of every chunk into a fresh tensor per chunk (``convert_fresh``) vs one reused buffer
-(``convert_reused``). Each figure is the median of ``--reps`` runs after one warm-up run.
+(``convert_reused``); and one backward's folds into a bf16 shard whose chunks are allocated afresh
+(``fill_fresh``, as each step did before [Note: kept host chunks]) vs kept from the previous step
+(``fill_kept``). Each figure is the median of ``--reps`` runs after one warm-up run.
 """
 from __future__ import annotations
 
@@ -66,8 +68,22 @@ def main() -> None:
             x.mul_(0.5)
         return time.perf_counter() - t
 
+    kept = ChunkedGradShard(n, ch, torch.bfloat16, "cpu", keep_storage=True)
+    incoming = torch.randn(ch).bfloat16()
+
+    def fill(shard: ChunkedGradShard) -> float:
+        """One backward's worth of folds into a bf16 shard, then the window ends."""
+        t = time.perf_counter()
+        for s in range(0, n, ch):
+            shard.add_(s, incoming[: min(ch, n - s)])
+        elapsed = time.perf_counter() - t
+        shard.reset()
+        return elapsed
+
     cases = {"plain": plain, "chunked": chunked, "convert_fresh": lambda: convert(False),
-             "convert_reused": lambda: convert(True)}
+             "convert_reused": lambda: convert(True),
+             "fill_fresh": lambda: fill(ChunkedGradShard(n, ch, torch.bfloat16, "cpu")),
+             "fill_kept": lambda: fill(kept)}
     out = {"numel": n, "chunk": ch, "threads": torch.get_num_threads(), "torch": torch.__version__}
     for name, fn in cases.items():
         fn()

@@ -40,12 +40,15 @@ def _train_tiny_chunks(world: int, offload: bool) -> dict:
 
     handle = engine.zero3_manager.on_grad_ready(allocated)
     first_backward: list[int] = []
+    kept: list[list[int]] = []  # gradient chunk storage held after each step
     for step in range(3):
         for m in range(GAS):
             engine.backward(engine(*micro_batch(step, engine_micro_index(m, dist.get_rank(), world))))
             if not first_backward:
                 first_backward = list(samples)
             engine.step()
+        kept.append(sorted(c.data_ptr() for g in opt.groups if g.accumulator is not None
+                           for c in g.accumulator._chunks if c is not None))
     handle.remove()
     chunk = opt._step_chunk_numel
     sd = engine._zero3_consolidated_16bit_state_dict()
@@ -53,7 +56,7 @@ def _train_tiny_chunks(world: int, offload: bool) -> dict:
     dist.broadcast_object_list(obj, src=0)
     after = opt.live_grad_buffers()
     engine.destroy()
-    return dict(first=first_backward, total=total, chunk=chunk, after=after,
+    return dict(first=first_backward, total=total, chunk=chunk, after=after, kept=kept,
                 weights={k: v.float() for k, v in obj[0].items()})
 
 
@@ -70,6 +73,10 @@ def test_zero3_grad_shard_chunks_are_lazy_and_exact(world: int, offload: bool) -
         # Partly allocated at some point: a shard allocated whole at the first fold jumps from 0 to the total.
         assert any(0 < v < r["total"] for v in first), (first, r["total"])
         assert r["after"]["accumulators"] == 0
+        if offload:  # host chunks keep their storage from step to step ([Note: kept host chunks])
+            assert r["kept"][0] and r["kept"] == [r["kept"][0]] * 3, r["kept"]
+        else:  # device chunks are all freed by the step
+            assert r["kept"] == [[], [], []], r["kept"]
         for k, v in model.state_dict().items():
             rel = float((r["weights"][k] - v).norm() / v.norm())
             assert rel < 1e-5, f"{k}: {rel}"

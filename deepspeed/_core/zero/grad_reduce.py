@@ -76,6 +76,10 @@ class GroupGrads:
     accum_dtype: torch.dtype
     partition_grad: torch.Tensor | None = None  # accum dtype, this rank's partition (stage 2, stage-1 A/B path)
     accumulator: torch.Tensor | None = None  # full padded group, accum dtype (lean stage 1)
+    # Offloaded: the host partition gradient's storage outlives its step and is zeroed for the next one
+    # instead of being page-faulted in afresh ([Note: kept host chunks]).
+    keep_storage: bool = False
+    _kept: torch.Tensor | None = None
 
     @property
     def partition(self) -> Range:
@@ -85,7 +89,11 @@ class GroupGrads:
     def ensure_partition_grad(self, device: torch.device) -> torch.Tensor:
         """The partition gradient (``grad_accum_dtype``), allocated (zeroed) on first use in a step."""
         if self.partition_grad is None:
-            self.partition_grad = torch.zeros(self.layout.partition_numel, dtype=self.accum_dtype, device=device)
+            kept, self._kept = self._kept, None
+            if kept is not None and kept.device == device:
+                self.partition_grad = kept.zero_()
+            else:
+                self.partition_grad = torch.zeros(self.layout.partition_numel, dtype=self.accum_dtype, device=device)
         return self.partition_grad
 
     def ensure_accumulator(self, device: torch.device) -> torch.Tensor:
@@ -95,7 +103,9 @@ class GroupGrads:
         return self.accumulator
 
     def release(self) -> None:
-        """Drop this step's gradient buffers."""
+        """Drop this step's gradient buffers (a kept host partition gradient only turns stale)."""
+        if self.keep_storage and self.partition_grad is not None:
+            self._kept = self.partition_grad
         self.partition_grad = None
         self.accumulator = None
 

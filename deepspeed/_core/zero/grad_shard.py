@@ -8,6 +8,14 @@ Allocating chunk by chunk as reductions reach them moves most of the shard to th
 which point those activations are gone. FSDP2 gets the same effect by creating each sharded gradient at its
 reduce-scatter. Chunks are as large as one optimizer step chunk ([Note: chunked step]), so the step reads
 each chunk in place; a chunk no gradient reached is stepped as zeros, as a zero-filled shard would be.
+
+[Note: kept host chunks] With the optimizer offloaded the shard lives in host memory, where freeing buys no
+peak (the host holds it at every step's end anyway) and reallocating costs: a fresh host tensor is
+page-faulted in by the kernel on first touch, every step. On the 2-core development CPU one backward's folds
+into 128M bf16 elements took 0.15 s into fresh chunks and 0.06-0.07 s into kept ones
+(``fill_fresh``/``fill_kept`` of ``benchmarks/offload_step_cpu.py``, ``benchmarks/results/cpu/``). ``keep_storage`` therefore turns
+"released" into "stale": the storage stays, is zeroed when the next window first writes to it, and counts as
+allocated only while it holds this window's values.
 """
 from __future__ import annotations
 
@@ -24,16 +32,20 @@ class ChunkedGradShard:
         chunk_numel: elements per chunk (the last one may be shorter).
         dtype: element type (``grad_accum_dtype``).
         device: where the chunks live (the master's device: the accelerator, or the host when offloaded).
+        keep_storage: keep each chunk's storage across windows ([Note: kept host chunks]).
     """
 
-    def __init__(self, numel: int, chunk_numel: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, numel: int, chunk_numel: int, dtype: torch.dtype, device: torch.device | str,
+                 keep_storage: bool = False) -> None:
         if numel < 0 or chunk_numel <= 0:
             raise ValueError(f"ChunkedGradShard: numel must be >= 0 and chunk_numel > 0 (got {numel}, {chunk_numel})")
         self.numel = numel
         self.chunk_numel = chunk_numel
         self.dtype = dtype
         self.device = torch.device(device)
+        self.keep_storage = keep_storage
         self._chunks: list[torch.Tensor | None] = [None] * -(-numel // chunk_numel)
+        self._live = [False] * len(self._chunks)  # holds this window's values (else zeros by definition)
 
     def bounds(self, index: int) -> tuple[int, int]:
         """``[start, end)`` of chunk ``index`` in shard coordinates."""
@@ -46,7 +58,13 @@ class ChunkedGradShard:
             start, end = self.bounds(index)
             chunk = torch.zeros(end - start, dtype=self.dtype, device=self.device)
             self._chunks[index] = chunk
+        elif not self._live[index]:
+            chunk.zero_()  # kept storage from an earlier window
+        self._live[index] = True
         return chunk
+
+    def _live_chunk(self, index: int) -> torch.Tensor | None:
+        return self._chunks[index] if index < len(self._chunks) and self._live[index] else None
 
     def pieces(self, offset: int, size: int) -> Iterator[tuple[int, torch.Tensor]]:
         """Writable views covering ``[offset, offset + size)``, allocating the chunks they fall in.
@@ -83,7 +101,7 @@ class ChunkedGradShard:
             index, inner = divmod(offset + pos, self.chunk_numel)
             start, end = self.bounds(index)
             length = min(size - pos, end - start - inner)
-            chunk = self._chunks[index]
+            chunk = self._live_chunk(index)
             if chunk is not None:
                 out[pos : pos + length].copy_(chunk[inner : inner + length])
             pos += length
@@ -93,24 +111,36 @@ class ChunkedGradShard:
         """``[start, end)`` for a step: the chunk itself (a view) when the range lies in one allocated chunk,
         otherwise a new tensor (zeros for a chunk no gradient reached)."""
         index, inner = divmod(start, self.chunk_numel)
-        chunk = self._chunks[index] if index < len(self._chunks) else None
+        chunk = self._live_chunk(index)
         if chunk is not None and inner + (end - start) <= chunk.numel():
             return chunk[inner : inner + (end - start)]
         return self.read(start, end - start)
 
     def release(self, start: int, end: int) -> None:
-        """Free the chunks lying wholly inside ``[start, end)`` (already consumed by the step)."""
+        """Free the chunks lying wholly inside ``[start, end)`` (already consumed by the step); with
+        ``keep_storage`` they only become stale."""
         first = -(-start // self.chunk_numel)
         for index in range(first, len(self._chunks)):
             if self.bounds(index)[1] > end:
                 break
-            self._chunks[index] = None
+            self._live[index] = False
+            if not self.keep_storage:
+                self._chunks[index] = None
+
+    def reset(self) -> None:
+        """Start a new window: every chunk reads as zeros again (freed, or stale with ``keep_storage``)."""
+        self.release(0, self.numel)
 
     def allocated(self) -> list[torch.Tensor]:
-        """The chunks that exist (for the norm: missing chunks are zeros)."""
-        return [c for c in self._chunks if c is not None]
+        """The chunks holding this window's values (for the norm: the others are zeros)."""
+        return [c for c, live in zip(self._chunks, self._live) if live]
 
     @property
     def allocated_numel(self) -> int:
-        """Elements currently allocated."""
+        """Elements holding this window's values."""
+        return sum(c.numel() for c in self.allocated())
+
+    @property
+    def storage_numel(self) -> int:
+        """Elements of storage held, stale chunks included."""
         return sum(c.numel() for c in self._chunks if c is not None)

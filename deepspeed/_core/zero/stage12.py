@@ -122,7 +122,8 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
             placement = MasterPlacement.PINNED_HOST if offload.pin_memory else MasterPlacement.HOST
         master = MasterPartition(flat, self.rank, self.plan.precision.master_dtype, placement)
         param_group["params"] = [master.param]
-        grads = GroupGrads(layout, params, self.rank, self.plan.precision.grad_accum_dtype)
+        grads = GroupGrads(layout, params, self.rank, self.plan.precision.grad_accum_dtype,
+                           keep_storage=offload.enabled)
         return ZeroGroup(params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads)
 
     def _reducer_config(self) -> ReducerConfig:

@@ -54,14 +54,27 @@ class Stage3Group:
     master: torch.nn.Parameter
     chunk_numel: int
     accum_dtype: torch.dtype = torch.float32
+    keep_storage: bool = False  # offloaded: the host shard's storage outlives its window ([Note: kept host chunks])
     accumulator: ChunkedGradShard | None = None
 
     def ensure_accumulator(self) -> ChunkedGradShard:
         """The gradient shard in ``accum_dtype`` beside the master; its chunks appear as gradients reach them."""
         if self.accumulator is None:
             self.accumulator = ChunkedGradShard(self.master.numel(), self.chunk_numel, self.accum_dtype,
-                                                self.master.device)
+                                                self.master.device, keep_storage=self.keep_storage)
         return self.accumulator
+
+    def window_grad(self) -> ChunkedGradShard | None:
+        """The gradient shard if this window has written to it, else ``None``."""
+        acc = self.accumulator
+        return acc if acc is not None and acc.allocated_numel else None
+
+    def end_window(self) -> None:
+        """Drop the window's gradient (kept host storage only turns stale)."""
+        if self.accumulator is not None and self.keep_storage:
+            self.accumulator.reset()
+        else:
+            self.accumulator = None
 
 
 @dataclass
@@ -143,7 +156,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
         param = torch.nn.Parameter(master, requires_grad=False)
         param_group["params"] = [param]
-        return Stage3Group(states, offsets, param, self._step_chunk_numel, self.plan.precision.grad_accum_dtype)
+        return Stage3Group(states, offsets, param, self._step_chunk_numel, self.plan.precision.grad_accum_dtype,
+                           keep_storage=offload.enabled)
 
     # --- gradients ----------------------------------------------------------------------------------
     def prepare_backward(self, kind: MicroStepKind) -> None:
@@ -329,7 +343,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def _clear_grads(self) -> None:
         for grp in self.groups:
             grp.master.grad = None
-            grp.accumulator = None
+            grp.end_window()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this window's gradient shards and any in-flight bucket."""
@@ -362,7 +376,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         params = [s.param for grp in self.groups for s in grp.states]
         return {
             "param_grads": sum(p is not None and p.grad is not None for p in params),
-            "accumulators": sum(grp.accumulator is not None for grp in self.groups),
+            "accumulators": sum(grp.window_grad() is not None for grp in self.groups),
             "bucketed_grads": len(self.bucket.entries),
             "in_flight": len(self.pending),
         }

@@ -49,7 +49,7 @@ class Stage3ParamAccess:
         """``size_of(state)`` elements of ``param``'s slice of ``key`` (``"grad"``: ``None`` outside a window)."""
         grp, state, off = self._where_is(param)
         if key == "grad":
-            acc = grp.accumulator
+            acc = grp.window_grad()
             return None if acc is None else acc.read(off, size_of(state))
         return self._flat(grp, key)[off : off + size_of(state)]
 

@@ -61,6 +61,39 @@ def test_release_frees_whole_chunks_inside_the_range() -> None:
     assert shard.allocated_numel == 0
 
 
+def test_kept_storage_is_reused_zeroed_and_not_counted_while_stale() -> None:
+    shard = ChunkedGradShard(10, 4, torch.float32, "cpu", keep_storage=True)
+    shard.add_(0, torch.ones(10))
+    ptrs = [c.data_ptr() for c in shard.allocated()]
+    shard.release(0, 8)  # as the step does: chunks 0 and 1 stepped
+    assert shard.allocated_numel == 2 and shard.storage_numel == 10
+    assert shard.read(0, 10).tolist() == [0] * 8 + [1, 1]  # stale chunks read as zeros
+    assert shard.window(0, 4).tolist() == [0] * 4
+    shard.reset()  # next window
+    assert shard.allocated() == [] and shard.storage_numel == 10
+    shard.add_(5, torch.full((2,), 3.0))  # lands in stale chunk 1: zeroed first, then added
+    assert shard.read(0, 10).tolist() == [0, 0, 0, 0, 0, 3, 3, 0, 0, 0]
+    shard.write(8, torch.tensor([2.0, 2.0]))
+    assert [c.data_ptr() for c in shard._chunks] == ptrs  # same storage, nothing reallocated
+    assert shard.allocated_numel == 6
+
+
+def test_kept_storage_matches_a_dense_tensor_over_several_windows() -> None:
+    gen = torch.Generator().manual_seed(7)
+    shard = ChunkedGradShard(23, 5, torch.float32, "cpu", keep_storage=True)
+    for _ in range(4):
+        dense = torch.zeros(23)
+        for _ in range(6):
+            a = int(torch.randint(0, 22, (1,), generator=gen))
+            b = int(torch.randint(a + 1, 24, (1,), generator=gen))
+            values = torch.randn(b - a, generator=gen)
+            shard.add_(a, values)
+            dense[a:b] += values
+        assert torch.equal(shard.read(0, 23), dense)
+        assert torch.equal(torch.cat([shard.window(*shard.bounds(i)) for i in range(5)]), dense)
+        shard.reset()
+
+
 def test_bad_ranges_are_rejected() -> None:
     shard = ChunkedGradShard(10, 4, torch.float32, "cpu")
     with pytest.raises(IndexError, match="outside"):
