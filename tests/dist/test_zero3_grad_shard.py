@@ -13,7 +13,7 @@ GAS = 2
 CHUNK_BYTES = 64  # 16 fp32 elements per chunk: the tiny model's shard spans many chunks
 
 
-def _train_tiny_chunks(world: int, offload: bool) -> dict:
+def _train_tiny_chunks(world: int, offload: bool, direct: bool = False) -> dict:
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed._core.zero import chunked_step
@@ -32,6 +32,22 @@ def _train_tiny_chunks(world: int, offload: bool) -> dict:
     }
     engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
     opt = engine.optimizer
+    submitted = {"direct": 0, "ring": 0}
+    if direct:  # what page-locked chunks on a GPU machine do, on the CPU: every fold through the host path
+        from deepspeed._core.zero.host_transfer import Staging
+
+        opt.host.staging = Staging.ALWAYS
+        for grp in opt.groups:
+            grp.direct_first_fold = True
+        real_direct, real_submit = opt.host.submit_direct, opt.host.submit
+
+        def count(kind: str, fn):  # noqa: ANN001, ANN202
+            def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                submitted[kind] += 1
+                return fn(*args, **kwargs)
+            return wrapped
+
+        opt.host.submit_direct, opt.host.submit = count("direct", real_direct), count("ring", real_submit)
     total = sum(g.master.numel() for g in opt.groups)
     samples: list[int] = []
 
@@ -56,13 +72,14 @@ def _train_tiny_chunks(world: int, offload: bool) -> dict:
     dist.broadcast_object_list(obj, src=0)
     after = opt.live_grad_buffers()
     engine.destroy()
-    return dict(first=first_backward, total=total, chunk=chunk, after=after, kept=kept,
+    return dict(first=first_backward, total=total, chunk=chunk, after=after, kept=kept, submitted=submitted,
                 weights={k: v.float() for k, v in obj[0].items()})
 
 
-@pytest.mark.parametrize("world,offload", [(1, False), (2, False), (2, True)])
-def test_zero3_grad_shard_chunks_are_lazy_and_exact(world: int, offload: bool) -> None:
-    results = run_distributed(_train_tiny_chunks, world, world, offload)
+@pytest.mark.parametrize("world,offload,direct", [(1, False, False), (2, False, False), (2, True, False),
+                                                   (2, True, True)])
+def test_zero3_grad_shard_chunks_are_lazy_and_exact(world: int, offload: bool, direct: bool) -> None:
+    results = run_distributed(_train_tiny_chunks, world, world, offload, direct)
     model = make_model(0)
     reference_train(model, 3, world, GAS, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), clip=1.0)
     for r in results:
@@ -73,6 +90,8 @@ def test_zero3_grad_shard_chunks_are_lazy_and_exact(world: int, offload: bool) -
         # Partly allocated at some point: a shard allocated whole at the first fold jumps from 0 to the total.
         assert any(0 < v < r["total"] for v in first), (first, r["total"])
         assert r["after"]["accumulators"] == 0
+        if direct:  # first folds of a window copied straight in, the second micro-step's added via the ring
+            assert r["submitted"]["direct"] > 0 and r["submitted"]["ring"] > 0, r["submitted"]
         if offload:  # host chunks keep their storage from step to step ([Note: kept host chunks])
             assert r["kept"][0] and r["kept"] == [r["kept"][0]] * 3, r["kept"]
         else:  # device chunks are all freed by the step

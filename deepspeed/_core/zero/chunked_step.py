@@ -25,9 +25,12 @@ hidden 2048) would otherwise step a 3B model in ~1,500 optimizer calls, each pay
 
 
 def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype) -> int:
-    """Elements per step chunk: one reduce bucket's bytes, clamped to [64 MiB, 256 MiB] of master dtype."""
+    """Elements per step chunk: one reduce bucket's bytes, clamped to [64 MiB, 256 MiB] of master dtype and
+    rounded down to a power of two, so page-locked chunks of this many elements (offloaded gradient shards)
+    are not rounded up by the caching host allocator ([Note: pinned ring])."""
     master_bytes = torch.empty((), dtype=master_dtype).element_size()
-    return max(1, min(max(bucket_bytes, STEP_CHUNK_BYTES_MIN), STEP_CHUNK_BYTES_CAP) // master_bytes)
+    clamped = max(1, min(max(bucket_bytes, STEP_CHUNK_BYTES_MIN), STEP_CHUNK_BYTES_CAP))
+    return max(1, (1 << (clamped.bit_length() - 1)) // master_bytes)
 
 
 def _is_per_element(value: Any, numel: int) -> bool:

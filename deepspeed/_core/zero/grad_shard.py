@@ -33,10 +33,11 @@ class ChunkedGradShard:
         dtype: element type (``grad_accum_dtype``).
         device: where the chunks live (the master's device: the accelerator, or the host when offloaded).
         keep_storage: keep each chunk's storage across windows ([Note: kept host chunks]).
+        pin_memory: allocate host chunks page-locked, so device copies can land in them directly.
     """
 
     def __init__(self, numel: int, chunk_numel: int, dtype: torch.dtype, device: torch.device | str,
-                 keep_storage: bool = False) -> None:
+                 keep_storage: bool = False, pin_memory: bool = False) -> None:
         if numel < 0 or chunk_numel <= 0:
             raise ValueError(f"ChunkedGradShard: numel must be >= 0 and chunk_numel > 0 (got {numel}, {chunk_numel})")
         self.numel = numel
@@ -44,6 +45,7 @@ class ChunkedGradShard:
         self.dtype = dtype
         self.device = torch.device(device)
         self.keep_storage = keep_storage
+        self.pin_memory = pin_memory and self.device.type == "cpu"
         self._chunks: list[torch.Tensor | None] = [None] * -(-numel // chunk_numel)
         self._live = [False] * len(self._chunks)  # holds this window's values (else zeros by definition)
 
@@ -56,7 +58,10 @@ class ChunkedGradShard:
         chunk = self._chunks[index]
         if chunk is None:
             start, end = self.bounds(index)
-            chunk = torch.zeros(end - start, dtype=self.dtype, device=self.device)
+            if self.pin_memory:
+                chunk = torch.zeros(end - start, dtype=self.dtype, pin_memory=True)
+            else:
+                chunk = torch.zeros(end - start, dtype=self.dtype, device=self.device)
             self._chunks[index] = chunk
         elif not self._live[index]:
             chunk.zero_()  # kept storage from an earlier window

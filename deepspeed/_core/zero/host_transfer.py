@@ -44,8 +44,8 @@ class Fold(enum.Enum):
 @dataclass
 class _InFlight:
     target: torch.Tensor
-    staged: torch.Tensor  # view of a pinned slot holding the copied values
-    slot: int
+    staged: torch.Tensor | None  # view of a pinned slot holding the copied values; None: copied into target
+    slot: int | None
     ready: Any  # accelerator event recorded after the copy was issued
     fold: Fold
 
@@ -98,6 +98,21 @@ class HostTransfers:
             end = min(start + step, flat_piece.numel())
             self._submit_part(flat_target[start:end], flat_piece[start:end], fold)
 
+    def submit_direct(self, target: torch.Tensor, piece: torch.Tensor) -> None:
+        """Copy ``piece`` straight into the page-locked host ``target`` (same dtype and numel), no slot needed.
+
+        For a first write into pinned storage there is nothing to fold, so the ring's staging copy and the
+        host-side pass are both skipped; the copy is still ordered with the others and waited for by
+        :meth:`drain`.
+        """
+        if piece.device.type == "cpu" and self.staging is Staging.DEVICE_ONLY:
+            target.view(-1).copy_(piece.reshape(-1))
+            return
+        target.view(-1).copy_(piece.reshape(-1), non_blocking=True)
+        event = get_accelerator().Event()
+        event.record()
+        self.pending.append(_InFlight(target, None, None, event, Fold.COPY))
+
     def _submit_part(self, target: torch.Tensor, piece: torch.Tensor, fold: Fold) -> None:
         slot = self._take_slot()
         staged = self._ring[slot][: piece.numel() * piece.element_size()].view(piece.dtype)
@@ -111,15 +126,16 @@ class HostTransfers:
             for _ in range(self.num_slots):
                 self._ring.append(torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self._pin))
             self._free.extend(range(self.num_slots))
-        if not self._free:
+        while not self._free:  # in submission order; direct copies ahead of the oldest slot free nothing
             self._complete_oldest()
         return self._free.popleft()
 
     def _complete_oldest(self) -> None:
         item = self.pending.popleft()
         item.ready.synchronize()
-        _fold(item.target, item.staged, item.fold)
-        self._free.append(item.slot)
+        if item.slot is not None:
+            _fold(item.target, item.staged, item.fold)
+            self._free.append(item.slot)
 
     def drain(self) -> None:
         """Wait for every copy (in submission order) and fold it into its target."""
@@ -131,7 +147,8 @@ class HostTransfers:
         while self.pending:
             item = self.pending.popleft()
             item.ready.synchronize()
-            self._free.append(item.slot)
+            if item.slot is not None:
+                self._free.append(item.slot)
 
     def release(self) -> None:
         """Discard what is in flight, then give the pinned slots back (e.g. when the optimizer is destroyed)."""

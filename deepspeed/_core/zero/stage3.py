@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed._core.optim.clipping import local_sq_norm
 from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
@@ -36,7 +37,7 @@ from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero import stage3_checkpoint
 from deepspeed._core.zero.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.zero.grad_shard import ChunkedGradShard
-from deepspeed._core.zero.host_transfer import Fold, HostTransfers, slot_bytes_for
+from deepspeed._core.zero.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.optimizer_shard import send_through_host
 from deepspeed._core.zero.stage3_access import Stage3ParamAccess
@@ -55,13 +56,17 @@ class Stage3Group:
     chunk_numel: int
     accum_dtype: torch.dtype = torch.float32
     keep_storage: bool = False  # offloaded: the host shard's storage outlives its window ([Note: kept host chunks])
+    pin_memory: bool = False  # offloaded with pin_memory: chunks are page-locked
+    # A region's first fold of a window may be copied straight into its chunk (page-locked host chunks).
+    direct_first_fold: bool = False
     accumulator: ChunkedGradShard | None = None
 
     def ensure_accumulator(self) -> ChunkedGradShard:
         """The gradient shard in ``accum_dtype`` beside the master; its chunks appear as gradients reach them."""
         if self.accumulator is None:
             self.accumulator = ChunkedGradShard(self.master.numel(), self.chunk_numel, self.accum_dtype,
-                                                self.master.device, keep_storage=self.keep_storage)
+                                                self.master.device, keep_storage=self.keep_storage,
+                                                pin_memory=self.pin_memory)
         return self.accumulator
 
     def window_grad(self) -> ChunkedGradShard | None:
@@ -123,6 +128,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.bucket = _Bucket()
         self.pending: list[_Pending] = []
         self.host = HostTransfers(slot_bytes_for(bucket_bytes))
+        self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
@@ -150,14 +156,17 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         device = torch.device("cpu") if offload.enabled else (states[0].shard.device if states else "cpu")
         # Offloaded masters stay pageable even with pin_memory: the CPU optimizer does not need page-locked
         # memory, and pinning a model-sized tensor costs up to twice its size ([Note: pinned ring]).
-        # pin_memory governs the fixed staging slots instead.
+        # pin_memory governs the fixed staging slots and the gradient chunks instead: those are power-of-two
+        # sized (step_chunk_numel), and a reduced gradient's first fold is copied straight into them.
+        pinned = offload.enabled and offload.pin_memory and get_accelerator().device_name() != "cpu"
         master = torch.empty(total, dtype=self.plan.precision.master_dtype, device=device)
         for s, off in zip(states, offsets):
             master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
         param = torch.nn.Parameter(master, requires_grad=False)
         param_group["params"] = [param]
         return Stage3Group(states, offsets, param, self._step_chunk_numel, self.plan.precision.grad_accum_dtype,
-                           keep_storage=offload.enabled)
+                           keep_storage=offload.enabled,
+                           pin_memory=pinned, direct_first_fold=pinned)
 
     # --- gradients ----------------------------------------------------------------------------------
     def prepare_backward(self, kind: MicroStepKind) -> None:
@@ -251,11 +260,19 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
         """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset``."""
         acc = self.groups[group_index].ensure_accumulator()
-        if acc.device != piece.device:  # optimizer offload: through the pinned ring, folded by flush()
-            for pos, target in acc.pieces(offset, piece.numel()):
-                self.host.submit(target, piece[pos : pos + target.numel()], Fold.ADD)
-        else:
+        if acc.device == piece.device and self.host.staging is not Staging.ALWAYS:
             acc.add_(offset, piece)
+            return
+        # Optimizer offload. A region's first fold of the window lands in zeros, so into page-locked chunks it
+        # is a plain asynchronous copy; later folds add through the pinned ring (flush() waits for both).
+        direct = (self.groups[group_index].direct_first_fold and piece.dtype == acc.dtype
+                  and (group_index, offset) not in self._folded)
+        self._folded.add((group_index, offset))
+        for pos, target in acc.pieces(offset, piece.numel()):
+            if direct:
+                self.host.submit_direct(target, piece[pos : pos + target.numel()])
+            else:
+                self.host.submit(target, piece[pos : pos + target.numel()], Fold.ADD)
 
     def flush(self) -> None:
         """End of backward: reduce the partial bucket and fold every pending result."""
@@ -341,6 +358,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
                     grp.master.data[off : off + state.layout.partition_numel].copy_(state.shard.reshape(-1))
 
     def _clear_grads(self) -> None:
+        self._folded.clear()
         for grp in self.groups:
             grp.master.grad = None
             grp.end_window()

@@ -18,6 +18,7 @@ class Stage3ParamAccess:
     """Mixin for ``Stage3Optimizer``: the methods ``deepspeed.utils.tensor_fragment`` calls on ``param._z3_optimizer``."""
 
     groups: list
+    _folded: set  # (group index, offset) regions written in this window
     optimizer: torch.optim.Optimizer
     dp_group: Any
     world_size: int
@@ -59,6 +60,8 @@ class Stage3ParamAccess:
         with torch.no_grad():
             if key == "grad":
                 grp.ensure_accumulator().write(off, values)
+                # A later fold of this window must add to the written values, not copy over them.
+                self._folded.add((next(i for i, g in enumerate(self.groups) if g is grp), off))
                 return
             local = self._flat(grp, key)[off : off + values.numel()]
             local.copy_(values.to(local.device, dtype=local.dtype))

@@ -44,7 +44,8 @@ def test_step_chunk_size_is_clamped_between_64_and_256_mib() -> None:
     from deepspeed._core.zero.chunked_step import step_chunk_numel
 
     assert step_chunk_numel(8 << 20, torch.float32) == (64 << 20) // 4  # HF "auto" ZeRO-3 bucket at hidden 2048
-    assert step_chunk_numel(100 << 20, torch.float32) == (100 << 20) // 4
+    assert step_chunk_numel(100 << 20, torch.float32) == (64 << 20) // 4  # rounded down to a power of two
+    assert step_chunk_numel(200 << 20, torch.float32) == (128 << 20) // 4
     assert step_chunk_numel(1 << 31, torch.float32) == (256 << 20) // 4  # a 5e8-element bf16 bucket
 
 

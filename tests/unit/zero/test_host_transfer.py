@@ -55,6 +55,23 @@ def test_pieces_larger_than_a_slot_are_split() -> None:
     assert transfers.pinned_bytes == 2 * 4096
 
 
+def test_direct_copies_take_no_slot_and_keep_submission_order() -> None:
+    """A direct copy between ring submissions: the ring still waits in order, and only slots bound it."""
+    target = torch.zeros(6)
+    transfers = HostTransfers(slot_bytes=4096, slots=1, staging=Staging.ALWAYS)
+    transfers.submit(target[:2], torch.tensor([1.0, 1.0]), Fold.ADD)
+    transfers.submit_direct(target[2:4], torch.tensor([5.0, 6.0]))
+    transfers.submit_direct(target[4:], torch.tensor([7.0, 8.0]))
+    assert len(transfers.pending) == 3 and transfers.pinned_bytes == 4096
+    transfers.submit(target[:2], torch.tensor([2.0, 2.0]), Fold.ADD)  # the one slot: the oldest completes first
+    assert target[:2].tolist() == [1.0, 1.0] and len(transfers.pending) == 3  # only the slot-holder completed
+    transfers.drain()
+    assert target.tolist() == [3.0, 3.0, 5.0, 6.0, 7.0, 8.0]
+    transfers.submit_direct(target[:2], torch.tensor([9.0, 9.0]))
+    transfers.discard()  # a direct copy has no slot to return
+    assert transfers.pinned_bytes == 4096 and not transfers.pending
+
+
 def test_discard_returns_slots_without_folding() -> None:
     target = torch.zeros(4)
     transfers = HostTransfers(slot_bytes=4096, slots=1, staging=Staging.ALWAYS)
