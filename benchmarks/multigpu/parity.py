@@ -29,7 +29,7 @@ from tests.reference.zero_oracle import engine_micro_index, reference_train  # n
 
 STEPS, GAS, LR = 8, 2, 1e-2
 CASES = [(stage, prec) for stage in (0, 1, 2, 3) for prec in ("fp32", "bf16")]
-CASES += [(2, "fp32+offload"), (3, "fp32+offload")]  # optimizer on the host: async pinned D2H gradients
+CASES += [(2, "fp32+offload"), (3, "fp32+offload"), (3, "bf16+offload")]  # optimizer on the host: pinned D2H
 # Even-sized embedding/head (912 elements): at world size 2 they need no padding, so ZeRO-3 reduce-scatters
 # them straight from their gradients, and their flat all-gather buffers are the largest.
 CASES += [(3, "fp32+even"), (3, "bf16+even")]
