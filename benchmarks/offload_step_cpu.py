@@ -7,7 +7,8 @@ Times, on an fp32 master with ``DeepSpeedCPUAdam``: ``plain`` (an fp32 gradient 
 bf16->fp32 conversion of every chunk into a fresh tensor per chunk (``convert_fresh``) vs one reused buffer
 (``convert_reused``); and one backward's folds into a bf16 shard whose chunks are allocated afresh
 (``fill_fresh``, as each step did before [Note: kept host chunks]) vs kept from the previous step
-(``fill_kept``). Each figure is the median of ``--reps`` runs after one warm-up run.
+(``fill_kept``); and one chunk converted and scaled in one go (``convert_scale_whole``) vs block by block
+(``convert_scale_blocked``, what ``step_in_chunks`` does on the host). Each figure is the median of ``--reps`` runs after one warm-up run.
 """
 from __future__ import annotations
 
@@ -80,7 +81,23 @@ def main() -> None:
         shard.reset()
         return elapsed
 
-    cases = {"plain": plain, "chunked": chunked, "convert_fresh": lambda: convert(False),
+    from deepspeed._core.zero import chunked_step as chunked_step_mod
+
+    src_chunk, out_chunk = torch.randn(ch).bfloat16(), torch.empty(ch)
+
+    def convert_scale(block: int) -> float:
+        """One chunk converted to fp32 and scaled: whole (two memory passes) or block by block (cached)."""
+        saved, chunked_step_mod.CONVERT_BLOCK_NUMEL = chunked_step_mod.CONVERT_BLOCK_NUMEL, block
+        try:
+            t = time.perf_counter()
+            chunked_step_mod._convert_scaled(out_chunk, src_chunk, 0.5)
+            return time.perf_counter() - t
+        finally:
+            chunked_step_mod.CONVERT_BLOCK_NUMEL = saved
+
+    cases = {"plain": plain, "chunked": chunked,
+             "convert_scale_whole": lambda: convert_scale(1 << 62),
+             "convert_scale_blocked": lambda: convert_scale(chunked_step_mod.CONVERT_BLOCK_NUMEL), "convert_fresh": lambda: convert(False),
              "convert_reused": lambda: convert(True),
              "fill_fresh": lambda: fill(ChunkedGradShard(n, ch, torch.bfloat16, "cpu")),
              "fill_kept": lambda: fill(kept)}

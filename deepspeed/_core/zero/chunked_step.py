@@ -60,6 +60,27 @@ def _merge_back(master_state: dict, chunk_state: dict, master: torch.Tensor, sta
     return scalars
 
 
+CONVERT_BLOCK_NUMEL = 1 << 20
+"""Host conversions are scaled 4 MiB (fp32) at a time, while the block is still in cache."""
+
+
+def _convert_scaled(out: torch.Tensor, src: torch.Tensor, coef: float) -> None:
+    """``out = src.to(out.dtype) * coef``, the product taken in ``out``'s dtype.
+
+    On the host, converting a whole chunk and then scaling it reads and writes the fp32 chunk twice from memory;
+    done block by block the scaling pass hits the cache.
+    """
+    if coef == 1.0 or out.device.type != "cpu" or out.numel() <= CONVERT_BLOCK_NUMEL:
+        out.copy_(src)
+        if coef != 1.0:
+            out.mul_(coef)
+        return
+    for start in range(0, out.numel(), CONVERT_BLOCK_NUMEL):
+        block = out[start : start + CONVERT_BLOCK_NUMEL]
+        block.copy_(src[start : start + block.numel()])
+        block.mul_(coef)
+
+
 def step_in_chunks(
     optimizer: torch.optim.Optimizer, group_index: int, grad: Any, chunk_numel: int, coef: float = 1.0,
     consume: bool = False,
@@ -96,13 +117,13 @@ def step_in_chunks(
             piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
             if consume and piece.dtype == master.dtype and piece.device == master.device:
                 view.grad = piece
+                if coef != 1.0:
+                    view.grad.mul_(coef)
             else:
                 if convert is None:
                     convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
                 view.grad = convert[: end - start]
-                view.grad.copy_(piece)
-            if coef != 1.0:
-                view.grad.mul_(coef)
+                _convert_scaled(view.grad, piece, coef)
             group["params"] = [view]
             optimizer.step()
             updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)

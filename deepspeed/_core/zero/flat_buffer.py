@@ -150,10 +150,11 @@ class FlatBuffer:
         for piece, window in self._paired(rng, out):
             window.copy_(piece)
 
-    def copy_in(self, rng: Range, src: torch.Tensor) -> None:
-        """Copy the 1-D tensor ``src`` into the group interval ``rng`` (copy-out of a collective)."""
+    def copy_in(self, rng: Range, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy the 1-D tensor ``src`` into the group interval ``rng`` (copy-out of a collective);
+        ``non_blocking`` as for ``Tensor.copy_`` (page-locked host sources)."""
         for piece, window in self._paired(rng, src):
-            piece.copy_(window)
+            piece.copy_(window, non_blocking=non_blocking)
 
     def _paired(self, rng: Range, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if flat.dim() != 1 or flat.numel() != rng.size:

@@ -89,24 +89,42 @@ class MasterPartition:
                 return
             send_through_host(master, self.flat.dtype, self.flat.device, TRANSFER_CHUNK_NUMEL,
                               lambda start, piece: self.flat.copy_in(Range(part.start + start,
-                                                                           part.start + start + piece.numel()), piece))
+                                                                           part.start + start + piece.numel()), piece,
+                                                                     non_blocking=True))
 
 
 def send_through_host(src: torch.Tensor, dtype: torch.dtype, target: torch.device, chunk_numel: int,
                       write: Callable[[int, torch.Tensor], None]) -> None:
     """Convert the 1-D host tensor ``src`` to ``dtype`` ``chunk_numel`` elements at a time and hand each piece to
-    ``write(offset, piece)``, which copies it to its destination on ``target`` (synchronously).
+    ``write(offset, piece)``, which copies it to its destination on ``target``; returns once every copy is done.
 
-    The pieces share one host buffer: page-locked when ``target`` is an accelerator (faster copies, and one
-    allocation per call, so the caching host allocator's power-of-two rounding costs one chunk), pageable
-    otherwise. A fresh host tensor per chunk would also pay page faults on first touch (``cpu/README.md``).
-    Only working-precision bytes cross to ``target``.
+    Towards an accelerator, two page-locked buffers alternate and ``write`` may issue its copy with
+    ``non_blocking=True``: the host converts the next piece while the previous one is in flight, and an event
+    recorded after each ``write`` guards its buffer's reuse. Towards the host one pageable buffer serves every
+    piece. Either way the buffers are allocated once per call, not per piece (a fresh host tensor per piece
+    would also pay page faults on first touch, ``cpu/README.md``), and only working-precision bytes cross.
     """
-    stage = torch.empty(min(chunk_numel, src.numel()), dtype=dtype, pin_memory=target.type != "cpu")
-    for start in range(0, src.numel(), chunk_numel):
-        piece = stage[: min(chunk_numel, src.numel() - start)]
+    numel = src.numel()
+    if numel == 0:
+        return
+    accelerator = target.type != "cpu"
+    width = min(chunk_numel, numel)
+    stages = [torch.empty(width, dtype=dtype, pin_memory=accelerator)
+              for _ in range(2 if accelerator and numel > chunk_numel else 1)]
+    in_flight: list[Any] = [None] * len(stages)
+    for index, start in enumerate(range(0, numel, chunk_numel)):
+        slot = index % len(stages)
+        if in_flight[slot] is not None:
+            in_flight[slot].synchronize()  # that buffer's previous copy has left it
+        piece = stages[slot][: min(chunk_numel, numel - start)]
         piece.copy_(src[start : start + piece.numel()])
         write(start, piece)
+        if accelerator:
+            in_flight[slot] = get_accelerator().Event()
+            in_flight[slot].record()
+    for event in in_flight:
+        if event is not None:
+            event.synchronize()
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ summed over ranks: exactly its shards of every p_i, back to back.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,21 +314,43 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def write_back(self) -> None:
         """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.
 
-        Each shard is converted to its working dtype where the master lives, ``_step_chunk_numel``
-        elements at a time through one reused host buffer, so a host master never sends fp32 bytes nor
-        allocates a model-sized (or per-chunk) temporary.
+        A host master is converted to the working dtype ``_step_chunk_numel`` elements at a time, a whole
+        group in one pipeline (:func:`send_through_host`: the next piece converts while the last one copies),
+        so it never sends fp32 bytes nor allocates a model-sized (or per-chunk) temporary.
         """
         with torch.no_grad():
             for grp in self.groups:
-                for state, off in zip(grp.states, grp.offsets):
-                    dst = state.shard.reshape(-1)
-                    src = grp.master.data[off : off + dst.numel()]
-                    if src.device == dst.device:
-                        dst.copy_(src)  # converts in place, no temporary
-                        continue
-                    send_through_host(src, dst.dtype, dst.device, self._step_chunk_numel,
-                                      lambda start, piece, dst=dst: dst[start : start + piece.numel()].copy_(piece))
+                if not grp.states:
+                    continue
+                kinds = {(s.shard.dtype, s.shard.device) for s in grp.states}
+                if len(kinds) > 1 or grp.master.device == grp.states[0].shard.device:
+                    for state, off in zip(grp.states, grp.offsets):  # same device: converts in place
+                        dst = state.shard.reshape(-1)
+                        src = grp.master.data[off : off + dst.numel()]
+                        if src.device == dst.device:
+                            dst.copy_(src)
+                        else:
+                            send_through_host(src, dst.dtype, dst.device, self._step_chunk_numel,
+                                              lambda start, piece, dst=dst: dst[start : start + piece.numel()].copy_(
+                                                  piece, non_blocking=True))
+                    continue
+                ((dtype, target),) = kinds
+                send_through_host(grp.master.data, dtype, target, self._step_chunk_numel,
+                                  lambda start, piece, grp=grp: self._scatter_to_shards(grp, start, piece))
         self.manager.refresh_persistent()
+
+    @staticmethod
+    def _scatter_to_shards(grp: Stage3Group, start: int, piece: torch.Tensor) -> None:
+        """Copy ``piece`` (group shard coordinates ``[start, start + len)``) into the shards it overlaps."""
+        end = start + piece.numel()
+        first = max(0, bisect.bisect_right(grp.offsets, start) - 1)
+        for state, off in zip(grp.states[first:], grp.offsets[first:]):
+            if off >= end:
+                break
+            dst = state.shard.reshape(-1)
+            lo, hi = max(start, off), min(end, off + dst.numel())
+            if lo < hi:
+                dst[lo - off : hi - off].copy_(piece[lo - start : hi - start], non_blocking=True)
 
     # --- checkpoints (interface: deepspeed._core.engine.checkpointing.ShardedCheckpointOptimizer) -------
     def checkpoint_param_groups(self) -> list[list[torch.nn.Parameter]]:

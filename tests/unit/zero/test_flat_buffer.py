@@ -349,3 +349,24 @@ def test_send_through_host_converts_in_chunks_through_one_buffer() -> None:
     assert [(s, n) for s, n, _ in seen] == [(0, 7), (7, 7), (14, 7), (21, 2)]
     assert len({ptr for _, _, ptr in seen}) == 1
     assert torch.equal(out, src.to(torch.bfloat16))
+
+
+def test_send_through_host_into_many_shards_straddling_pieces() -> None:
+    """ZeRO-3's write-back: one pipeline over a group's master, each piece split across the shards it overlaps."""
+    from types import SimpleNamespace
+
+    from deepspeed._core.zero.optimizer_shard import send_through_host
+    from deepspeed._core.zero.stage3 import Stage3Optimizer
+
+    sizes = [5, 1, 12, 3, 9]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    states = [SimpleNamespace(shard=torch.full((n,), -1.0, dtype=torch.bfloat16)) for n in sizes]
+    grp = SimpleNamespace(states=states, offsets=offsets)
+    master = torch.randn(sum(sizes))
+    for chunk in (1, 4, 7, 30):
+        send_through_host(master, torch.bfloat16, CPU, chunk,
+                          lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece))
+        for state, off, n in zip(states, offsets, sizes):
+            assert torch.equal(state.shard, master[off : off + n].to(torch.bfloat16)), (chunk, off)
+        for state in states:
+            state.shard.fill_(-1.0)
