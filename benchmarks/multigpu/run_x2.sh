@@ -23,6 +23,7 @@ echo "parity rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/parity_log.tx
 cat "$OUT/parity_nccl_ws2.jsonl"
 start=$(date +%s)
 DS_ACCELERATOR=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/unit/zero3/test_gpu_release.py tests/kernels/test_cuda_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+    tests/unit/zero3/test_gpu_release.py tests/kernels/test_cuda_kernels.py tests/unit/zero/test_offload_transfers_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1
 echo "gpu tests rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
 tail -n 15 "$OUT/gpu_tests.txt"

@@ -19,11 +19,16 @@ from deepspeed.accelerator import get_accelerator
 
 
 class MasterPlacement(enum.Enum):
-    """Where a master partition lives."""
+    """Where a master partition lives.
+
+    ``PINNED_HOST`` (``offload_optimizer.pin_memory``) keeps the master itself pageable too: the CPU optimizer
+    does not need page-locked memory, the transfers go through their own bounded pinned buffers, and pinning a
+    partition-sized tensor costs up to twice its size for good ([Note: pinned ring] in ``host_transfer.py``).
+    """
 
     DEVICE = "device"
     HOST = "host"  # offload_optimizer.device == cpu, pin_memory false
-    PINNED_HOST = "pinned_host"  # offload_optimizer.device == cpu, pin_memory true
+    PINNED_HOST = "pinned_host"  # offload_optimizer.device == cpu, pin_memory true (pinned staging)
 
 
 TRANSFER_CHUNK_NUMEL = 1 << 24
@@ -51,7 +56,7 @@ class MasterPartition:
         flat: the group's working-precision flat buffer.
         rank: this rank's index in the data-parallel group.
         master_dtype: dtype of the master copy (fp32).
-        placement: where the master lives (the flat buffer's device, or pinned host memory when the
+        placement: where the master lives (the flat buffer's device, or pageable host memory when the
             optimizer is offloaded).
         transfer: how values move between the two; ``None`` picks ``CHUNKED`` exactly when the devices differ.
     """
@@ -63,8 +68,6 @@ class MasterPartition:
         part = flat.layout.partition(rank)
         device = flat.device if placement is MasterPlacement.DEVICE else torch.device("cpu")
         master = torch.empty(part.size, dtype=master_dtype, device=device)
-        if placement is MasterPlacement.PINNED_HOST and flat.device.type != "cpu":
-            master = get_accelerator().pin_memory(master)
         self.transfer = transfer or (TransferPath.DIRECT if device == flat.device else TransferPath.CHUNKED)
         if self.transfer is TransferPath.DIRECT:
             flat.copy_out(part, master)  # converts dtype per piece: no bit16 temporary of the partition
