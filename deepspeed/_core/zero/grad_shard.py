@@ -12,10 +12,10 @@ each chunk in place; a chunk no gradient reached is stepped as zeros, as a zero-
 [Note: kept host chunks] With the optimizer offloaded the shard lives in host memory, where freeing buys no
 peak (the host holds it at every step's end anyway) and reallocating costs: a fresh host tensor is
 page-faulted in by the kernel on first touch, every step. On the 2-core development CPU one backward's folds
-into 128M bf16 elements took 0.15 s into fresh chunks and 0.06-0.07 s into kept ones
-(``fill_fresh``/``fill_kept`` of ``benchmarks/offload_step_cpu.py``, ``benchmarks/results/cpu/``). ``keep_storage`` therefore turns
-"released" into "stale": the storage stays, is zeroed when the next window first writes to it, and counts as
-allocated only while it holds this window's values.
+into 128M bf16 elements took 0.15 s into fresh chunks and 0.06-0.07 s into kept ones (``fill_fresh`` /
+``fill_kept`` of ``benchmarks/offload_step_cpu.py``, ``benchmarks/results/cpu/``). ``keep_storage`` therefore
+turns "released" into "stale": the storage stays, is zeroed when the next window first writes to it, and counts
+as allocated only while it holds this window's values.
 """
 from __future__ import annotations
 
