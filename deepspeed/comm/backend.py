@@ -135,8 +135,22 @@ def _init_fake_process_group(rank: int, world_size: int, timeout: timedelta) -> 
     _td.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size, timeout=timeout)
 
 
+_teardown_registered = False
+
+
+def _register_teardown() -> None:
+    """Destroy the default group at interpreter exit (once): a group still alive then is torn down in arbitrary
+    order and its worker threads can abort the process ("terminate called without an active exception", exit 134)
+    after a successful run. This holds for a group another library created (HF Trainer's accelerate starts the
+    gloo group before DeepSpeed does), which is how the abort still reached an HF Trainer test in 2 of 10 runs."""
+    global _teardown_registered
+    if not _teardown_registered:
+        _teardown_registered = True
+        atexit.register(_destroy_default_group_at_exit)
+
+
 def _destroy_default_group_at_exit() -> None:
-    """Destroy the default group we created, if the program did not (local teardown, no collective)."""
+    """Destroy the default group if the program did not (local teardown, no collective)."""
     if torch_dist_initialized():
         try:
             _td.destroy_process_group()
@@ -156,6 +170,7 @@ class TorchBackend:
         self._native: dict[tuple[str, str], bool] = {}
         if not torch_dist_initialized():
             self.init_process_group(backend, timeout, init_method, rank, world_size)
+        _register_teardown()
 
     def init_process_group(self, backend: str | None, timeout: timedelta, init_method: str | None, rank: int,
                            world_size: int) -> None:
@@ -164,9 +179,7 @@ class TorchBackend:
             _init_fake_process_group(rank, world_size, timeout)
             return
         _td.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
-        # A group still alive at interpreter exit is torn down in arbitrary order; its worker threads can then
-        # abort the process ("terminate called without an active exception", exit 134) after a successful run.
-        atexit.register(_destroy_default_group_at_exit)
+        _register_teardown()
 
     # ------------------------------------------------------------------ group queries
     def is_initialized(self) -> bool:

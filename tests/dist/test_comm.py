@@ -235,3 +235,31 @@ def test_reduce_op_conversion() -> None:
                                                  "UNUSED"]
     with pytest.raises(ValueError, match="UNUSED"):
         to_torch_op(dist.ReduceOp.UNUSED)
+
+
+_ADOPTED_GROUP = """
+import os, socket, sys
+import torch.distributed as td
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+td.init_process_group("gloo", rank=0, world_size=1)  # created by another library first (HF's accelerate does)
+import deepspeed
+from deepspeed.comm import backend
+deepspeed.init_distributed(dist_backend="gloo")
+assert backend._teardown_registered, "an adopted group must be torn down at exit too"
+print("ADOPTED_OK", flush=True)
+"""
+
+
+def test_group_created_by_another_library_is_torn_down_at_exit() -> None:
+    """A gloo group alive at interpreter exit can abort a finished run (exit 134); DeepSpeed registers its
+    teardown also when it adopts a group someone else created, and the process exits cleanly."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run([sys.executable, "-c", _ADOPTED_GROUP], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "ADOPTED_OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "destroy_process_group" not in proc.stderr  # no warning about a group left alive
