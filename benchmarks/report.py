@@ -405,13 +405,17 @@ def s3_section(records: list[dict]) -> list[str]:
         return ["No S3 record in these results (`run_all.py --only s3`).", ""]
     if all(r.get("status") == "skipped" for r in s3):
         return ["Not measured: every S3 record is `skipped` (stage 3 was not available in that build).", ""]
+    counts = sorted({len(r["step_times_s"]) for r in s3 if r.get("step_times_s")})
+    timing = (f"Peak and retries: the measured step (untraced); step time: the median of {'/'.join(map(str, counts))} "
+              "timed steps (the measured one and the plain steps after it)" if counts else
+              "Peak, step time and retries: the measured step (untraced)")
     intro = (
         "Qwen2-shaped decoders with random weights (`benchmarks/models.py`), sequence 512, micro-batch 1, bf16, "
         "activation checkpointing inside every decoder layer; DeepSpeed config = HF Trainer's `auto` values "
         "(prefetch bucket 0.9·h², persistence threshold 10·h, reduce bucket h², max live / reuse distance 1e9); "
         "`opt` = `offload_optimizer` cpu (pinned), FSDP2 `CPUOffloadPolicy`. Floor = per-rank model states "
-        "(16P/N; optimizer offloaded: 4P/N, FSDP2 0; ZeRO-2 row: 2P + 14P/N). Peak, step time and retries: the "
-        "measured step (untraced); gathered layers: a later step with hooks at every module boundary of the decoder "
+        "(16P/N; optimizer offloaded: 4P/N, FSDP2 0; ZeRO-2 row: 2P + 14P/N). " + timing + "; "
+        "gathered layers: a later step with hooks at every module boundary of the decoder "
         "layers (a layer counts when any non-persistent parameter is gathered or in flight; layer-equiv = gathered "
         "elements / one layer's); `from trace` and deferred frees: the same step's CUDA memory-history trace "
         "(`deepspeed/_core/engine/memory_timeline.py`). `vs upstream` / `vs FSDP2` = peak allocated ratio. "

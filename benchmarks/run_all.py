@@ -58,13 +58,14 @@ carries ``checkpoint_reentrant``.
 Arithmetic. Seconds: cold job walls (process start to exit) calibrated on the measured ``job_wall_s`` of the
 one-call suite run that followed gpu_run7 (--jobs 5, 3 threads per worker, 529 s: 13 rows not_run by the
 deadline, every upstream S3 row failed for want of reentrant checkpointing); the formulas are 3-6 % above those
-walls per scenario. Offload rows and upstream's reentrant S3 rows from gpu_run4/6/7 (4-5 threads). A prelaunched
+walls per scenario. Offload rows and throughput rows recalibrated on gpu_run10/11 (S3 rows now add two plain
+timed steps, see ``_s3_estimate``); upstream's reentrant S3 rows from gpu_run4/6/7. A prelaunched
 worker's estimate is ``STARTUP_S`` (4 s) shorter. Device GiB: the largest measured peak reserved of the
 configuration (``calibration.json``, ``--calibrate``) + 1 GiB (the CUDA context, outside the allocator's counters,
 and slack), else the formulas. With the defaults (``--jobs 6 --mem-budget-gib 125 --deadline-s 510``) ``--plan``
-predicts that every job but the three 7.6B N=1 offload rows runs, the shared phase ending at ~316 s and the solo
-phase at ~450 s. Unverified on the GPU: six workers at once (one more than measured), the offload rows at 8
-threads, the hidden start-up. One call's wall time: ``device_run.sh`` ~20 s (wheel installs, environment lines),
+predicts that every job but the three 7.6B N=1 offload rows runs, the shared phase ending at ~337 s and the solo
+phase at ~455 s; the last two one-call runs, with one timed S3 step, took 383 s and 303 s of device wall time
+(gpu_run10/11), so the estimates run long. One call's wall time: ``device_run.sh`` ~20 s (wheel installs, environment lines),
 run_all ≤ ``--deadline-s`` + 20 s (kill grace) + ~5 s (report) = 555 s < the 600 s limit of one command.
 
 Outputs: ``DIR/results.jsonl``, ``DIR/run_log.txt`` (each worker's output tail), ``DIR/benchmarks.md``
@@ -147,12 +148,13 @@ def _floor_gib(stage: int | None, n: int, params: int) -> float:
 
 # S1: base + per-GAS seconds (run 8: ours 10-16 s at GAS 1, 17-21 at 16; lean-off 15-18 / 21-26; upstream
 # 16-21 / 23-29; FSDP2 9-12 / 22-23; N=8 rows as fast as N=1). S2: N=1 / N>1 (ours 13-15 / 10, lean-off 18-19
-# (host round trip) / 18, upstream 19 / 15-17, FSDP2 13 / 11). Throughput (solo): ours 9-13, lean-off 13-16,
-# upstream 13-18 (ZeRO-3, reentrant: 26), FSDP2 11 (gpu_run4).
+# (host round trip) / 18, upstream 19 / 15-17, FSDP2 13 / 11). Throughput (solo, prelaunched): job walls after
+# release in gpu_run10/11 ours 2.2-4.6 s, lean-off 5.2-11.6, upstream 6.0-10.0 (ZeRO-3, reentrant: 11.2-13.1),
+# FSDP2 3.2-3.9; the cold figures below are those maxima + STARTUP_S + ~1.5 s.
 _S1_SECONDS = {"ours": (12.5, 0.45), "ours_leanoff": (16.0, 0.5), "upstream": (17.5, 0.6), "fsdp2": (11.5, 0.7)}
 _S2_SECONDS = {"ours": (14.5, 10.5), "ours_leanoff": (19.0, 19.0), "upstream": (19.0, 18.0), "fsdp2": (13.5, 11.0)}
-_TP_SECONDS = {"ours": 12.5, "ours_leanoff": 14.5, "upstream": 16.5, "fsdp2": 12.0}
-_TP_UPSTREAM_Z3_S = 26.5
+_TP_SECONDS = {"ours": 10.0, "ours_leanoff": 17.0, "upstream": 15.5, "fsdp2": 9.5}
+_TP_UPSTREAM_Z3_S = 19.0
 
 
 def _estimate(spec: dict, quick: bool) -> tuple[float, float, float]:
@@ -193,10 +195,13 @@ _S3_HOST_BPP = {"ours": 14.5, "ours_leanoff": 14.5, "upstream": 20.5, "fsdp2": 2
 # gpu_run6: 29.6 / 24.0 / 20.6 s), and with the optimizer offloaded (gpu_run4/6/7 at 4-5 CPU threads: ours 68-74,
 # with offload_param 60-77, upstream 75, FSDP2 62; at 3 threads, run 8, ours took 84 and 88 s and upstream's
 # build alone 74 s). A fake-group rank of the 7.6B shape runs as fast as the 3B one (its shard is smaller).
+# Offloaded rows now run one at a time with 8 threads; their job walls in gpu_run10/11 (single timed step):
+# ours 43.9-48.6 s, with offload_param 39.0-52.8, upstream 53.6-68.1, FSDP2 54.9-59.3; the constants below are
+# those maxima plus 5-20 %, the plain timed steps being added separately in _s3_estimate.
 _S3_SECONDS = {"ours": (19.0, 18.0), "ours_leanoff": (19.0, 18.0), "upstream": (30.0, 25.0), "fsdp2": (15.0, 15.0)}
 _S3_Z2_SECONDS = 15.0
-_S3_OFFLOAD_SECONDS = {"ours": 74.0, "ours_leanoff": 74.0, "upstream": 76.0, "fsdp2": 63.0}
-_S3_OFFLOAD_PARAM_SECONDS = 77.0
+_S3_OFFLOAD_SECONDS = {"ours": 58.0, "ours_leanoff": 58.0, "upstream": 72.0, "fsdp2": 63.0}
+_S3_OFFLOAD_PARAM_SECONDS = 60.0
 
 
 def _s3_estimate(spec: dict, quick: bool) -> tuple[float, float, float]:
@@ -227,6 +232,9 @@ def _s3_estimate(spec: dict, quick: bool) -> tuple[float, float, float]:
             seconds = _S3_SECONDS[impl][0 if n == 1 else 1]
         if n == 1:
             seconds *= 1.0 + 0.5 * (scale - 1)
+    # The constants above predate the plain timed steps after the measured one (``timed_steps``, default 3):
+    # a step took 2-7.5 s offloaded (3B at N=1 and 7.6B at N=8) and 0.3-1.6 s otherwise (gpu_run10/11, s3_solo).
+    seconds += max(0, int(spec.get("timed_steps", 3)) - 1) * (5.0 if spec.get("offload") else 1.0)
     return seconds, gib, host
 
 

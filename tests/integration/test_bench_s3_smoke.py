@@ -93,6 +93,8 @@ def test_worker_ours_n1_and_fsdp2_n8(tmp_path: Path) -> None:
         for phase in ("fwd", "bwd"):
             assert 1 <= record[f"gathered_layers_{phase}_max"] <= layers
         assert record["gathered_layers_after_step"] == 0
+        times = record["step_times_s"]  # the measured step and two plain ones; the table's time is their median
+        assert len(times) == 3 and record["step_time_s"] == sorted(times)[1]
     ours = json.loads(runs["ours"][1].read_text())
     assert ours["gathered_layers_fwd_max"] == 1  # one layer's linears at a time in forward (per-module fetch)
     assert ours["manager_units_alive_after_step"] == 0
@@ -147,3 +149,15 @@ def test_fake_group_runs_cannot_skip_every_step_unnoticed() -> None:
     assert any("**invalid**" in row for row in rows)
     assert not any("qwen2-3b N=8" in line for line in report.s3_targets([skipped]))  # no target "met" by it
     assert any("qwen2-3b N=8" in line for line in report.s3_targets([dict(skipped, skipped_steps=0)]))
+
+
+def test_report_says_how_step_times_were_taken() -> None:
+    """Records with several timed steps get a median-of-N caption; older single-step records keep theirs."""
+    import report
+
+    row = {"scenario": "s3", "impl": "ours", "status": "ok", "stage": 3, "model": "qwen2-3b", "world_size": 1,
+           "skipped_steps": 0, "peak_alloc_gib": 5.0, "peak_reserved_gib": 6.0, "step_time_s": 1.0}
+    timed = "\n".join(report.s3_section([dict(row, step_times_s=[1.2, 1.0, 0.9])]))
+    assert "the median of 3 timed steps" in timed
+    single = "\n".join(report.s3_section([row]))
+    assert "Peak, step time and retries: the measured step" in single and "median" not in single
