@@ -8,7 +8,9 @@ bf16->fp32 conversion of every chunk into a fresh tensor per chunk (``convert_fr
 (``convert_reused``); and one backward's folds into a bf16 shard whose chunks are allocated afresh
 (``fill_fresh``, as each step did before [Note: kept host chunks]) vs kept from the previous step
 (``fill_kept``); and one chunk converted and scaled in one go (``convert_scale_whole``) vs block by block
-(``convert_scale_blocked``, what ``step_in_chunks`` does on the host). Each figure is the median of ``--reps`` runs after one warm-up run.
+(``convert_scale_blocked``, what ``step_in_chunks`` does on the host); and the gradient norm over the bf16
+shard upcast into a fresh tensor per piece (``norm_fresh``) vs through one reused buffer (``norm_reused``,
+``local_sq_norm``). Each figure is the median of ``--reps`` runs after one warm-up run.
 """
 from __future__ import annotations
 
@@ -95,7 +97,26 @@ def main() -> None:
         finally:
             chunked_step_mod.CONVERT_BLOCK_NUMEL = saved
 
-    cases = {"plain": plain, "chunked": chunked,
+    from deepspeed._core.optim.clipping import NORM_CHUNK_NUMEL, local_sq_norm
+
+    norm_shard = shard()
+
+    def norm(reused: bool) -> float:
+        """Sum of squares of the bf16 shard: ``local_sq_norm`` (one reused, cache-sized upcast buffer) vs a
+        fresh fp32 tensor per 8M-element piece (what it did before)."""
+        chunks = norm_shard.allocated()
+        t = time.perf_counter()
+        if reused:
+            local_sq_norm(chunks, ch)
+        else:
+            total = torch.zeros(())
+            for c in chunks:
+                for start in range(0, c.numel(), NORM_CHUNK_NUMEL):
+                    piece = c[start : start + NORM_CHUNK_NUMEL].float()
+                    total += torch.dot(piece, piece)
+        return time.perf_counter() - t
+
+    cases = {"plain": plain, "chunked": chunked, "norm_fresh": lambda: norm(False), "norm_reused": lambda: norm(True),
              "convert_scale_whole": lambda: convert_scale(1 << 62),
              "convert_scale_blocked": lambda: convert_scale(chunked_step_mod.CONVERT_BLOCK_NUMEL), "convert_fresh": lambda: convert(False),
              "convert_reused": lambda: convert(True),

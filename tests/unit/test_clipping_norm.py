@@ -1,0 +1,45 @@
+"""``local_sq_norm``: the fp32 sum of squares of mixed-dtype gradients, upcast through one reused buffer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspeed._core.optim import clipping
+from deepspeed._core.optim.clipping import local_sq_norm
+
+
+@pytest.mark.parametrize("chunk", [None, 5, 64, 1000])
+def test_matches_a_float64_reference_across_dtypes_and_blocks(chunk: int | None, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(clipping, "HOST_NORM_BLOCK_NUMEL", 7)  # many blocks, ragged ends
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=gen).to(dtype) for n, dtype in
+             [(1, torch.bfloat16), (23, torch.float16), (100, torch.float32), (64, torch.bfloat16), (0, torch.float16)]]
+    expected = sum(float((g.double() ** 2).sum()) for g in grads)
+    got = local_sq_norm(grads, chunk)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert float(got) == pytest.approx(expected, rel=1e-6)
+
+
+def test_empty_and_nonfinite() -> None:
+    assert float(local_sq_norm([])) == 0.0
+    g = torch.ones(10, dtype=torch.bfloat16)
+    g[3] = float("inf")
+    assert float(local_sq_norm([g])) == float("inf")
+    g[3] = float("nan")
+    assert torch.isnan(local_sq_norm([torch.ones(2), g]))
+
+
+def test_one_upcast_buffer_for_every_piece(monkeypatch) -> None:  # noqa: ANN001
+    """No fresh host tensor per piece: every narrow piece is copied into the same scratch storage."""
+    monkeypatch.setattr(clipping, "HOST_NORM_BLOCK_NUMEL", 4)
+    seen: set[int] = set()
+    real_dot = torch.dot
+
+    def spy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if a.dtype == torch.float32 and a.numel() <= 4:
+            seen.add(a.untyped_storage().data_ptr())
+        return real_dot(a, b)
+
+    monkeypatch.setattr(torch, "dot", spy)
+    local_sq_norm([torch.randn(10).bfloat16(), torch.randn(9).half()])
+    assert len(seen) == 1
