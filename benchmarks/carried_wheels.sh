@@ -1,4 +1,4 @@
-# Sourced by the device entry points (device_run.sh, diag/run_*.sh, multigpu/run_x2.sh): the GPU machine has no
+# Sourced by the device entry points (device_run.sh, diag/run_*.sh, multigpu/run_multi.sh): the GPU machine has no
 # registry, so the wheels come with the call (carry: .whl_upstream). .whl_upstream/site/ holds the pure-Python
 # wheels the GPU image lacks (pydantic, pydantic-core, annotated-types, typing-inspection, hjson), needed by our
 # engine and upstream alike; .whl_upstream/ itself holds upstream DeepSpeed's no-ops wheel

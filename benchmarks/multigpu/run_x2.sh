@@ -1,29 +1,5 @@
 #!/usr/bin/env bash
-# Device call on 2 GPUs (kind nvidia-h200-x2, carry .whl_upstream): parity of ZeRO stages 0-3 over NCCL at world
-# size 2 through our launcher, then the GPU-marked tests (real streams: release under a lagging compute stream,
-# the CUDA kernels). Results under $OUT.
+# Device call on 2 GPUs (kind nvidia-h200-x2, carry .whl_upstream): run_multi.sh at world size 2 (parity over NCCL,
+# then the GPU-marked tests). Kept so the commands recorded in benchmarks/results/COMMANDS.txt still run.
 #   bash benchmarks/multigpu/run_x2.sh
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/x2_out}
-mkdir -p "$OUT"
-source benchmarks/carried_wheels.sh
-install_site_wheels . || exit 1
-# NVLink multicast stays off (device README); the launcher passes the environment to every rank.
-export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-    TORCH_EXTENSIONS_DIR=/tmp/torch_ext PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c 'import torch,sys;print(sys.version);print(torch.__version__, torch.version.cuda, torch.cuda.device_count())'
-  } > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-start=$(date +%s)
-timeout 300 python3 -m deepspeed.launcher.runner --num_gpus 2 benchmarks/multigpu/parity.py \
-    --out "$OUT/parity_nccl_ws2.jsonl" > "$OUT/parity_log.txt" 2>&1
-echo "parity rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/parity_log.txt"
-cat "$OUT/parity_nccl_ws2.jsonl"
-start=$(date +%s)
-DS_ACCELERATOR=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/unit/zero3/test_gpu_release.py tests/kernels/test_cuda_kernels.py tests/unit/zero/test_offload_transfers_gpu.py \
-    > "$OUT/gpu_tests.txt" 2>&1
-echo "gpu tests rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.txt"
-tail -n 15 "$OUT/gpu_tests.txt"
+exec bash "$(dirname "$0")/run_multi.sh" 2
