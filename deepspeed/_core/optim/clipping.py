@@ -18,7 +18,7 @@ NORM_CHUNK_NUMEL = 1 << 23
 """Largest piece of a narrow gradient upcast at once by :func:`local_sq_norm` (32 MiB in fp32)."""
 HOST_NORM_BLOCK_NUMEL = 1 << 20
 """On the host the upcast goes 4 MiB at a time through one reused buffer: the block stays in cache, and no
-fresh host tensor is page-faulted in per piece (128M bf16 elements: 0.39 s that way, 0.05 s through one
+fresh host tensor is page-faulted in per piece (128M bf16 elements: 0.35 s that way, 0.04-0.05 s through one
 cache-sized buffer, on the 2-core development CPU; ``norm_*`` in ``benchmarks/offload_step_cpu.py``)."""
 
 
