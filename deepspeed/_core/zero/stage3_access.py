@@ -19,6 +19,7 @@ class Stage3ParamAccess:
 
     groups: list
     _folded: set  # (group index, offset) regions written in this window
+    _where: dict  # ds_id -> (group index, offset)
     optimizer: torch.optim.Optimizer
     dp_group: Any
     world_size: int
@@ -56,12 +57,12 @@ class Stage3ParamAccess:
 
     def _write(self, param: torch.nn.Parameter, key: str | None, values: torch.Tensor) -> None:
         """Overwrite the start of ``param``'s slice of ``key`` with the 1-D ``values``."""
-        grp, _, off = self._where_is(param)
+        grp, state, off = self._where_is(param)
         with torch.no_grad():
             if key == "grad":
                 grp.ensure_accumulator().write(off, values)
                 # A later fold of this window must add to the written values, not copy over them.
-                self._folded.add((next(i for i, g in enumerate(self.groups) if g is grp), off))
+                self._folded.add(self._where[state.ds_id])
                 return
             local = self._flat(grp, key)[off : off + values.numel()]
             local.copy_(values.to(local.device, dtype=local.dtype))
