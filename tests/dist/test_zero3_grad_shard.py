@@ -51,7 +51,7 @@ def _train_tiny_chunks(world: int, offload: bool, direct: bool = False) -> dict:
     total = sum(g.master.numel() for g in opt.groups)
     samples: list[int] = []
 
-    def allocated(param: object, state: object) -> None:
+    def allocated(param: object, state: object, grad: object) -> None:
         samples.append(sum(g.accumulator.allocated_numel for g in opt.groups if g.accumulator is not None))
 
     handle = engine.zero3_manager.on_grad_ready(allocated)
@@ -106,9 +106,8 @@ def _reduce_inputs(world: int) -> dict:
     from deepspeed import comm as dist
 
     model = make_model(0, vocab=38, hidden=24)  # 912-element embedding/head: no padding at world 2
+    names = {id(p): name for name, p in model.named_parameters()}
     grad_ptrs: dict[str, int] = {}
-    for name, p in model.named_parameters():  # registered first, so these run before the engine's hooks
-        p.register_post_accumulate_grad_hook(lambda q, n=name: grad_ptrs.__setitem__(n, q.grad.data_ptr()))
     inputs: list[int] = []
     real = dist.reduce_scatter_tensor
 
@@ -123,6 +122,8 @@ def _reduce_inputs(world: int) -> dict:
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 400, "stage3_param_persistence_threshold": 0},
     }
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    # Every gradient the reducer receives, accumulated or routed (the embedding's): [Note: routed grads].
+    engine.zero3_manager.on_grad_ready(lambda p, s, g: grad_ptrs.__setitem__(names[id(p)], g.data_ptr()))
     engine.backward(engine(*micro_batch(0, dist.get_rank(), vocab=38)))
     engine.step()
     dist.reduce_scatter_tensor = real

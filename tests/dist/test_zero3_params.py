@@ -108,8 +108,9 @@ def _check_numerics(rank: int, world: int) -> dict:
     names = {p.ds_id: n for n, p in model.named_parameters()}
     grads: dict[str, torch.Tensor] = {}
 
-    def take(param: nn.Parameter, state: object) -> None:
-        grads[names[param.ds_id]] = param.grad.clone()
+    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
+        name = names[param.ds_id]  # a routed (tied) parameter arrives once per use: add them up
+        grads[name] = grad.clone() if name not in grads else grads[name] + grad
         param.grad = None  # what the ZeRO-3 optimizer does once the gradient is in its bucket
 
     manager.on_grad_ready(take)

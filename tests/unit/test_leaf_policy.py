@@ -220,8 +220,8 @@ def test_manager_applies_the_policy_before_building_units() -> None:
     assert not model.mix.layers[0]._forward_pre_hooks, "modules inside a leaf must not be hooked"
     grads: dict[int, torch.Tensor] = {}
 
-    def take(param: nn.Parameter, state: object) -> None:
-        grads[param.ds_id] = param.grad.clone()
+    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
+        grads[param.ds_id] = grad.clone()
         param.grad = None
 
     manager.on_grad_ready(take)

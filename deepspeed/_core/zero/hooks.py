@@ -16,6 +16,10 @@ pass queues an engine callback -> ``target.backward_finished()``, which releases
 (modules whose inputs need no gradient, such as an embedding). Per trainable parameter a post-accumulate-grad
 hook -> ``target.grad_ready(param)`` is the "full gradient is ready" seam for the ZeRO-3 optimizer.
 
+Routed uses ([Note: routed grads] in :mod:`deepspeed._core.zero.grad_route`): while a module's forward runs,
+its dictionary returns the parameters :meth:`ModuleHooks.route` named for it as a routed use, whose gradient
+goes to ``target.grad_arrived(param, grad)`` instead of into ``param.grad``.
+
 Each hooked module's ``_parameters`` dict is swapped for a :class:`GatheringParameterDict`, so that reading a
 partitioned parameter by attribute (``self.other.weight`` in a forward that does not run ``other``) reports
 ``target.on_param_access(param)`` (upstream's ``ZeROOrderedDict`` behaviour); iteration is unaffected. The
@@ -31,6 +35,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from deepspeed._core.zero.grad_route import routed_use
 from deepspeed._core.zero.param import ShardedState, ZeroParameter
 
 
@@ -55,22 +60,32 @@ class HookTarget(Protocol):
     def grad_ready(self, param: nn.Parameter) -> None:
         """``param.grad`` holds this backward's full gradient."""
 
+    def grad_arrived(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """One routed use of ``param`` produced ``grad`` (full shape); ``param.grad`` is not involved."""
+
     def on_param_access(self, param: nn.Parameter) -> None:
         """A partitioned, not-gathered ``param`` was read through its module's attribute."""
 
 
 class GatheringParameterDict(dict):
-    """``Module._parameters`` replacement that reports reads of partitioned parameters that are not gathered."""
+    """``Module._parameters`` replacement that reports reads of partitioned parameters that are not gathered,
+    and hands out routed uses of the :attr:`routed` names while the module's forward runs."""
 
-    def __init__(self, original: dict, on_access: Callable[[nn.Parameter], None]) -> None:
+    def __init__(self, original: dict, on_access: Callable[[nn.Parameter], None], hooks: ModuleHooks) -> None:
         """Copy ``original``'s entries; call ``on_access(param)`` on reads of a non-``FULL`` ZeRO parameter."""
         super().__init__(original)
         self._on_access = on_access
+        self._hooks = hooks
+        self.routed: frozenset[str] = frozenset()
+        self.forward_depth = 0  # > 0 inside this module's forward (the hooks count calls in and out)
 
     def __getitem__(self, key: str) -> Any:
         param = super().__getitem__(key)
-        if type(param) is ZeroParameter and param._ds_state.state is not ShardedState.FULL:
-            self._on_access(param)
+        if type(param) is ZeroParameter:
+            if param._ds_state.state is not ShardedState.FULL:
+                self._on_access(param)
+            if self.forward_depth and key in self.routed and self._hooks.routing and torch.is_grad_enabled():
+                return routed_use(param, self._hooks.target.grad_arrived)
         return param
 
 
@@ -113,6 +128,8 @@ class ModuleHooks:
         self.grad_hooks: list[RemovableHandle] = []
         self._swapped: list[tuple[nn.Module, dict]] = []
         self._end_queued = False
+        self.modules: list[nn.Module] = []  # every hooked module, in registration order
+        self.routing = False  # routed uses are handed out only while this is on (see route)
 
     # ---------------------------------------------------------------- registration
     def register_module(self, root: nn.Module, stop_below: Callable[[nn.Module], bool]) -> int:
@@ -135,8 +152,14 @@ class ModuleHooks:
 
         def fetch(mod: nn.Module, args: Any) -> None:
             target.pre_forward(mod)
+            params = mod.__dict__["_parameters"]
+            if type(params) is GatheringParameterDict:
+                params.forward_depth += 1
 
         def release(mod: nn.Module, args: Any, output: Any) -> None:
+            params = mod.__dict__["_parameters"]
+            if type(params) is GatheringParameterDict and params.forward_depth:
+                params.forward_depth -= 1
             target.post_forward(mod)
 
         self.forward_hooks.append(module.register_forward_pre_hook(fetch))
@@ -147,8 +170,17 @@ class ModuleHooks:
         self.backward_hooks.append(module.register_forward_hook(self._watch_outputs))
         original = module.__dict__["_parameters"]
         if not isinstance(original, GatheringParameterDict):
-            module.__dict__["_parameters"] = GatheringParameterDict(original, target.on_param_access)
+            module.__dict__["_parameters"] = GatheringParameterDict(original, target.on_param_access, self)
             self._swapped.append((module, original))
+        self.modules.append(module)
+
+    def route(self, keys: dict[int, frozenset[str]]) -> None:
+        """Route the uses of the named parameters of each hooked module (``keys``: module ``id`` -> names),
+        replacing any earlier routing; :attr:`routing` switches them on and off as a whole."""
+        for module in self.modules:
+            params = module.__dict__["_parameters"]
+            if isinstance(params, GatheringParameterDict):
+                params.routed = keys.get(id(module), frozenset())
 
     def register_grad_hooks(self, params: Iterable[nn.Parameter]) -> None:
         """Call ``target.grad_ready(param)`` after each backward accumulated ``param``'s gradient."""
@@ -165,6 +197,8 @@ class ModuleHooks:
         self.forward_hooks.clear()
         self.backward_hooks.clear()
         self.grad_hooks.clear()
+        self.routing = False
+        self.modules.clear()
         for module, original in self._swapped:
             current = module.__dict__["_parameters"]
             original.clear()

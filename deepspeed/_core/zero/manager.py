@@ -18,6 +18,7 @@ from torch import nn
 
 from deepspeed._core.plan import LeanPolicy, OffloadPolicy, Stage3Policy
 from deepspeed._core.zero.codec import IDENTITY_CODEC, ShardCodec
+from deepspeed._core.zero.grad_route import backward_reads_no_params, routed_keys
 from deepspeed._core.zero.hooks import ModuleHooks
 from deepspeed._core.zero.leaf_policy import report_leaf_selection, select_leaf_modules
 from deepspeed._core.zero.offload_param import ShardPlacement
@@ -43,7 +44,7 @@ Z3_LEAF_ATTR = "_z3_leaf"
 EXTERNAL_PARAMS_ATTR = "_external_params"
 """Module attribute (dict keyed by ``id``) of parameters registered with ``register_external_parameter``."""
 
-GradReadyCallback = Callable[[nn.Parameter, ZeroParam], None]
+GradReadyCallback = Callable[[nn.Parameter, ZeroParam, torch.Tensor], None]
 BackwardEndCallback = Callable[[], None]
 
 
@@ -132,14 +133,17 @@ class GatheredCounts:
 
 
 class _CallbackHandle:
-    def __init__(self, registry: list, callback: Callable) -> None:
+    def __init__(self, registry: list, callback: Callable, on_change: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._callback = callback
+        self._on_change = on_change
 
     def remove(self) -> None:
         """Unsubscribe."""
         if self._callback in self._registry:
             self._registry.remove(self._callback)
+        if self._on_change is not None:
+            self._on_change()
 
 
 class ZeroParamManager:
@@ -174,6 +178,9 @@ class ZeroParamManager:
         self.boundary_samples: list[GatheredCounts] | None = None
         self.in_backward = False
         self._forward_stack: list[nn.Module] = []
+        # [Note: routed grads]: only the lean gradient path routes uses; off, every gradient reaches param.grad.
+        self._route_grads = lean.eager_grad_release
+        self._quiet_backward: set[int] = set()  # modules whose backward runs without fetching (all uses routed)
         self._adopt_parameters(module.parameters())
         self._mark_persistent()
         self.hooks = ModuleHooks(self)
@@ -218,6 +225,21 @@ class ZeroParamManager:
                 self._adopt(param).external = True
             if not is_z3_leaf(sub):
                 stack.extend(reversed(list(sub.children())))
+        self._plan_routing()
+
+    def _plan_routing(self) -> None:
+        """Decide which parameter uses are routed ([Note: routed grads]) over every hooked module."""
+        if not self._route_grads:
+            return
+        keys = routed_keys(self.hooks.modules, lambda p: p.requires_grad and zero_state(p) is not None)
+        self.hooks.route(keys)
+        self._quiet_backward = {id(m) for m in self.hooks.modules
+                                if id(m) in keys and backward_reads_no_params(m)
+                                and not getattr(m, EXTERNAL_PARAMS_ATTR, None)}
+
+    def _update_routing(self) -> None:
+        # Routed gradients bypass param.grad, so they are handed out only while someone receives them.
+        self.hooks.routing = self._route_grads and bool(self._grad_callbacks)
 
     def _unit_of(self, module: nn.Module) -> FetchUnit:
         unit = self._unit_by_module.get(id(module))
@@ -327,6 +349,7 @@ class ZeroParamManager:
         self._unit_states.clear()
         self._kept.clear()
         self._grad_callbacks.clear()
+        self._update_routing()
         self._backward_end_callbacks.clear()
 
     def refresh_persistent(self) -> None:
@@ -341,13 +364,17 @@ class ZeroParamManager:
 
     # ---------------------------------------------------------------- optimizer seam
     def on_grad_ready(self, callback: GradReadyCallback) -> _CallbackHandle:
-        """Call ``callback(param, state)`` when a backward has accumulated ``param``'s full gradient.
+        """Call ``callback(param, state, grad)`` for each full-shaped gradient of ``param`` a backward produces.
 
-        The gradient (``param.grad``, full shape) is complete for this backward pass at that moment; the
-        subscriber may reduce-scatter it into ``state.receive_grad_shard(...)`` and set ``param.grad = None``.
+        ``grad`` is either ``param.grad`` once autograd accumulated it (the subscriber may reduce-scatter it and
+        set ``param.grad = None``), or, for a routed use ([Note: routed grads]: tied parameters, embedding
+        tables, with ``eager_grad_release``), that one use's gradient while ``param.grad`` stays untouched. A
+        parameter may therefore arrive more than once per backward; the arrivals add up to its gradient.
+        Routing is on only while at least one callback is subscribed.
         """
         self._grad_callbacks.append(callback)
-        return _CallbackHandle(self._grad_callbacks, callback)
+        self._update_routing()
+        return _CallbackHandle(self._grad_callbacks, callback, self._update_routing)
 
     def on_backward_end(self, callback: BackwardEndCallback) -> _CallbackHandle:
         """Call ``callback()`` once per backward pass, after every gradient hook ran (flush partial buckets)."""
@@ -375,9 +402,11 @@ class ZeroParamManager:
         self._sample("post_forward", module)
 
     def pre_backward(self, module: nn.Module) -> None:
-        """Before one call's backward: fetch again."""
+        """Before one call's backward: fetch again, unless that backward reads no parameter values and every
+        gradient it produces is routed (a plain embedding: [Note: routed grads])."""
         self.in_backward = True
-        self.fetch(module)
+        if not (self.hooks.routing and id(module) in self._quiet_backward):
+            self.fetch(module)
         self._sample("pre_backward", module)
 
     def post_backward(self, module: nn.Module) -> None:
@@ -393,10 +422,19 @@ class ZeroParamManager:
             callback()
 
     def grad_ready(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: forward to the optimizer's subscribers."""
+        """Post-accumulate-grad hook: forward ``param.grad`` to the optimizer's subscribers."""
+        grad = param.grad  # read once: a subscriber may set param.grad = None
+        if grad is None:
+            return  # every use was routed: autograd ran the hook on nothing
         state = zero_state(param)
         for callback in list(self._grad_callbacks):
-            callback(param, state)
+            callback(param, state, grad)
+
+    def grad_arrived(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """A routed use's gradient: forward it to the subscribers (``param.grad`` is not involved)."""
+        state = zero_state(param)
+        for callback in list(self._grad_callbacks):
+            callback(param, state, grad)
 
     def on_param_access(self, param: nn.Parameter) -> None:
         """A forward read a partitioned parameter its module did not fetch: make it an external parameter of

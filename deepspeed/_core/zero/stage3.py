@@ -96,6 +96,7 @@ class _Pending:
 class _Bucket:
     entries: list[tuple[torch.Tensor, ZeroParam, int, int]] = field(default_factory=list)  # grad, state, g, off
     numel: int = 0
+    borrowed: bool = False  # holds a routed use's gradient, which autograd may share with another consumer
 
 
 class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
@@ -173,12 +174,15 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def prepare_backward(self, kind: MicroStepKind) -> None:
         """ZeRO-3 reduces every micro-step; nothing to arm."""
 
-    def _on_grad(self, param: torch.nn.Parameter, state: ZeroParam) -> None:
-        if state is None or state.ds_id not in self._where or param.grad is None:
+    def _on_grad(self, param: torch.nn.Parameter, state: ZeroParam, grad: torch.Tensor | None) -> None:
+        # ``grad`` is param.grad, or one routed use's gradient ([Note: routed grads]); a tied parameter arrives
+        # once per use, and its entries fold into the same accumulator region, adding up.
+        if state is None or state.ds_id not in self._where or grad is None:
             return
         g, off = self._where[state.ds_id]
-        self.bucket.entries.append((param.grad, state, g, off))
+        self.bucket.entries.append((grad, state, g, off))
         self.bucket.numel += state.layout.padded_numel
+        self.bucket.borrowed |= grad is not param.grad
         if self.eager_release:
             param.grad = None  # the bucket holds the only reference until its staging copy
         if self.bucket.numel >= self.plan.zero.buckets.reduce_bucket_size:
@@ -224,11 +228,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
 
         A parameter larger than the bucket (a tied embedding) travels alone; with no padding and the wire dtype
         its flattened gradient's row ``r`` is already rank ``r``'s shard, and a staging copy would hold its
-        bytes twice at the end of the backward. Only under eager release, where the bucket owns the gradient
-        (pre-division scales it in place).
+        bytes twice. Only under eager release, where the bucket owns an accumulated gradient; a routed one is
+        only read (the reduce-scatter leaves its input alone, NCCL and gloo alike), so it qualifies unless
+        pre-division would scale it in place.
         """
         if len(bucket.entries) != 1 or not self.eager_release:
             return None
+        if bucket.borrowed and self.scaling.pre != 1.0:
+            return None  # pre-division scales in place; a routed gradient is not ours to change
         grad, state, _, _ = bucket.entries[0]
         if grad.dtype != comm_dtype or not grad.is_contiguous() or state.layout.padding:
             return None

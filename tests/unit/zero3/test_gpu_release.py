@@ -52,7 +52,7 @@ def _run(lean: bool, prefetch_layers: int) -> dict:
     x = _input(device)
     acc.synchronize()
     outputs, grads = [], {}
-    manager.on_grad_ready(lambda p, s: grads.__setitem__(s.ds_id, p.grad.detach().cpu()))
+    manager.on_grad_ready(lambda p, s, g: grads.__setitem__(s.ds_id, g.detach().cpu()))
     for _ in range(2):
         held.clear()
         floor = acc.memory_allocated()

@@ -49,8 +49,8 @@ def _grads_after(model: nn.Module, x: torch.Tensor) -> tuple[float, list[torch.T
 def _collect(manager: ZeroParamManager) -> dict[int, torch.Tensor]:
     grads: dict[int, torch.Tensor] = {}
 
-    def take(param: nn.Parameter, state: object) -> None:
-        grads[param.ds_id] = param.grad.clone()
+    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
+        grads[param.ds_id] = grad.clone()
         param.grad = None
 
     manager.on_grad_ready(take)
