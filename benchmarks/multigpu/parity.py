@@ -34,13 +34,15 @@ CASES += [(2, "fp32+offload"), (3, "fp32+offload"), (3, "bf16+offload")]  # opti
 # them straight from their gradients, and their flat all-gather buffers are the largest.
 CASES += [(3, "fp32+even"), (3, "bf16+even")]
 EVEN_MODEL = {"vocab": 38, "hidden": 24}
+# Tied embedding/head: ZeRO-3 reduces each use's gradient on its own ([Note: routed grads]), also into host chunks.
+CASES += [(3, "fp32+tied"), (3, "bf16+tied+offload")]
 # Stage pairs that reduce the same way (0/1: fp32 accumulation, then all-reduce / reduce-scatter; 2/3: per
 # micro-step reduce-scatter into bf16 shards) must match each other far more tightly than the reference.
 SAME_PATH = {((0, "bf16"), (1, "bf16")): 1e-3, ((2, "bf16"), (3, "bf16")): 1e-3}
 
 
 def _model(prec: str) -> torch.nn.Module:
-    return make_model(0, **(EVEN_MODEL if prec.endswith("+even") else {}))
+    return make_model(0, tied="+tied" in prec, **(EVEN_MODEL if prec.endswith("+even") else {}))
 
 
 def _config(stage: int, prec: str) -> dict:

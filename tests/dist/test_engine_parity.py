@@ -24,12 +24,15 @@ CASES = [
     # Small buckets: many reduction buckets, and ZeRO-1/2 step their bf16-accumulated partitions in many
     # chunks ([Note: chunked step]).
     ("bf16_gas3_clip_small_buckets", 3, 0.5, {"bf16": {"enabled": True}, "_zero": {"reduce_bucket_size": 300}}),
+    # Tied embedding/head: under ZeRO-3 each use's gradient arrives on its own ([Note: routed grads]).
+    ("fp32_gas3_clip_tied", 3, 0.5, {"_model": {"tied": True}}),
 ]
 
 
 def _config(gas: int, clip: float, precision: dict, stage: int = 0) -> dict:
     precision = dict(precision)
     zero_extra = precision.pop("_zero", {})
+    precision.pop("_model", None)
     return {
         "train_micro_batch_size_per_gpu": 3,
         "gradient_accumulation_steps": gas,
@@ -49,7 +52,8 @@ def _train_cases(world_size: int, stage: int) -> dict[str, dict[str, torch.Tenso
     for name, gas, clip, precision in CASES:
         # Small-bucket case: lift the 64 MiB chunk floor so the tiny model really steps in many chunks.
         chunked_step.STEP_CHUNK_BYTES_MIN = 0 if "small_buckets" in name else 1 << 26
-        engine, optimizer, _, _ = deepspeed.initialize(model=make_model(0), config=_config(gas, clip, precision, stage))
+        model = make_model(0, **precision.get("_model", {}))
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, config=_config(gas, clip, precision, stage))
         if "small_buckets" in name and stage in (1, 2):
             assert engine.optimizer._step_chunk_numel < sum(p.numel() for p in engine.module.parameters())
         rank = dist.get_rank()
@@ -65,8 +69,8 @@ def _train_cases(world_size: int, stage: int) -> dict[str, dict[str, torch.Tenso
     return out
 
 
-def _reference(gas: int, clip: float, world_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    model = make_model(0)
+def _reference(gas: int, clip: float, world_size: int, dtype: torch.dtype, **model_kwargs: bool) -> dict[str, torch.Tensor]:
+    model = make_model(0, **model_kwargs)
     reference_train(
         model,
         STEPS,
@@ -85,8 +89,9 @@ def test_parity_with_reference(world_size: int, stage: int) -> None:
     results = run_distributed(_train_cases, world_size, world_size, stage)
     for name, gas, clip, precision in CASES:
         dtype = torch.bfloat16 if "bf16" in precision else torch.float32
-        precision = {k: v for k, v in precision.items() if k != "_zero"}
-        ref = _reference(gas, clip, world_size, dtype)
+        model_kwargs = precision.get("_model", {})
+        precision = {k: v for k, v in precision.items() if not k.startswith("_")}
+        ref = _reference(gas, clip, world_size, dtype, **model_kwargs)
         # Every rank holds identical weights after each step.
         for rank_result in results[1:]:
             for k in ref:
