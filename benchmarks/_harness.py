@@ -7,7 +7,7 @@ worker writes exactly one JSON object to ``--result``: the measurements, or ``{"
 Implementations (``spec["impl"]``):
 * ``ours``         deepspeed-lean from this repository, lean switches on (the default);
 * ``ours_leanoff`` deepspeed-lean with ``lean_inplace_flatten`` / ``lean_eager_grad_release`` /
-                   ``lean_stream_ordered_release`` false (upstream behaviour of each mechanism, for A/B);
+                   ``lean_stream_ordered_release`` / ``lean_grads_in_param_shards`` false (upstream behaviour of each mechanism, for A/B);
 * ``upstream``     upstream DeepSpeed, imported from a separate target directory (see baselines/upstream.py);
 * ``fsdp2``        PyTorch ``fully_shard`` per block (see baselines/fsdp2.py).
 The DeepSpeed API is the same for ``ours`` and ``upstream``: which package is imported is decided by PYTHONPATH,
@@ -160,7 +160,7 @@ def ds_config(spec: dict) -> dict:
                        "min_loss_scale": 1}
     if spec["impl"] == "ours_leanoff":
         cfg["zero_optimization"].update(lean_inplace_flatten=False, lean_eager_grad_release=False,
-                                        lean_stream_ordered_release=False)
+                                        lean_stream_ordered_release=False, lean_grads_in_param_shards=False)
     return cfg
 
 
@@ -205,7 +205,8 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
     if spec.get("offload_param") and stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if spec["impl"] == "ours_leanoff":
-        zero.update(lean_inplace_flatten=False, lean_eager_grad_release=False, lean_stream_ordered_release=False)
+        zero.update(lean_inplace_flatten=False, lean_eager_grad_release=False, lean_stream_ordered_release=False,
+                    lean_grads_in_param_shards=False)
     return cfg
 
 

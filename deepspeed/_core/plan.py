@@ -142,11 +142,14 @@ class LeanPolicy:
             as each bucket is reduced.
         stream_ordered_release: ZeRO-3 gathered partitions are freed on an event-ordered schedule,
             never by recording tensors as used on a side stream.
+        grads_in_param_shards: ZeRO-3 with the optimizer offloaded and one micro-step per window keeps each
+            reduced gradient in its parameter's shard until the step, not in host memory.
     """
 
     inplace_flatten: bool = True
     eager_grad_release: bool = True
     stream_ordered_release: bool = True
+    grads_in_param_shards: bool = True
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

@@ -121,6 +121,11 @@ class ChunkedGradShard:
             return chunk[inner : inner + (end - start)]
         return self.read(start, end - start)
 
+    def holds(self, start: int, end: int) -> bool:
+        """True when a chunk holding this window's values overlaps ``[start, end)``."""
+        first, last = start // self.chunk_numel, (max(start, end - 1)) // self.chunk_numel
+        return any(self._live_chunk(i) is not None for i in range(first, min(last + 1, len(self._chunks))))
+
     def release(self, start: int, end: int) -> None:
         """Free the chunks lying wholly inside ``[start, end)`` (already consumed by the step); with
         ``keep_storage`` they only become stale."""

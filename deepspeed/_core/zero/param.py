@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -127,6 +127,8 @@ class ZeroParam:
         full: 1-D ``layout.padded_numel`` gathered storage; its storage is freed (0 bytes) unless gathered, and
             the object is reused across gathers so autograd's saved views see the regathered values.
         grad_shard: the reduced gradient shard the ZeRO-3 optimizer stores (see :meth:`receive_grad_shard`).
+        grad_parked: set while :attr:`shard` holds this window's gradient instead of the values ([Note: parked
+            grads]); calling it with the state puts the values back before anyone reads the shard.
     """
 
     def __init__(self, param: nn.Parameter, ds_id: int, group: ShardGroup, shard: torch.Tensor,
@@ -158,6 +160,7 @@ class ZeroParam:
         self.pending: Any = None
         self.external = False
         self.grad_shard: torch.Tensor | None = None
+        self.grad_parked: Callable[[ZeroParam], None] | None = None
 
     # ---------------------------------------------------------------- derived facts
     @property
@@ -238,6 +241,8 @@ class ZeroParam:
     # ---------------------------------------------------------------- shard <-> full values
     def write_shard_from(self, full_values: torch.Tensor) -> None:
         """Copy this rank's slice of ``full_values`` (any shape with ``numel`` elements) into :attr:`shard`."""
+        if self.grad_parked is not None:
+            self.grad_parked(self)  # the parked gradient moves out first; the write then replaces the values
         flat = full_values.reshape(-1)
         if self.aliases_shard and flat.data_ptr() == self.shard.data_ptr():
             return  # the values already are the shard

@@ -41,6 +41,7 @@ from deepspeed._core.zero.grad_shard import ChunkedGradShard
 from deepspeed._core.zero.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.optimizer_shard import send_through_host
+from deepspeed._core.zero.parked_grads import ParkedGrads, ParkedWindow
 from deepspeed._core.zero.stage3_access import Stage3ParamAccess
 from deepspeed._core.zero.step_common import ShardedStepMixin
 from deepspeed._core.zero.stage12 import _package_version
@@ -130,6 +131,16 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.bucket = _Bucket()
         self.pending: list[_Pending] = []
         self.host = HostTransfers(slot_bytes_for(bucket_bytes))
+        self._state_at = {(g, off): s for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
+        # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
+        # waits for the step in its parameter's shard instead of in host chunks.
+        self.parked = ParkedGrads(lambda g: self.groups[g].master.data, lambda g: self.groups[g].ensure_accumulator(),
+                                  self.host.submit_direct, self.host.drain, precision.grad_accum_dtype)
+        self._park = (plan.zero.lean.grads_in_param_shards and plan.zero.offload_optimizer.enabled
+                      and plan.batch.gradient_accumulation_steps == 1)
+        if self._park:
+            manager.engine.on_release.append(self.parked.released)
+        self._window_buffer: torch.Tensor | None = None
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
@@ -266,7 +277,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             self._fold(g, off, out[col : col + size])
 
     def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
-        """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset``."""
+        """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset`` (or park a region's
+        first piece in its parameter's shard: [Note: parked grads])."""
+        state = self._state_at[(group_index, offset)]
+        self.parked.evict(state)  # a second fold into a parked region: the accumulator becomes its home
+        if self._park and (group_index, offset) not in self._folded and self.parked.can_park(state, piece):
+            self._folded.add((group_index, offset))
+            self.parked.park(state, group_index, offset, piece)
+            return
         acc = self.groups[group_index].ensure_accumulator()
         if acc.device == piece.device and self.host.staging is not Staging.ALWAYS:
             acc.add_(offset, piece)
@@ -287,6 +305,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self._launch_bucket()
         while self.pending:
             self._finish(self.pending.pop(0))
+        self.parked.settle()
         self.host.drain()
 
     def finish_backward(self) -> None:
@@ -299,6 +318,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         accs = [chunk for grp in self.groups if grp.accumulator is not None for chunk in grp.accumulator.allocated()]
         # The scalar is reduced on the compute device, where the gathered parameters live.
         sq = local_sq_norm(accs, self._step_chunk_numel).to(self.groups[0].states[0].full.device)
+        if len(self.parked):
+            sq = sq + local_sq_norm(self.parked.tensors(), self._step_chunk_numel).to(sq.device)
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
@@ -308,6 +329,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         for index, grp in enumerate(self.groups):
             self._step_group(index, grp, coef)
         self.write_back()
+        self.parked.forget()  # the write-back replaced every parked gradient with the new values
         self._clear_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
@@ -316,7 +338,18 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def _step_group(self, index: int, grp: Stage3Group, coef: float) -> None:
         """Update one group's master, one gradient chunk at a time; groups step one at a time so no other
         master holds a gradient. The shard is dropped after the step, so its chunks are consumed in place."""
-        step_in_chunks(self.optimizer, index, grp.ensure_accumulator(), self._step_chunk_numel, coef, consume=True)
+        acc = grp.ensure_accumulator()
+        regions = self.parked.in_group(index)
+        grad: Any = acc
+        if regions:
+            buf = self._window_buffer
+            if buf is None or buf.dtype != acc.dtype or buf.device != grp.master.device:
+                # Page-locked under pin_memory: the parked shards are read from the device into it chunk by chunk.
+                buf = torch.empty(self._step_chunk_numel, dtype=acc.dtype, device=grp.master.device,
+                                  pin_memory=grp.pin_memory)
+                self._window_buffer = buf
+            grad = ParkedWindow(acc, regions, buf)
+        step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef, consume=True)
 
     def write_back(self) -> None:
         """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.
@@ -388,6 +421,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
                     grp.master.data[off : off + state.layout.partition_numel].copy_(state.shard.reshape(-1))
 
     def _clear_grads(self) -> None:
+        self.parked.restore_all()  # skip or zero_grad: parked shards get their values back (no-op after a step)
         self._folded.clear()
         for grp in self.groups:
             grp.master.grad = None
@@ -427,4 +461,5 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             "accumulators": sum(grp.window_grad() is not None for grp in self.groups),
             "bucketed_grads": len(self.bucket.entries),
             "in_flight": len(self.pending),
+            "parked": len(self.parked),
         }

@@ -51,6 +51,7 @@ class Stage3ParamAccess:
         """``size_of(state)`` elements of ``param``'s slice of ``key`` (``"grad"``: ``None`` outside a window)."""
         grp, state, off = self._where_is(param)
         if key == "grad":
+            self.parked.evict(state)  # a gradient parked in the parameter's shard moves to the accumulator
             acc = grp.window_grad()
             return None if acc is None else acc.read(off, size_of(state))
         return self._flat(grp, key)[off : off + size_of(state)]
@@ -60,6 +61,7 @@ class Stage3ParamAccess:
         grp, state, off = self._where_is(param)
         with torch.no_grad():
             if key == "grad":
+                self.parked.evict(state)
                 grp.ensure_accumulator().write(off, values)
                 # A later fold of this window must add to the written values, not copy over them.
                 self._folded.add(self._where[state.ds_id])

@@ -217,6 +217,12 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     them as used on a side stream, so freed memory is reusable immediately. ``false`` mimics upstream's late
     reuse (for A/B)."""
 
+    lean_grads_in_param_shards: bool = True
+    """deepspeed-lean: ZeRO-3 with ``offload_optimizer`` and one micro-step per window keeps each reduced gradient
+    in its parameter's shard until the step (the shard is rewritten from the fp32 master then), instead of in
+    host memory: 2 bytes per parameter less host memory. Any read of such a shard before the step gets the
+    values back first. ``false`` keeps the gradient in host chunks (the upstream layout, for A/B)."""
+
     @field_validator("stage", mode="before")
     @classmethod
     def _stage_in_range(cls, value: Any) -> Any:

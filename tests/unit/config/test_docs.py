@@ -30,5 +30,6 @@ def test_fields_documented(model: type[BaseModel]) -> None:
 
 
 def test_lean_switches_explained() -> None:
-    for key in ("lean_inplace_flatten", "lean_eager_grad_release", "lean_stream_ordered_release"):
+    for key in ("lean_inplace_flatten", "lean_eager_grad_release", "lean_stream_ordered_release",
+                "lean_grads_in_param_shards"):
         assert DOC.count(key) >= 2  # the switch table and the key reference
