@@ -36,6 +36,13 @@ CASES += [(3, "fp32+even"), (3, "bf16+even")]
 EVEN_MODEL = {"vocab": 38, "hidden": 24}
 # Tied embedding/head: ZeRO-3 reduces each use's gradient on its own ([Note: routed grads]), also into host chunks.
 CASES += [(3, "fp32+tied"), (3, "bf16+tied+offload")]
+# One micro-step per window with the optimizer offloaded: gradients wait in the parameters' shards until the step
+# ([Note: parked grads]).
+CASES += [(3, "fp32+gas1+offload"), (3, "bf16+gas1+offload")]
+
+
+def _gas(prec: str) -> int:
+    return 1 if "+gas1" in prec else GAS
 # Stage pairs that reduce the same way (0/1: fp32 accumulation, then all-reduce / reduce-scatter; 2/3: per
 # micro-step reduce-scatter into bf16 shards) must match each other far more tightly than the reference.
 SAME_PATH = {((0, "bf16"), (1, "bf16")): 1e-3, ((2, "bf16"), (3, "bf16")): 1e-3}
@@ -48,7 +55,7 @@ def _model(prec: str) -> torch.nn.Module:
 def _config(stage: int, prec: str) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 3,
-        "gradient_accumulation_steps": GAS,
+        "gradient_accumulation_steps": _gas(prec),
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 400, "allgather_bucket_size": 600},
@@ -63,7 +70,7 @@ def _config(stage: int, prec: str) -> dict:
 def _train(stage: int, prec: str, world: int) -> dict[str, torch.Tensor]:
     engine, *_ = deepspeed.initialize(model=_model(prec), config=_config(stage, prec))
     for step in range(STEPS):
-        for m in range(GAS):
+        for m in range(_gas(prec)):
             tokens, labels = micro_batch(step, engine_micro_index(m, dist.get_rank(), world))
             engine.backward(engine(tokens.to(engine.device), labels.to(engine.device)))
             engine.step()
@@ -80,7 +87,7 @@ def _reference(world: int, prec: str, device: torch.device) -> dict[str, torch.T
     model = _model(prec)
     dtype = torch.bfloat16 if prec.startswith("bf16") else torch.float32  # offload cases train in fp32
     opt = lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01)  # noqa: E731
-    reference_train(model, STEPS, world, GAS, opt, clip=1.0, working_dtype=dtype, device=device)
+    reference_train(model, STEPS, world, _gas(prec), opt, clip=1.0, working_dtype=dtype, device=device)
     return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
