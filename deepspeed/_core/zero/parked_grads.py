@@ -170,30 +170,84 @@ class ParkedGrads:
 
 
 class ParkedWindow:
-    """A group's gradient for :func:`~deepspeed._core.zero.chunked_step.step_in_chunks`: accumulator chunks plus
-    the parked regions, assembled one step chunk at a time into one reused buffer."""
+    """A group's gradient for :func:`~deepspeed._core.zero.chunked_step.step_in_chunks`: the parked regions plus
+    the accumulator (or zeros) in between, assembled one step chunk at a time.
 
-    def __init__(self, accumulator: object, regions: list[Parked], buffer: torch.Tensor) -> None:
-        """``buffer`` holds at least one step chunk in the accumulator's dtype, on the master's device."""
+    Two reused buffers alternate: while the host steps one chunk, the device-resident parked gradients of the next
+    chunk are already being copied into the other buffer (non-blocking, page-locked under ``pin_memory``), so the
+    step does not wait on those reads. Host-resident pieces (side tensors, shards offloaded with
+    ``offload_param``, the accumulator) are copied when their chunk is asked for.
+    """
+
+    def __init__(self, accumulator: object, regions: list[Parked], buffers: list[torch.Tensor], chunk_numel: int,
+                 numel: int) -> None:
+        """``buffers``: two tensors of at least ``chunk_numel`` elements in the accumulator's dtype, on the
+        master's device; ``numel``: the group's flat size (the chunks are ``[k * chunk_numel, ...)``)."""
         self.accumulator = accumulator
         self.regions = regions
-        self.buffer = buffer
+        self.buffers = buffers
+        self.chunk_numel = chunk_numel
+        self.numel = numel
+        self._next = 0  # which buffer the next window uses
+        self._prefetched: dict[int, tuple[int, object]] = {}  # window start -> (buffer index, completion event)
+
+    def _overlapping(self, start: int, end: int) -> list[Parked]:
+        return [r for r in self.regions if r.offset < end and r.offset + r.state.shard.numel() > start]
+
+    def _copy_device_pieces(self, start: int, end: int, out: torch.Tensor) -> object:
+        """Start copying the device-resident parked pieces of ``[start, end)``; returns an event or ``None``."""
+        issued = False
+        for region in self._overlapping(start, end):
+            grad = region.grad()
+            if grad.device.type == "cpu":
+                continue
+            lo, hi = max(start, region.offset), min(end, region.offset + grad.numel())
+            out[lo - start : hi - start].copy_(grad[lo - region.offset : hi - region.offset], non_blocking=True)
+            issued = True
+        if not issued:
+            return None
+        from deepspeed.accelerator import get_accelerator
+
+        event = get_accelerator().Event()
+        event.record()
+        return event
 
     def window(self, start: int, end: int) -> torch.Tensor:
         """The gradient of ``[start, end)``."""
-        overlapping = [r for r in self.regions
-                       if r.offset < end and r.offset + r.state.shard.numel() > start]
+        overlapping = self._overlapping(start, end)
         if not overlapping:
             return self.accumulator.window(start, end)
-        out = self.buffer[: end - start]
-        if self.accumulator.holds(start, end):
-            out.copy_(self.accumulator.window(start, end))
+        prefetched = self._prefetched.pop(start, None)
+        if prefetched is not None:
+            index, event = prefetched
         else:
-            out.zero_()
-        for region in overlapping:
+            index = self._next
+            event = self._copy_device_pieces(start, end, self.buffers[index])
+        self._next = 1 - index
+        out = self.buffers[index][: end - start]
+        # Between the regions: the accumulator's values (evicted regions), else zeros.
+        cursor = start
+        held = self.accumulator.holds(start, end)
+        for region in overlapping + [None]:
+            lo = end if region is None else max(start, region.offset)
+            if lo > cursor:
+                gap = out[cursor - start : lo - start]
+                if held:
+                    gap.copy_(self.accumulator.window(start, end)[cursor - start : lo - start])
+                else:
+                    gap.zero_()
+            if region is None:
+                break
             grad = region.grad()
-            lo, hi = max(start, region.offset), min(end, region.offset + grad.numel())
-            out[lo - start : hi - start].copy_(grad[lo - region.offset : hi - region.offset])
+            hi = min(end, region.offset + grad.numel())
+            if grad.device.type == "cpu":
+                out[lo - start : hi - start].copy_(grad[lo - region.offset : hi - region.offset])
+            cursor = hi
+        nxt = min(end + self.chunk_numel, self.numel)
+        if end < self.numel and self._overlapping(end, nxt):
+            self._prefetched[end] = (self._next, self._copy_device_pieces(end, nxt, self.buffers[self._next]))
+        if event is not None:
+            event.synchronize()
         return out
 
     def release(self, start: int, end: int) -> None:

@@ -140,7 +140,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
                       and plan.batch.gradient_accumulation_steps == 1)
         if self._park:
             manager.engine.on_release.append(self.parked.released)
-        self._window_buffer: torch.Tensor | None = None
+        self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, made on first use
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
@@ -342,13 +342,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         regions = self.parked.in_group(index)
         grad: Any = acc
         if regions:
-            buf = self._window_buffer
-            if buf is None or buf.dtype != acc.dtype or buf.device != grp.master.device:
-                # Page-locked under pin_memory: the parked shards are read from the device into it chunk by chunk.
-                buf = torch.empty(self._step_chunk_numel, dtype=acc.dtype, device=grp.master.device,
-                                  pin_memory=grp.pin_memory)
-                self._window_buffer = buf
-            grad = ParkedWindow(acc, regions, buf)
+            bufs = self._window_buffers
+            if not bufs or bufs[0].dtype != acc.dtype or bufs[0].device != grp.master.device:
+                # Page-locked under pin_memory: the parked shards are read from the device into them chunk by chunk.
+                bufs = self._window_buffers = [
+                    torch.empty(self._step_chunk_numel, dtype=acc.dtype, device=grp.master.device,
+                                pin_memory=grp.pin_memory) for _ in range(2)]
+            grad = ParkedWindow(acc, regions, bufs, self._step_chunk_numel, grp.master.numel())
         step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef, consume=True)
 
     def write_back(self) -> None:

@@ -1,0 +1,78 @@
+"""ParkedWindow ([Note: parked grads]): a step chunk assembled from parked regions, side tensors and the
+accumulator (or zeros) in the gaps, through two alternating buffers."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepspeed._core.zero.grad_shard import ChunkedGradShard
+from deepspeed._core.zero.parked_grads import Parked, ParkedWindow
+
+NUMEL, CHUNK = 40, 16
+
+
+def _region(offset: int, values: torch.Tensor, side: bool = False) -> Parked:
+    state = SimpleNamespace(shard=values.clone() if not side else torch.empty_like(values), ds_id=offset)
+    return Parked(state, 0, offset, values.clone() if side else None)  # type: ignore[arg-type]
+
+
+def _assemble(window: ParkedWindow) -> torch.Tensor:
+    pieces, outs = [], []
+    for start in range(0, NUMEL, CHUNK):
+        end = min(start + CHUNK, NUMEL)
+        out = window.window(start, end)
+        outs.append(out)
+        pieces.append(out.clone())
+        window.release(start, end)
+    return torch.cat(pieces), outs
+
+
+def test_regions_side_tensors_and_gaps_make_the_gradient() -> None:
+    full = torch.arange(1, NUMEL + 1, dtype=torch.float32)
+    acc = ChunkedGradShard(NUMEL, CHUNK, torch.float32, "cpu")
+    acc.write(20, full[20:26])  # an evicted region: its values live in the accumulator
+    regions = [_region(0, full[0:10]), _region(10, full[10:20], side=True), _region(30, full[30:40])]
+    buffers = [torch.full((CHUNK,), float("nan")), torch.full((CHUNK,), float("nan"))]
+    got, outs = _assemble(ParkedWindow(acc, regions, buffers, CHUNK, NUMEL))
+    want = full.clone()
+    want[26:30] = 0  # no region and no accumulator value: zeros
+    assert torch.equal(got, want), got
+    # The buffers alternate, so the chunk being stepped is never the one the next read fills.
+    assert outs[0].data_ptr() != outs[1].data_ptr() and outs[0].data_ptr() == outs[2].data_ptr()
+
+
+def test_a_window_without_parked_regions_is_the_accumulators_own() -> None:
+    acc = ChunkedGradShard(NUMEL, CHUNK, torch.float32, "cpu")
+    acc.write(0, torch.ones(CHUNK))
+    window = ParkedWindow(acc, [_region(32, torch.ones(8))], [torch.empty(CHUNK), torch.empty(CHUNK)], CHUNK, NUMEL)
+    first = window.window(0, CHUNK)
+    assert first.data_ptr() == acc.window(0, CHUNK).data_ptr()  # a view of the chunk: nothing copied
+
+
+@pytest.mark.gpu
+def test_device_regions_arrive_through_prefetched_non_blocking_copies() -> None:
+    """Parked shards on the device (optimizer offload without offload_param): each chunk's device pieces are
+    copied ahead, while the previous chunk is stepped, into page-locked buffers."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    numel, chunk = 1 << 20, 1 << 18
+    full = torch.randn(numel, dtype=torch.float32)
+    acc = ChunkedGradShard(numel, chunk, torch.float32, "cpu")
+    bounds = [0, 1000, 300_000, 300_001, 700_000, numel]
+    regions = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        region = _region(lo, full[lo:hi])
+        region.state.shard = full[lo:hi].to(device)
+        regions.append(region)
+    buffers = [torch.empty(chunk, pin_memory=True) for _ in range(2)]
+    window = ParkedWindow(acc, regions, buffers, chunk, numel)
+    pieces = []
+    for start in range(0, numel, chunk):
+        out = window.window(start, min(start + chunk, numel))
+        pieces.append(out.clone())
+        out.mul_(2.0)  # the step scales its chunk in place; the next chunk's prefetch must not see it
+    assert torch.equal(torch.cat(pieces), full)
+    assert len(window._prefetched) == 0
