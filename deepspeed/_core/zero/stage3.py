@@ -319,7 +319,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         # The scalar is reduced on the compute device, where the gathered parameters live.
         sq = local_sq_norm(accs, self._step_chunk_numel).to(self.groups[0].states[0].full.device)
         if len(self.parked):
-            sq = sq + local_sq_norm(self.parked.tensors(), self._step_chunk_numel).to(sq.device)
+            # Per device: shards on the accelerator are reduced there, side tensors (and host shards) on the host;
+            # one mixed call would drag every device shard through a host scratch buffer.
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for t in self.parked.tensors():
+                by_device.setdefault(t.device, []).append(t)
+            for tensors in by_device.values():
+                sq = sq + local_sq_norm(tensors, self._step_chunk_numel).to(sq.device)
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
