@@ -451,6 +451,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         """Unsubscribe from the parameter manager, remove its hooks and drop gradient buffers."""
         for handle in self._subscriptions:
             handle.remove()
+        if self.parked.released in self.manager.engine.on_release:
+            self.manager.engine.on_release.remove(self.parked.released)
         self.zero_grad()
         self.host.release()
         for grp in self.groups:
