@@ -10,7 +10,10 @@ bf16->fp32 conversion of every chunk into a fresh tensor per chunk (``convert_fr
 (``fill_kept``); and one chunk converted and scaled in one go (``convert_scale_whole``) vs block by block
 (``convert_scale_blocked``, what ``step_in_chunks`` does on the host); and the gradient norm over the bf16
 shard upcast into a fresh tensor per piece (``norm_fresh``) vs through one reused buffer (``norm_reused``,
-``local_sq_norm``). Each figure is the median of ``--reps`` runs after one warm-up run.
+``local_sq_norm``); and a step's reads of gradients parked in host-resident parameter shards (``offload_param``,
+[Note: parked grads]): copied into a staging buffer and then converted (``parked_copy_convert``) vs converted
+straight from the shards (``parked_convert_into``). Each figure is the median of ``--reps`` runs after one
+warm-up run.
 """
 from __future__ import annotations
 
@@ -116,7 +119,29 @@ def main() -> None:
                     total += torch.dot(piece, piece)
         return time.perf_counter() - t
 
-    cases = {"plain": plain, "chunked": chunked, "norm_fresh": lambda: norm(False), "norm_reused": lambda: norm(True),
+    from types import SimpleNamespace
+
+    from deepspeed._core.zero.parked_grads import Parked, ParkedWindow
+
+    region_numel = 4 << 20  # about one 3B-model matrix per region
+    parked_regions = [Parked(SimpleNamespace(shard=torch.randn(min(region_numel, n - o)).bfloat16(), ds_id=o), 0, o)
+                      for o in range(0, n, region_numel)]
+    empty_acc = ChunkedGradShard(n, ch, torch.bfloat16, "cpu")
+    staging = [torch.empty(ch, dtype=torch.bfloat16) for _ in range(2)]
+
+    def parked(direct: bool) -> float:
+        window = ParkedWindow(empty_acc, parked_regions, staging, ch, n)
+        t = time.perf_counter()
+        for s in range(0, n, ch):
+            e = min(s + ch, n)
+            if direct:
+                window.convert_into(s, e, out_chunk[: e - s], 0.5)
+            else:
+                chunked_step_mod._convert_scaled(out_chunk[: e - s], window.window(s, e), 0.5)
+        return time.perf_counter() - t
+
+    cases = {"parked_copy_convert": lambda: parked(False), "parked_convert_into": lambda: parked(True),
+             "plain": plain, "chunked": chunked, "norm_fresh": lambda: norm(False), "norm_reused": lambda: norm(True),
              "convert_scale_whole": lambda: convert_scale(1 << 62),
              "convert_scale_blocked": lambda: convert_scale(chunked_step_mod.CONVERT_BLOCK_NUMEL), "convert_fresh": lambda: convert(False),
              "convert_reused": lambda: convert(True),

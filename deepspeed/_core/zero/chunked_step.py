@@ -88,7 +88,8 @@ def step_in_chunks(
     """Apply one update to the single master parameter of ``optimizer.param_groups[group_index]``.
 
     ``grad`` (any float dtype, same numel as the master; a tensor, or an object whose ``window(start, end)``
-    returns that range, such as :class:`~deepspeed._core.zero.grad_shard.ChunkedGradShard`) is converted to
+    returns that range, such as :class:`~deepspeed._core.zero.grad_shard.ChunkedGradShard`, or whose
+    ``convert_into(start, end, out, coef)`` writes it already converted and scaled) is converted to
     the master's dtype and device ``chunk_numel`` elements at a time and multiplied by ``coef`` (unscale and
     clip) after conversion, so an fp16 gradient is never divided in fp16. With ``consume`` the caller gives
     the gradient up: a range already in the master's dtype and device is scaled in place and used without a
@@ -114,16 +115,23 @@ def step_in_chunks(
             view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
             if existing:
                 optimizer.state[view] = _chunk_state(master_state, scalars, start, end)
-            piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
-            if consume and piece.dtype == master.dtype and piece.device == master.device:
-                view.grad = piece
-                if coef != 1.0:
-                    view.grad.mul_(coef)
-            else:
-                if convert is None:
-                    convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+            if convert is None and hasattr(grad, "convert_into"):
+                convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+            # A gradient that assembles ranges itself (parked gradients) converts each piece from where it lies.
+            assembled = hasattr(grad, "convert_into") and grad.convert_into(start, end, convert[: end - start], coef)
+            if assembled:
                 view.grad = convert[: end - start]
-                _convert_scaled(view.grad, piece, coef)
+            else:
+                piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
+                if consume and piece.dtype == master.dtype and piece.device == master.device:
+                    view.grad = piece
+                    if coef != 1.0:
+                        view.grad.mul_(coef)
+                else:
+                    if convert is None:
+                        convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+                    view.grad = convert[: end - start]
+                    _convert_scaled(view.grad, piece, coef)
             group["params"] = [view]
             optimizer.step()
             updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepspeed._core.zero.chunked_step import _convert_scaled
 from deepspeed._core.zero.param import ShardedState, ZeroParam
 
 
@@ -214,9 +215,27 @@ class ParkedWindow:
 
     def window(self, start: int, end: int) -> torch.Tensor:
         """The gradient of ``[start, end)``."""
+        if not self._overlapping(start, end):
+            return self.accumulator.window(start, end)
+        staged = self._staged(start, end)
+        self._fill(start, end, staged, lambda dst, src: dst.copy_(src), staged)
+        return staged
+
+    def convert_into(self, start: int, end: int, out: torch.Tensor, coef: float) -> bool:
+        """Write the gradient of ``[start, end)`` times ``coef`` into ``out`` (the step's conversion buffer), each
+        piece converted from where it lies: one pass over host-resident pieces instead of a copy and a conversion.
+        Returns ``False`` (nothing written) for a range without parked regions."""
         overlapping = self._overlapping(start, end)
         if not overlapping:
-            return self.accumulator.window(start, end)
+            return False
+        on_device = any(r.grad().device.type != "cpu" for r in overlapping)
+        staged = self._staged(start, end) if on_device else None
+        self._fill(start, end, out, lambda dst, src: _convert_scaled(dst, src, coef), staged)
+        return True
+
+    def _staged(self, start: int, end: int) -> torch.Tensor:
+        """The buffer holding ``[start, end)``'s device-resident pieces, copied (or being copied) in; the next
+        range's copies are issued, into the other buffer, before this one's are waited for."""
         prefetched = self._prefetched.pop(start, None)
         if prefetched is not None:
             index, event = prefetched
@@ -224,16 +243,26 @@ class ParkedWindow:
             index = self._next
             event = self._copy_device_pieces(start, end, self.buffers[index])
         self._next = 1 - index
-        out = self.buffers[index][: end - start]
-        # Between the regions: the accumulator's values (evicted regions), else zeros.
-        cursor = start
+        nxt = min(end + self.chunk_numel, self.numel)
+        if end < self.numel and self._overlapping(end, nxt):
+            self._prefetched[end] = (self._next, self._copy_device_pieces(end, nxt, self.buffers[self._next]))
+        if event is not None:
+            event.synchronize()
+        return self.buffers[index][: end - start]
+
+    def _fill(self, start: int, end: int, out: torch.Tensor, put: Callable[[torch.Tensor, torch.Tensor], object],
+              staged: torch.Tensor | None) -> None:
+        """``put(out_piece, source_piece)`` for every piece of ``[start, end)``: host regions from where they lie,
+        device regions from ``staged`` (skipped when ``out`` is ``staged``: already there), the gaps from the
+        accumulator (evicted regions) or zeros."""
         held = self.accumulator.holds(start, end)
-        for region in overlapping + [None]:
+        cursor = start
+        for region in self._overlapping(start, end) + [None]:
             lo = end if region is None else max(start, region.offset)
             if lo > cursor:
                 gap = out[cursor - start : lo - start]
                 if held:
-                    gap.copy_(self.accumulator.window(start, end)[cursor - start : lo - start])
+                    put(gap, self.accumulator.window(start, end)[cursor - start : lo - start])
                 else:
                     gap.zero_()
             if region is None:
@@ -241,14 +270,10 @@ class ParkedWindow:
             grad = region.grad()
             hi = min(end, region.offset + grad.numel())
             if grad.device.type == "cpu":
-                out[lo - start : hi - start].copy_(grad[lo - region.offset : hi - region.offset])
+                put(out[lo - start : hi - start], grad[lo - region.offset : hi - region.offset])
+            elif staged is not out:
+                put(out[lo - start : hi - start], staged[lo - start : hi - start])
             cursor = hi
-        nxt = min(end + self.chunk_numel, self.numel)
-        if end < self.numel and self._overlapping(end, nxt):
-            self._prefetched[end] = (self._next, self._copy_device_pieces(end, nxt, self.buffers[self._next]))
-        if event is not None:
-            event.synchronize()
-        return out
 
     def release(self, start: int, end: int) -> None:
         """Stepped: the accumulator's chunks inside ``[start, end)`` may go."""

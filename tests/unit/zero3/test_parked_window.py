@@ -76,3 +76,22 @@ def test_device_regions_arrive_through_prefetched_non_blocking_copies() -> None:
         out.mul_(2.0)  # the step scales its chunk in place; the next chunk's prefetch must not see it
     assert torch.equal(torch.cat(pieces), full)
     assert len(window._prefetched) == 0
+
+
+def test_convert_into_writes_the_scaled_fp32_gradient_in_one_pass() -> None:
+    full = torch.arange(1, NUMEL + 1, dtype=torch.float32)
+    acc = ChunkedGradShard(NUMEL, CHUNK, torch.bfloat16, "cpu")
+    acc.write(20, full[20:26])
+    regions = [_region(0, full[0:10].bfloat16()), _region(10, full[10:20].bfloat16(), side=True),
+               _region(30, full[30:40].bfloat16())]
+    window = ParkedWindow(acc, regions, [torch.empty(CHUNK, dtype=torch.bfloat16) for _ in range(2)], CHUNK, NUMEL)
+    out = torch.full((CHUNK,), float("nan"))
+    got = []
+    for start in range(0, NUMEL, CHUNK):
+        end = min(start + CHUNK, NUMEL)
+        assert window.convert_into(start, end, out[: end - start], 0.5)
+        got.append(out[: end - start].clone())
+    want = full * 0.5
+    want[26:30] = 0
+    assert torch.equal(torch.cat(got), want)
+    assert not ParkedWindow(acc, [], window.buffers, CHUNK, NUMEL).convert_into(0, CHUNK, out, 1.0)
