@@ -217,20 +217,21 @@ class ParkedWindow:
         """The gradient of ``[start, end)``."""
         if not self._overlapping(start, end):
             return self.accumulator.window(start, end)
-        staged = self._staged(start, end)
-        self._fill(start, end, staged, lambda dst, src: dst.copy_(src), staged)
+        staged = self._staged(start, end)  # the device-resident pieces are in it already
+        self._fill(start, end, staged, lambda dst, src: dst.copy_(src))
         return staged
 
     def convert_into(self, start: int, end: int, out: torch.Tensor, coef: float) -> bool:
         """Write the gradient of ``[start, end)`` times ``coef`` into ``out`` (the step's conversion buffer), each
-        piece converted from where it lies: one pass over host-resident pieces instead of a copy and a conversion.
-        Returns ``False`` (nothing written) for a range without parked regions."""
+        piece converted from where it lies: one pass over host-resident pieces (shards offloaded with
+        ``offload_param``, side tensors) instead of a copy and a conversion.
+
+        Returns ``False`` (nothing written) for a range without parked regions, or with any on the device: those
+        go through :meth:`window`'s staged, prefetched buffers (the path measured on the H200, ``parked/``)."""
         overlapping = self._overlapping(start, end)
-        if not overlapping:
+        if not overlapping or any(r.grad().device.type != "cpu" for r in overlapping):
             return False
-        on_device = any(r.grad().device.type != "cpu" for r in overlapping)
-        staged = self._staged(start, end) if on_device else None
-        self._fill(start, end, out, lambda dst, src: _convert_scaled(dst, src, coef), staged)
+        self._fill(start, end, out, lambda dst, src: _convert_scaled(dst, src, coef))
         return True
 
     def _staged(self, start: int, end: int) -> torch.Tensor:
@@ -250,11 +251,11 @@ class ParkedWindow:
             event.synchronize()
         return self.buffers[index][: end - start]
 
-    def _fill(self, start: int, end: int, out: torch.Tensor, put: Callable[[torch.Tensor, torch.Tensor], object],
-              staged: torch.Tensor | None) -> None:
-        """``put(out_piece, source_piece)`` for every piece of ``[start, end)``: host regions from where they lie,
-        device regions from ``staged`` (skipped when ``out`` is ``staged``: already there), the gaps from the
-        accumulator (evicted regions) or zeros."""
+    def _fill(self, start: int, end: int, out: torch.Tensor,
+              put: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+        """``put(out_piece, source_piece)`` for the host-resident regions of ``[start, end)`` and for the gaps (from
+        the accumulator, which holds evicted regions, else zeros). Device-resident regions are left alone: only
+        :meth:`window` has them, already staged into ``out``."""
         held = self.accumulator.holds(start, end)
         cursor = start
         for region in self._overlapping(start, end) + [None]:
@@ -271,8 +272,6 @@ class ParkedWindow:
             hi = min(end, region.offset + grad.numel())
             if grad.device.type == "cpu":
                 put(out[lo - start : hi - start], grad[lo - region.offset : hi - region.offset])
-            elif staged is not out:
-                put(out[lo - start : hi - start], staged[lo - start : hi - start])
             cursor = hi
 
     def release(self, start: int, end: int) -> None:
