@@ -35,7 +35,7 @@ done
 start=$(date +%s)
 DS_ACCELERATOR=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
     tests/unit/zero3/test_gpu_release.py tests/kernels/test_cuda_kernels.py tests/unit/zero/test_offload_transfers_gpu.py \
-    tests/unit/zero3/test_parked_window.py \
+    tests/unit/zero3/test_parked_window.py tests/unit/test_clipping_norm.py \
     > "$OUT/gpu_tests.txt" 2>&1
 rc=$?
 (( rc == 0 )) || status=1

@@ -43,3 +43,27 @@ def test_one_upcast_buffer_for_every_piece(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(torch, "dot", spy)
     local_sq_norm([torch.randn(10).bfloat16(), torch.randn(9).half()])
     assert len(seen) == 1
+
+
+@pytest.mark.gpu
+def test_gradients_on_two_devices_are_reduced_where_they_live(monkeypatch) -> None:  # noqa: ANN001
+    """Host and device gradients in one call: each device reduces its own (no device tensor is upcast through a
+    host buffer); the sum is on the first gradient's device."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    host = [torch.randn(50).bfloat16(), torch.randn(7)]
+    on_device = [torch.randn(1000).bfloat16().to(device), torch.randn(300).half().to(device)]
+    grads = [host[0], *on_device, host[1]]
+    expected = sum(float((g.double() ** 2).sum()) for g in grads)
+    dot_devices: list[str] = []
+    real_dot = torch.dot
+
+    def spy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        dot_devices.append(a.device.type)
+        return real_dot(a, b)
+
+    monkeypatch.setattr(torch, "dot", spy)
+    got = local_sq_norm(grads, 64)
+    assert got.device.type == "cpu" and float(got) == pytest.approx(expected, rel=1e-5)
+    assert dot_devices.count(device.type) >= len(on_device)  # device pieces were dotted on the device

@@ -30,17 +30,29 @@ class NormScope(enum.Enum):
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor], chunk_numel: int | None = None) -> torch.Tensor:
-    """Sum of squares of ``grads`` in fp32, as a 0-d tensor on the grads' device (0 if empty).
+    """Sum of squares of ``grads`` in fp32, as a 0-d tensor on the first gradient's device (0 if empty).
 
     fp32 gradients are reduced with a dot product, which needs no temporary. Narrower ones are upcast
     at most ``min(chunk_numel, NORM_CHUNK_NUMEL)`` elements at a time, so the norm's transient stays a few
     tens of MiB whatever the partition size (an upcast of a whole bucket cost 2x its fp32 size at the
-    step peak on the H200: benchmarks/results/diag).
+    step peak on the H200: benchmarks/results/diag). Gradients on several devices (ZeRO-3 gradients parked in
+    device shards beside host ones) are reduced where each lives and only the partial sums move: one upcast
+    buffer on the first device made the offloaded 3B step 1.8 s slower on the H200 (benchmarks/results/parked).
     """
     grads = [g for g in grads if g is not None and g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    device = grads[0].device
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    partials = [_sq_norm_on(device, same, chunk_numel) for device, same in by_device.items()]
+    total = partials[0]
+    for partial in partials[1:]:
+        total = total + partial.to(total.device)
+    return total
+
+
+def _sq_norm_on(device: torch.device, grads: list[torch.Tensor], chunk_numel: int | None) -> torch.Tensor:
     step = NORM_CHUNK_NUMEL if chunk_numel is None else max(1, min(chunk_numel, NORM_CHUNK_NUMEL))
     if device.type == "cpu":
         step = min(step, HOST_NORM_BLOCK_NUMEL)

@@ -177,7 +177,8 @@ class ParkedWindow:
     Two reused buffers alternate: while the host steps one chunk, the device-resident parked gradients of the next
     chunk are already being copied into the other buffer (non-blocking, page-locked under ``pin_memory``), so the
     step does not wait on those reads. Host-resident pieces (side tensors, shards offloaded with
-    ``offload_param``, the accumulator) are copied when their chunk is asked for.
+    ``offload_param``, the accumulator) are read when their chunk is asked for: converted straight into the
+    step's fp32 buffer (:meth:`convert_into`) when the chunk has no device-resident piece.
     """
 
     def __init__(self, accumulator: object, regions: list[Parked], buffers: list[torch.Tensor], chunk_numel: int,

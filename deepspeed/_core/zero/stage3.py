@@ -240,7 +240,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         A parameter larger than the bucket (a tied embedding) travels alone; with no padding and the wire dtype
         its flattened gradient's row ``r`` is already rank ``r``'s shard, and a staging copy would hold its
         bytes twice. Only under eager release, where the bucket owns an accumulated gradient; a routed one is
-        only read (the reduce-scatter leaves its input alone, NCCL and gloo alike), so it qualifies unless
+        only read (the reduce-scatter leaves its input alone: NCCL's contract, gloo's checked by
+        ``tests/dist/test_comm.py``), so it qualifies unless
         pre-division would scale it in place.
         """
         if len(bucket.entries) != 1 or not self.eager_release:
@@ -279,12 +280,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
         """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset`` (or park a region's
         first piece in its parameter's shard: [Note: parked grads])."""
-        state = self._state_at[(group_index, offset)]
-        self.parked.evict(state)  # a second fold into a parked region: the accumulator becomes its home
-        if self._park and (group_index, offset) not in self._folded and self.parked.can_park(state, piece):
-            self._folded.add((group_index, offset))
-            self.parked.park(state, group_index, offset, piece)
-            return
+        if self._park:
+            state = self._state_at[(group_index, offset)]
+            self.parked.evict(state)  # a second fold into a parked region: the accumulator becomes its home
+            if (group_index, offset) not in self._folded and self.parked.can_park(state, piece):
+                self._folded.add((group_index, offset))
+                self.parked.park(state, group_index, offset, piece)
+                return
         acc = self.groups[group_index].ensure_accumulator()
         if acc.device == piece.device and self.host.staging is not Staging.ALWAYS:
             acc.add_(offset, piece)
@@ -317,15 +319,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.flush()
         accs = [chunk for grp in self.groups if grp.accumulator is not None for chunk in grp.accumulator.allocated()]
         # The scalar is reduced on the compute device, where the gathered parameters live.
-        sq = local_sq_norm(accs, self._step_chunk_numel).to(self.groups[0].states[0].full.device)
-        if len(self.parked):
-            # Per device: shards on the accelerator are reduced there, side tensors (and host shards) on the host;
-            # one mixed call would drag every device shard through a host scratch buffer.
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for t in self.parked.tensors():
-                by_device.setdefault(t.device, []).append(t)
-            for tensors in by_device.values():
-                sq = sq + local_sq_norm(tensors, self._step_chunk_numel).to(sq.device)
+        sq = local_sq_norm(accs + self.parked.tensors(), self._step_chunk_numel)
+        sq = sq.to(self.groups[0].states[0].full.device)
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
