@@ -59,13 +59,17 @@ def _reference(world: int, tied: bool, dtype: torch.dtype = torch.float32) -> di
     return {k: v.detach().float() for k, v in model.state_dict().items()}
 
 
+def _assert_close_to(ref: dict, weights: dict) -> None:
+    for k, v in ref.items():
+        rel = float((weights[k] - v).norm() / v.norm())
+        assert rel < 1e-6, f"{k}: {rel}"
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parked_gradients_match_the_reference_and_need_no_host_chunks(world: int) -> None:
     ref = _reference(world, tied=False)
     for r in run_distributed(_train, world, world, False, True, False):
-        for k, v in ref.items():
-            rel = float((r["weights"][k] - v).norm() / v.norm())
-            assert rel < 1e-6, f"{k}: {rel}"
+        _assert_close_to(ref, r["weights"])
         # Every gradient waited in its shard (or, persistent, a side tensor); no host gradient chunk existed.
         assert r["parked"] == [r["managed"]] * STEPS, r["parked"]
         assert r["host_chunks"] == [0] * STEPS
@@ -84,9 +88,7 @@ def test_switch_off_keeps_host_chunks_and_the_same_numerics() -> None:
 def test_tied_parameter_leaves_the_shard_when_its_second_use_arrives(world: int) -> None:
     ref = _reference(world, tied=True)
     for r in run_distributed(_train, world, world, True, True, False):
-        for k, v in ref.items():
-            rel = float((r["weights"][k] - v).norm() / v.norm())
-            assert rel < 1e-6, f"{k}: {rel}"
+        _assert_close_to(ref, r["weights"])
         assert all(n == r["managed"] - 1 for n in r["parked"]), r  # the tied table got an accumulator home
 
 
@@ -134,7 +136,5 @@ def test_reads_before_the_step_see_values_and_gradients() -> None:
         assert r["values_kept"], "a gather before the step must see the parameter values"
         assert r["evicted"][0] and r["evicted"][1] == 0, r["evicted"]
         torch.testing.assert_close(r["grad"], want, rtol=1e-5, atol=1e-6)
-        for k, v in ref.items():
-            rel = float((r["weights"][k] - v).norm() / v.norm())
-            assert rel < 1e-6, f"{k}: {rel}"
+        _assert_close_to(ref, r["weights"])
         assert r["parked_again"] > 0 and r["restored"]

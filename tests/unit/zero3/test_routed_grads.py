@@ -62,6 +62,21 @@ def _summed(arrivals: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     return total
 
 
+def _one_backward(tied: bool = True, lean: LeanPolicy | None = None, subscribe: bool = True) -> tuple:
+    """Build a (tied) model under a manager, run one backward next to a plain copy's; returns the model, the
+    manager, the arrivals seen by a subscriber (``None`` without one) and the reference gradients."""
+    torch.manual_seed(0)
+    model = TiedLM(tied)
+    reference = copy.deepcopy(model)
+    manager = _manager(model, lean)
+    manager.boundary_samples = []
+    arrivals = _subscribe(manager, {id(p): n for n, p in model.named_parameters()}) if subscribe else None
+    ids = torch.randint(0, VOCAB, (3, 4))
+    want = _reference_grads(reference, ids)
+    model(ids).backward()
+    return model, manager, arrivals, want
+
+
 def _gathered_at(manager: ZeroParamManager, event: str, module: str) -> int:
     samples = [s for s in manager.boundary_samples if s.event == event and s.module == module]
     assert samples, f"no {event} sample for {module}"
@@ -92,17 +107,7 @@ def test_routed_keys_pick_tied_parameters_and_plain_embeddings() -> None:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_uses_are_reduced_when_produced_and_the_embedding_backward_gathers_nothing(tied: bool) -> None:
-    torch.manual_seed(0)
-    model = TiedLM(tied)
-    reference = copy.deepcopy(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    manager = _manager(model)
-    manager.boundary_samples = []
-    arrivals = _subscribe(manager, names)
-    ids = torch.randint(0, VOCAB, (3, 4))
-    want = _reference_grads(reference, ids)
-    model(ids).backward()
-
+    model, manager, arrivals, want = _one_backward(tied)
     order = [name for name, _ in arrivals]
     if tied:
         # One arrival per use: the projection's as soon as it is produced (before the layers below it), the
@@ -124,16 +129,7 @@ def test_uses_are_reduced_when_produced_and_the_embedding_backward_gathers_nothi
 
 
 def test_lean_off_keeps_autograd_accumulation_and_the_gather() -> None:
-    torch.manual_seed(0)
-    model = TiedLM()
-    reference = copy.deepcopy(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    manager = _manager(model, LeanPolicy(eager_grad_release=False))
-    manager.boundary_samples = []
-    arrivals = _subscribe(manager, names)
-    ids = torch.randint(0, VOCAB, (3, 4))
-    want = _reference_grads(reference, ids)
-    model(ids).backward()
+    _, manager, arrivals, want = _one_backward(lean=LeanPolicy(eager_grad_release=False))
     order = [name for name, _ in arrivals]
     assert order.count("embed.weight") == 1 and order[-1] == "embed.weight", order
     torch.testing.assert_close(_summed(arrivals)["embed.weight"], want["embed.weight"])
@@ -163,13 +159,7 @@ def test_the_parameter_is_what_everyone_outside_forward_sees() -> None:
 
 def test_without_a_subscriber_gradients_stay_with_autograd() -> None:
     """Routing bypasses param.grad, so it is on only while the optimizer (or anyone) receives gradients."""
-    torch.manual_seed(0)
-    model = TiedLM()
-    reference = copy.deepcopy(model)
-    manager = _manager(model)
-    ids = torch.randint(0, VOCAB, (3, 4))
-    want = _reference_grads(reference, ids)
-    model(ids).backward()
+    model, manager, _, want = _one_backward(subscribe=False)
     torch.testing.assert_close(model.embed.weight.grad, want["embed.weight"])
     handle = manager.on_grad_ready(lambda p, s, g: None)
     assert manager.hooks.routing
