@@ -102,7 +102,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         setup.prepare_module(self.module, self.plan, None if dont_change_device else self.device)
         self.zero3_manager = None
         if self.zero_optimization_stage() == 3:
-            self.zero3_manager = setup.partition_parameters(self.module, self.plan, self.dp_group)
+            self.zero3_manager = setup.partition_parameters(self.module, self.plan, self.dp_group,
+                                                             None if dont_change_device else self.device)
 
     def _apply_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())

@@ -22,6 +22,11 @@ def cast_module_params(module: torch.nn.Module, policy: PrecisionPolicy) -> None
     for param in module.parameters():
         if param.is_floating_point() and param.dtype != policy.param_dtype:
             param.data = param.data.to(policy.param_dtype)
+    cast_buffers(module, policy)
+
+
+def cast_buffers(module: torch.nn.Module, policy: PrecisionPolicy) -> None:
+    """Cast floating buffers to the policy's buffer dtype, when it names one."""
     if policy.buffer_dtype is not None:
         for buf_owner in module.modules():
             for name, buf in buf_owner.named_buffers(recurse=False):

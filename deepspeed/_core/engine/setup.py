@@ -12,10 +12,11 @@ import torch
 
 from deepspeed._core.engine.data_parallel import DataParallelOptimizer
 from deepspeed._core.optim.base import EngineOptimizer
-from deepspeed._core.engine.precision import cast_module_params
+from deepspeed._core.engine.precision import cast_buffers, cast_module_params
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.param import ShardGroup
+from deepspeed._core.zero.param_group import ParamTarget
 from deepspeed._core.zero.stage3 import Stage3Optimizer
 from deepspeed._core.zero.stage12 import ZeroOptimizer
 from deepspeed._core.zero.streams import SideStreams, StreamSet
@@ -41,10 +42,39 @@ def resolve_device(local_rank: int) -> torch.device:
 
 
 def prepare_module(module: torch.nn.Module, plan: RunPlan, device: torch.device | None) -> None:
-    """Move the module to ``device`` (unless ``None``) and cast its parameters to the working dtype."""
+    """Place the module on ``device`` (unless ``None``) in the working dtype, one tensor at a time.
+
+    Buffers move here. Parameters move here for stages 0-2: each is cast where it lies first (a host-built fp32
+    model crosses in the working dtype) and then moved alone, so the device never holds a parameter twice nor
+    the host-built model whole in fp32. Stage 3 leaves parameters where they are: the partitioner copies each
+    rank's slice straight into its shard ([Note: zero3-init]).
+    """
     if device is not None:
-        module.to(device)
+        _place_buffers(module, device)
+    if plan.zero.stage == 3:
+        cast_buffers(module, plan.precision)
+        return
+    if device is not None:
+        _place_parameters(module, device, plan.precision.param_dtype)
     cast_module_params(module, plan.precision)
+
+
+def _place_buffers(module: torch.nn.Module, device: torch.device) -> None:
+    for owner in module.modules():
+        for name, buf in owner.named_buffers(recurse=False):
+            if buf is not None and buf.device != device:
+                owner._buffers[name] = buf.to(device)
+
+
+def _place_parameters(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    for param in module.parameters():
+        data = param.data
+        if data.device == device:
+            continue
+        if data.is_floating_point() and data.dtype != dtype:
+            data = data.to(dtype)  # cast on the source side: fewer bytes cross, no fp32 copy on the device
+        param.data = data.to(device)
+        del data  # the source storage goes as soon as nothing else holds it
 
 
 def check_trainable(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
@@ -79,14 +109,24 @@ def wrap_optimizer(
     raise ValueError(f"zero_optimization.stage={stage} is not valid; valid stages: 0, 1, 2, 3")
 
 
-def partition_parameters(module: torch.nn.Module, plan: RunPlan, dp_group: Any) -> ZeroParamManager:
-    """ZeRO-3: partition ``module``'s parameters over ``dp_group`` and install the fetch/release hooks."""
+def partition_parameters(module: torch.nn.Module, plan: RunPlan, dp_group: Any,
+                         device: torch.device | None = None) -> ZeroParamManager:
+    """ZeRO-3: partition ``module``'s parameters over ``dp_group`` and install the fetch/release hooks.
+
+    Parameters not yet partitioned get their shard on ``device`` (``None``: where each lies) in the working dtype.
+    """
     side = SideStreams.SEPARATE if plan.zero.buckets.overlap_comm else SideStreams.SHARED
-    return ZeroParamManager(
+    manager = ZeroParamManager(
         module,
         ShardGroup.resolve(dp_group),
         plan.zero.stage3,
         plan.zero.lean,
         StreamSet(side=side),
         offload_param=plan.zero.offload_param,
+        target=ParamTarget(device, plan.precision.param_dtype),
     )
+    if device is not None and device.type != "cpu":
+        # Partitioning frees whole parameters of many sizes; hand their cached blocks back once, here, so the
+        # first step starts with reserved memory equal to what is allocated ([Note: zero3-init]).
+        get_accelerator().empty_cache()
+    return manager

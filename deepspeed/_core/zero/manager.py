@@ -33,6 +33,7 @@ from deepspeed._core.zero.param import (
 from deepspeed._core.zero.param_group import (
     FetchUnit,
     GatherEngine,
+    ParamTarget,
     ReleaseMode,
     UnitState,
 )
@@ -151,11 +152,14 @@ class ZeroParamManager:
 
     def __init__(self, module: nn.Module, group: ShardGroup, stage3: Stage3Policy, lean: LeanPolicy,
                  streams: StreamSet | None = None, codec: ShardCodec = IDENTITY_CODEC,
-                 offload_param: OffloadPolicy | None = None, single_rank: FullStorage = FullStorage.SHARD) -> None:
+                 offload_param: OffloadPolicy | None = None, single_rank: FullStorage = FullStorage.SHARD,
+                 target: ParamTarget = ParamTarget()) -> None:
         """Partition every parameter (adopting those ``zero.Init`` already partitioned) and install hooks.
 
         ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]); ``single_rank``
-        ``SEPARATE`` keeps separate gathered storage on one rank too (tests of the release mechanics).
+        ``SEPARATE`` keeps separate gathered storage on one rank too (tests of the release mechanics);
+        ``target`` is the compute device and working dtype of parameters not yet partitioned, which may still
+        lie in host memory ([Note: zero3-init]).
         """
         # Leaves first: the hooks and units built below read the marks, and a bad policy fails here, before any
         # collective.
@@ -163,6 +167,7 @@ class ZeroParamManager:
         self.module = module
         self.group = group
         self.policy = stage3
+        self.target = target
         self.engine = GatherEngine(streams if streams is not None else StreamSet(), codec, release_mode_of(lean),
                                    ShardPlacement.from_policy(offload_param or OffloadPolicy()), single_rank)
         self.trace = StepTrace(PrefetchBudget.from_policy(stage3))
@@ -190,7 +195,7 @@ class ZeroParamManager:
     def _adopt(self, param: nn.Parameter) -> ZeroParam:
         state = zero_state(param)
         if state is None:
-            state = self.engine.partition(param, self.group)
+            state = self.engine.partition(param, self.group, target=self.target)
         state.gatherer = self.engine
         self.states.setdefault(state.ds_id, state)
         return state

@@ -11,8 +11,10 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from deepspeed._core.zero.codec import IDENTITY_CODEC, ShardCodec
@@ -46,6 +48,27 @@ _DS_IDS = itertools.count()
 def next_ds_id() -> int:
     """A new parameter id; ranks that build the same model in the same order draw the same ids."""
     return next(_DS_IDS)
+
+
+@dataclass(frozen=True)
+class ParamTarget:
+    """Where and in which dtype a parameter built outside ``zero.Init`` is computed once partitioned.
+
+    ``None`` keeps the parameter's own device / dtype. Only floating-point parameters change dtype. Partitioning
+    copies (and casts) the local slice straight from wherever the full values lie into the shard, so a model
+    built on the host reaches the device shard by shard, never whole ([Note: zero3-init]).
+    """
+
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+
+    def device_of(self, data: torch.Tensor) -> torch.device:
+        """The compute device for ``data``."""
+        return data.device if self.device is None else self.device
+
+    def dtype_of(self, data: torch.Tensor) -> torch.dtype:
+        """The working dtype for ``data``."""
+        return data.dtype if self.dtype is None or not data.is_floating_point() else self.dtype
 
 
 class ReleaseMode(enum.Enum):
@@ -97,20 +120,26 @@ class GatherEngine:
         self.on_release: list[Callable[[ZeroParam], None]] = []
 
     # ---------------------------------------------------------------- partitioning
-    def partition(self, param: nn.Parameter, group: ShardGroup, ds_id: int | None = None) -> ZeroParam:
-        """Turn ``param`` into a partitioned parameter (no-op for one that already is); frees its full data."""
+    def partition(self, param: nn.Parameter, group: ShardGroup, ds_id: int | None = None,
+                  target: ParamTarget = ParamTarget()) -> ZeroParam:
+        """Turn ``param`` into a partitioned parameter (no-op for one that already is); frees its full data.
+
+        ``target`` names the compute device and working dtype; the full values may lie anywhere (host memory
+        included): only this rank's slice is copied, cast on the way, into the new shard.
+        """
         existing = zero_state(param)
         if existing is not None:
             return existing
         data = param.data
+        device, dtype = target.device_of(data), target.dtype_of(data)
         layout = Stage3ParamLayout(data.numel(), group.world_size)
-        shard = allocate_shard(layout.partition_numel, data.dtype, data.device, self.placement)
+        shard = allocate_shard(layout.partition_numel, dtype, device, self.placement)
         shard.ds_numel = layout.partition_numel  # upstream readers use ds_tensor.ds_numel
         # One rank, lean release, plain codec: the gathered tensor can be the shard itself (ZeroParam checks
         # the rest: shard on the compute device, no padding). The upstream-like A/B mode keeps separate copies.
         storage = self.single_rank if (self.release_mode is ReleaseMode.STREAM_ORDERED
                                        and self.codec is IDENTITY_CODEC) else FullStorage.SEPARATE
-        state = ZeroParam(param, next_ds_id() if ds_id is None else ds_id, group, shard, data.shape, data.device,
+        state = ZeroParam(param, next_ds_id() if ds_id is None else ds_id, group, shard, data.shape, device,
                           self, storage)
         state.write_shard_from(data)
         attach_ds_view(param, state)
