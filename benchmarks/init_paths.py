@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -130,6 +131,9 @@ def main() -> None:
     ap.add_argument("--upstream-path", default="/tmp/upstream_ds")
     ap.add_argument("--extra-site", default=os.environ.get("BENCH_EXTRA_SITE"))
     ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--jobs", type=int, default=1, help="workers at once (device counters are per process)")
+    ap.add_argument("--compare", default="report3_bf16,report3_fp32,host_s3",
+                    help="configurations also run for the implementations other than ours")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, ours only")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -145,25 +149,30 @@ def main() -> None:
         args.impls, args.model = "ours", "quick-qwen"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = out_dir / "init_paths.jsonl"
-    for n, (impl, name) in enumerate((i, c) for c in args.configs.split(",") for i in args.impls.split(",")):
-        spec = {**CONFIGS[name], "config": name, "impl": impl, "model": args.model, "port": 29600 + n,
-                "result": str(out_dir / f".result_{n}.json")}
-        env = {**os.environ, "PYTHONPATH": _pythonpath(impl, args), "PYTHONUNBUFFERED": "1"}
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--out", str(out_dir), "--worker", json.dumps(spec)],
-                                  env=env, cwd="/" if impl != "ours" else str(REPO), timeout=args.timeout_s,
-                                  capture_output=True, text=True)
-            result = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else {
-                "status": "error", "error": proc.stderr[-2000:]}
-        except subprocess.TimeoutExpired:
-            result = {"status": "timeout"}
-        record = {"config": name, "impl": impl, "model": args.model, "wall_s": time.perf_counter() - t0, **result}
-        with records.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        print(json.dumps(record), flush=True)
+    pairs = [(i, c) for c in args.configs.split(",") for i in args.impls.split(",")
+             if i == "ours" or c in args.compare.split(",")]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for record in pool.map(lambda job: _run_one(job[0], *job[1], args, out_dir), enumerate(pairs)):
+            with (out_dir / "init_paths.jsonl").open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            print(json.dumps(record), flush=True)
 
+
+def _run_one(n: int, impl: str, name: str, args: argparse.Namespace, out_dir: Path) -> dict:
+    """One worker process; its result file becomes a record (errors and time-outs included)."""
+    spec = {**CONFIGS[name], "config": name, "impl": impl, "model": args.model, "port": 29600 + n,
+            "threads": max(1, (os.cpu_count() or 2) // args.jobs), "result": str(out_dir / f".result_{n}.json")}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(impl, args), "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--out", str(out_dir), "--worker", json.dumps(spec)],
+                              env=env, cwd="/" if impl != "ours" else str(REPO), timeout=args.timeout_s,
+                              capture_output=True, text=True)
+        result = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else {
+            "status": "error", "error": proc.stderr[-2000:]}
+    except subprocess.TimeoutExpired:
+        result = {"status": "timeout"}
+    return {"config": name, "impl": impl, "model": args.model, "wall_s": time.perf_counter() - t0, **result}
 
 if __name__ == "__main__":
     main()

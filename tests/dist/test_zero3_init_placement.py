@@ -123,4 +123,6 @@ def test_host_built_model_device_peak_on_the_accelerator(stage: int) -> None:
     assert peak <= total + (largest if stage == 3 else 0), (peak, total)
     allocated, reserved = acc.memory_allocated(), acc.memory_reserved()
     if stage == 3:
-        assert reserved - allocated <= 0.02 * allocated, (reserved, allocated)
+        # The allocator's own granularity (a 20 MiB segment serves requests under 10 MiB) bounds what a model this
+        # small can reach; the 2 % figure is for models of real size (benchmarks/init_paths.py).
+        assert reserved - allocated <= max(0.02 * allocated, 20 * 2**20), (reserved, allocated)
