@@ -70,10 +70,10 @@ def start_all_gather(shards: Sequence[torch.Tensor], numels: Sequence[int], grou
         streams.wait(StreamRole.ALL_GATHER, ready)
         local = flat.narrow(0, group.rank * layout.rank_numel, layout.rank_numel)
         for slot, shard in zip(layout.slots, shards):
-            window = layout.rank_range(slot)
-            if window.size != shard.numel():
-                raise ValueError(f"shard {slot.index} has {shard.numel()} elements, layout expects {window.size}")
-            codec.encode(shard, local[window.as_slice()])
+            if layout.rank_range(slot).size != shard.numel():
+                raise ValueError(f"shard {slot.index} has {shard.numel()} elements, layout expects "
+                                 f"{layout.rank_range(slot).size}")
+        codec.encode(shards, local)  # the windows tile the row in slot order
         work = None
         if group.world_size > 1:
             work = dist.all_gather_into_tensor(flat, local, group=group.handle, async_op=True)
@@ -95,15 +95,14 @@ def finish_all_gather(result: AllGatherResult, outputs: Sequence[torch.Tensor], 
         if result.sources is not None:
             for src, out in zip(result.sources, outputs):
                 if src.data_ptr() != out.data_ptr():  # a gathered tensor that is its shard needs no copy
-                    codec.decode(src.reshape(1, -1), out.view(1, -1))
+                    codec.decode(src.reshape(1, -1), [out.view(1, -1)])
             done = streams.record(copy_role)
             if copy_role is not StreamRole.COMPUTE:
                 streams.wait(StreamRole.COMPUTE, done)
             return done
-        rows = result.rows()
-        for slot, out in zip(result.layout.slots, outputs):
-            window = result.layout.rank_range(slot)
-            codec.decode(rows[:, window.as_slice()], out.view(result.world_size, window.size))
+        ws, layout = result.world_size, result.layout
+        codec.decode(result.rows(), [out.view(ws, layout.rank_range(slot).size)
+                                     for slot, out in zip(layout.slots, outputs)])
         done = streams.record(copy_role)
     if copy_role is not StreamRole.COMPUTE:
         streams.wait(StreamRole.COMPUTE, done)

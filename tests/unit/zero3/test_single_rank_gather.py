@@ -1,7 +1,9 @@
-"""One-rank ZeRO-3 gathers read the shards directly: no flat buffer, same values as the collective path."""
+"""ZeRO-3 gather copies: one-rank gathers read the shards directly (no flat buffer, same values as the
+collective path); a unit's copy-in and copy-out are one batched op each, whatever its parameter count."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepspeed._core.zero.codec import IDENTITY_CODEC
 from deepspeed._core.zero.collectives import finish_all_gather, start_all_gather
@@ -27,11 +29,11 @@ class _Doubling:
     def wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return param_dtype
 
-    def encode(self, shard: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(shard * 2)
+    def encode(self, shards: list[torch.Tensor], out: torch.Tensor) -> None:
+        out.copy_(torch.cat(shards) * 2)
 
-    def decode(self, received: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(received)
+    def decode(self, received: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        outs[0].copy_(received)
 
 
 def test_other_codecs_keep_the_flat_path() -> None:
@@ -41,3 +43,41 @@ def test_other_codecs_keep_the_flat_path() -> None:
     out = [torch.zeros(4)]
     finish_all_gather(result, out, StreamSet(), StreamRole.COMPUTE, _Doubling())
     assert out[0].tolist() == [2.0] * 4
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _gather_ops(world_size: int, rank: int) -> list[str]:
+    """The tensor ops of one unit's copy-in and copy-out (the collective replaced by a local stand-in)."""
+    numels = [10, 7, 3, 16]
+    shards = [torch.full((-(-n // world_size),), float(i)) for i, n in enumerate(numels)]
+    group = ShardGroup(None, rank, world_size)
+    from deepspeed._core.zero import collectives
+
+    real = collectives.dist.all_gather_into_tensor
+    collectives.dist.all_gather_into_tensor = lambda flat, local, group=None, async_op=False: None
+    try:
+        with _CountOps() as counted:
+            result = start_all_gather(shards, numels, group, StreamSet(), IDENTITY_CODEC, torch.device("cpu"))
+            outs = [torch.empty(world_size * s.numel()) for s in shards]
+            result.work = None
+            finish_all_gather(result, outs, StreamSet(), StreamRole.COMPUTE, IDENTITY_CODEC)
+    finally:
+        collectives.dist.all_gather_into_tensor = real
+    for i, (shard, out) in enumerate(zip(shards, outs)):
+        assert torch.equal(out.view(world_size, -1)[rank], shard), i
+    return counted.ops
+
+
+def test_a_units_gather_is_one_copy_kernel_each_way() -> None:
+    ops = _gather_ops(world_size=4, rank=1)
+    copies = [op for op in ops if op.split(".")[0] in {"copy_", "cat", "split_with_sizes_copy", "_foreach_copy_"}]
+    assert copies == ["cat.out", "split_with_sizes_copy.out"], ops
