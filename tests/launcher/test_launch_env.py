@@ -1,18 +1,19 @@
 """``init_distributed`` under each launch environment: SLURM task variables, MPI, torch's names, none, half of one.
 
-The detection itself (``deepspeed._core.launch_env``) is checked on plain dictionaries; the end-to-end tests start
+The ``deepspeed`` launcher is covered here too. The detection itself (``deepspeed._core.launch_env``) is checked on plain dictionaries; the end-to-end tests start
 two real processes with only a launcher's variables and check they come up as ranks 0 and 1 of one world and train
 a step equal to the single-process reference.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from deepspeed._core import launch_env
 from deepspeed._core.launch_env import LaunchEnvError, detect, expand_hostlist
-from tests.launcher._launch import assert_trained_world, clean_env, free_port, python_step, run_all
+from tests.launcher._launch import TRAIN_STEP, assert_trained_world, clean_env, free_port, python_step, run_all
 
 
 @pytest.mark.parametrize(("spec", "hosts"), [
@@ -138,3 +139,11 @@ def test_existing_process_group_with_dist_init_required_false(tmp_path: Path) ->
               clean_env(tmp_path, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port))) for r in range(2)])
     assert_trained_world(tmp_path)
+
+
+def test_deepspeed_launcher_two_cpu_ranks(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+            TRAIN_STEP, "--stage", "3"]
+    run_all([(argv, clean_env(tmp_path))])
+    got = assert_trained_world(tmp_path)
+    assert [r["local_rank"] for r in got] == [0, 1]
