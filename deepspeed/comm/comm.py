@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
+from deepspeed._core import launch_env
 from deepspeed.comm import backend as _backend
 from deepspeed.comm.backend import FAKE_BACKEND, ProcessGroup, TorchBackend
 from deepspeed.comm.logging import CommsLogger
 from deepspeed.comm.reduce_op import ReduceOp
 from deepspeed.comm.utils import (TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout, get_caller_func,
                                   get_debug_log_name, get_default_args, get_local_rank_from_launcher,
-                                  get_msg_size_from_args, mpi_env)
+                                  get_msg_size_from_args)
 from deepspeed.utils.logging import logger
 
 # The current deepspeed.comm backend; upstream callers read ``deepspeed.comm.comm.cdb`` directly.
@@ -470,17 +471,35 @@ def _initialize_backend(dist_backend: str | None, auto_mpi_discovery: bool, dist
 
 
 def _fill_launcher_env(distributed_port: int, verbose: bool) -> None:
-    """Complete the launcher variables: from MPI when under mpirun, else as a single-node job."""
-    if mpi_env() is not None or _mpi4py_world() is not None:
+    """Complete the torch rendezvous variables from whichever launcher started this process.
+
+    torch's own names win, then MPI (Open MPI, PMI, MVAPICH2 variables, or mpi4py), then SLURM's ``srun`` task
+    variables; with none of them present this is a single-process job. A launcher whose variables are only partly
+    present raises :class:`~deepspeed._core.launch_env.LaunchEnvError` naming the missing ones.
+    """
+    found = launch_env.detect(os.environ)
+    under_mpi = found.launcher in launch_env.MPI_FLAVOURS if found is not None else _mpi4py_world() is not None
+    if under_mpi:
         mpi_discovery(distributed_port=distributed_port, verbose=verbose)
         return
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+    if found is None:
         if verbose:
             logger.info("No launcher or MPI environment found; initialising a single-process group")
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        found = launch_env.detect({"RANK": "0", "WORLD_SIZE": "1"})
+    if found.master_addr is None:
+        raise launch_env.LaunchEnvError(
+            f"{found.launcher.name}: rank {found.rank} of {found.world_size} does not know where rank 0 runs; "
+            "export MASTER_ADDR=<address of rank 0>")
+    for name, value in found.torch_env().items():
+        if found.launcher is launch_env.TORCH:
+            os.environ.setdefault(name, value)
+        else:
+            os.environ[name] = value
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    if verbose and found.launcher is not launch_env.TORCH:
+        logger.info(f"Discovered {found.launcher.name} settings: rank={found.rank}, local_rank={found.local_rank}, "
+                    f"world_size={found.world_size}, master_addr={found.master_addr}, "
+                    f"master_port={os.environ['MASTER_PORT']}")
 
 
 def _mpi4py_world() -> dict[str, Any] | None:
@@ -502,19 +521,30 @@ def _mpi4py_world() -> dict[str, Any] | None:
             "local_size": hosts.count(host), "master_addr": master}
 
 
+def _mpi_layout() -> dict[str, Any] | None:
+    """Rank layout from the MPI launcher's variables, else from mpi4py; ``None`` outside MPI."""
+    found = launch_env.detect(os.environ, tool_first=True)
+    if found is None or found.launcher not in launch_env.MPI_FLAVOURS:
+        return _mpi4py_world()
+    layout = {"rank": found.rank, "world_size": found.world_size, "local_rank": found.local_rank,
+              "master_addr": found.master_addr}
+    if layout["master_addr"] is None:
+        layout["master_addr"] = (_mpi4py_world() or {}).get("master_addr")
+    return layout
+
+
 def mpi_discovery(distributed_port: int | str = TORCH_DISTRIBUTED_DEFAULT_PORT, verbose: bool = True) -> None:
     """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from an MPI launch.
 
     Reads Open MPI (``OMPI_COMM_WORLD_*``) or PMI-style variables, so mpi4py is not required. MASTER_ADDR defaults to
     127.0.0.1 on a single node; multi-node jobs need MASTER_ADDR exported (or mpi4py installed to discover it).
     """
-    layout = mpi_env() or _mpi4py_world()
+    layout = _mpi_layout()
     if layout is None:
-        raise RuntimeError("mpi_discovery found no MPI environment (OMPI_COMM_WORLD_* or PMI_* variables); launch "
-                           "with mpirun, the deepspeed launcher or torchrun, or export RANK/WORLD_SIZE/LOCAL_RANK/"
-                           "MASTER_ADDR/MASTER_PORT")
-    single_node = layout["local_size"] == layout["world_size"]
-    master = os.environ.get("MASTER_ADDR") or layout.get("master_addr") or ("127.0.0.1" if single_node else None)
+        raise RuntimeError("mpi_discovery found no MPI environment (OMPI_COMM_WORLD_*, PMI_* or MV2_COMM_WORLD_* "
+                           "variables); launch with mpirun, the deepspeed launcher or torchrun, or export RANK/"
+                           "WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT")
+    master = layout["master_addr"]
     if master is None:
         raise RuntimeError("multi-node MPI launch without MASTER_ADDR: export MASTER_ADDR=<address of rank 0> "
                            "(or install mpi4py so it can be discovered)")

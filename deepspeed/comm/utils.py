@@ -16,13 +16,6 @@ except ImportError:  # pragma: no cover - depends on which modules have landed
     TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
     default_pg_timeout = timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
 
-# MPI launchers that export rank information: (rank, world size, local rank, local size) variable names.
-_MPI_ENV_FLAVOURS = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-)
-
-
 def _first_int_env(names: tuple[str, ...], default: int) -> int:
     for name in names:
         value = os.environ.get(name)
@@ -44,20 +37,6 @@ def get_world_rank_from_launcher() -> int:
 def get_world_size_from_launcher() -> int:
     """World size exported by the launcher (``WORLD_SIZE`` or Open MPI); 1 when neither is set."""
     return _first_int_env(("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"), 1)
-
-
-def mpi_env() -> dict[str, int] | None:
-    """Rank layout exported by an MPI launcher (Open MPI or PMI-style), or ``None`` outside MPI."""
-    for rank_var, size_var, local_rank_var, local_size_var in _MPI_ENV_FLAVOURS:
-        if rank_var in os.environ and size_var in os.environ:
-            world_size = int(os.environ[size_var])
-            return {
-                "rank": int(os.environ[rank_var]),
-                "world_size": world_size,
-                "local_rank": int(os.environ.get(local_rank_var, os.environ[rank_var])),
-                "local_size": int(os.environ.get(local_size_var, world_size)),
-            }
-    return None
 
 
 def get_caller_func(frame: int = 3) -> str:

@@ -15,19 +15,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-# Sources per variable, first match wins: Open MPI, MPICH/Intel MPI (PMI), PMIx, MVAPICH2, SLURM.
-RANK_SOURCES: dict[str, tuple[str, ...]] = {
-    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID"),
-    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS"),
-    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"),
-    "LOCAL_SIZE": (
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "MPI_LOCALNRANKS",
-        "MV2_COMM_WORLD_LOCAL_SIZE",
-        "SLURM_NTASKS_PER_NODE",
-    ),
-}
-
+from deepspeed._core import launch_env
 
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the helper's command line (the user's arguments are kept verbatim)."""
@@ -44,16 +32,17 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` plus RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_SIZE/LOCAL_WORLD_SIZE taken from the tool's variables.
 
     The tool's values win over inherited ones: ``srun --export=ALL`` copies the launching shell's
-    environment, which may hold a stale RANK.
+    environment, which may hold a stale RANK. ``MASTER_ADDR`` is left as the launcher exported it.
+
+    Raises:
+        LaunchEnvError: the tool's variables are incomplete (the message names the missing ones).
     """
     env = dict(environ)
-    for target, sources in RANK_SOURCES.items():
-        value = next((environ[name] for name in sources if name in environ), None)
-        if value is not None:
-            # SLURM_NTASKS_PER_NODE may read "4(x2)"; the count is the leading number.
-            env[target] = value.split("(", 1)[0]
-    if "LOCAL_SIZE" in env:
-        env["LOCAL_WORLD_SIZE"] = env["LOCAL_SIZE"]
+    found = launch_env.detect(environ, tool_first=True)
+    if found is not None:
+        mapped = found.torch_env()
+        mapped.pop("MASTER_ADDR", None)
+        env.update(mapped)
     return env
 
 

@@ -22,6 +22,7 @@ from deepspeed.runtime.engine_checkpointing import EngineCheckpointMixin
 from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_scheduler
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils.logging import log_dist
 
 
@@ -125,7 +126,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             loss_scaler = loss_scaler_from_policy(self.plan.precision.loss_scale)
         self.optimizer = setup.wrap_optimizer(
             self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size, self.module,
-            self.zero3_manager,
+            self.zero3_manager, zero12_factory=DeepSpeedZeroOptimizer.from_plan,
         )
         if self.zero3_manager is not None:
             self.optimizer.parameter_offload = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)

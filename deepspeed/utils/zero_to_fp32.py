@@ -116,6 +116,28 @@ def _ranked_files(tag_dir: str, pattern: re.Pattern, what: str) -> list[str]:
     return [os.path.join(tag_dir, n) for _, n in sorted(ranked)]
 
 
+def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
+    """Path of rank 0's model-states file in the tag folder ``checkpoint_dir`` (Lightning reads its client state).
+
+    Stages 0-2 write ``mp_rank_00_model_states.pt``; stage 3 writes one per rank, rank 0's being
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt``.
+    """
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"checkpoint folder '{checkpoint_dir}' does not exist")
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if int(zero_stage) == 3 else "mp_rank_00_model_states.pt"
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no model states file '{path}' (zero_stage={zero_stage})")
+    return path
+
+
+def get_optim_files(checkpoint_dir: str) -> list[str]:
+    """Every rank's ``*_optim_states.pt`` in the tag folder ``checkpoint_dir``, in data-parallel rank order."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"checkpoint folder '{checkpoint_dir}' does not exist")
+    return _ranked_files(checkpoint_dir, _OPTIM_FILE, "optimizer state")
+
+
 # --- parsed checkpoint --------------------------------------------------------------------------
 @dataclass
 class ZeroModelState:

@@ -6,6 +6,7 @@ The façade (``deepspeed.runtime.engine``) composes these with the public factor
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,8 +95,13 @@ def wrap_optimizer(
     dp_world_size: int,
     module: torch.nn.Module,
     manager: ZeroParamManager | None = None,
+    zero12_factory: Callable[..., ZeroOptimizer] = ZeroOptimizer,
 ) -> EngineOptimizer:
-    """Wrap the inner optimizer for the configured ZeRO stage (stage 3 needs the parameter ``manager``)."""
+    """Wrap the inner optimizer for the configured ZeRO stage (stage 3 needs the parameter ``manager``).
+
+    ``zero12_factory(basic, plan, loss_scaler, dp_group, names)`` builds the ZeRO-1/2 optimizer; the engine
+    façade passes the public class's constructor so ``engine.optimizer`` is an instance of it.
+    """
     stage = plan.zero.stage
     if stage == 3:
         if manager is None:
@@ -105,7 +111,7 @@ def wrap_optimizer(
         return DataParallelOptimizer(basic, plan, loss_scaler, dp_group, dp_world_size)
     if stage in (1, 2):
         names = {p: n for n, p in module.named_parameters()}
-        return ZeroOptimizer(basic, plan, loss_scaler, dp_group, names)
+        return zero12_factory(basic, plan, loss_scaler, dp_group, names)
     raise ValueError(f"zero_optimization.stage={stage} is not valid; valid stages: 0, 1, 2, 3")
 
 

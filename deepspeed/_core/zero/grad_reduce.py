@@ -14,7 +14,7 @@ post-accumulate-grad hook. What happens next is the :class:`GradPath`:
   micro-step (``gradient_accumulation_steps`` 1) has nothing to accumulate, so its backward takes the
   ``STAGE2_FREE`` route into the partition gradient instead: a full-size accumulator there cost 2 bytes per
   parameter at the simulated N=8 step peak on the H200, where upstream's ZeRO-1 only stages buckets
-  (``benchmarks/results/diag/call3``).
+  (``benchmarks/results/diag/call3``, git history at f28fd62).
 - ``STAGE1_AUTOGRAD`` (upstream behaviour, for A/B): gradients accumulate in ``.grad`` and are reduced from
   there at the boundary.
 

@@ -9,7 +9,7 @@ indices and the row count: ``AccumulateGrad`` needs the parameter full-shaped to
 
 On the H200 (Qwen2-3B shape, simulated N=8) both sat on the step's peak, at the end of the backward: gathered
 table 0.58 GiB + held projection gradient 0.58 GiB + the embedding backward's fp32 table 1.16 GiB
-(``benchmarks/results/gpu_run11.jsonl``, trace categories of that row).
+(``benchmarks/results/gpu_run11.jsonl`` in the git history at f28fd62, trace categories of that row).
 
 A routed use reads the parameter through :class:`_RoutedUse`: an identity in forward whose backward hands the
 use's gradient to a sink (the manager, then the optimizer's bucket) and returns no gradient to the leaf. So

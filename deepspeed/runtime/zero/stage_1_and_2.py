@@ -185,6 +185,19 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
         super().__init__(init_optimizer, plan, scaler, dp_process_group, param_names)
         attach_hp_mapping(self)
 
+    @classmethod
+    def from_plan(cls, init_optimizer: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any,
+                  param_names: dict | None) -> DeepSpeedZeroOptimizer:
+        """Build from an already validated run plan (what ``deepspeed.initialize`` does).
+
+        The engine's ZeRO-1/2 optimizer is this class, so integrations that check
+        ``isinstance(engine.optimizer, DeepSpeedZeroOptimizer)`` and read its upstream attributes work;
+        the upstream keyword list above is only for code that constructs the optimizer itself.
+        """
+        self = cls.__new__(cls)
+        ZeroOptimizer.__init__(self, init_optimizer, plan, loss_scaler, dp_group, param_names)
+        return self
+
     # --- upstream attribute names, read-only views over the groups ------------------------------------
     @property
     def bit16_groups(self) -> list[list[torch.nn.Parameter]]:
