@@ -83,10 +83,12 @@ def _check(results: list[dict], world: int, case: tuple[int, int, int], expected
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_expert_parallel_parity(world: int) -> None:
-    ep_sizes = {1: [1], 2: [2], 4: [1, 2, 4]}[world]
-    cases = [(stage, ep, k) for stage in (0, 1, 2) for ep in ep_sizes for k in (1, 2)]
-    if world == 4:  # keep the 4-rank sweep short: top-2 with every ep size, top-1 at ep 4
-        cases = [c for c in cases if c[2] == 2 or c[1] == 4]
+    # (stage, ep_size, k): every stage and both gatings at each world size, every ep size at world 4.
+    cases = {
+        1: [(0, 1, 1), (1, 1, 2), (2, 1, 2)],
+        2: [(0, 2, 2), (1, 2, 1), (2, 2, 2)],
+        4: [(0, 1, 2), (1, 2, 2), (2, 2, 1), (0, 4, 1), (1, 4, 2), (2, 4, 2)],
+    }[world]
     results = run_distributed(_sweep, world, cases, timeout=240.0)
     references = {k: ref.reference_train(world, STEPS, k, CAPACITY_FACTOR, MIN_CAPACITY, LR, CLIP) for k in (1, 2)}
     assert references[1]["norms"][0] > CLIP and references[2]["norms"][0] > CLIP  # clipping is active
