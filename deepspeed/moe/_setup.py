@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.moe.checkpoint import MoECheckpointLayout, describe
+from deepspeed._core.moe.layer import MoECore
 from deepspeed._core.moe.params import ExpertGroup, moe_layers
 from deepspeed.utils import groups
 
@@ -45,3 +47,11 @@ def configure_moe(module: torch.nn.Module, zero_stage: int, mpu: Any,
         name: ExpertGroup(name, groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name))
         for name in sorted({layer.expert_group_name for layer in layers})
     }
+
+
+def moe_checkpoint_layout(module: torch.nn.Module) -> MoECheckpointLayout:
+    """Where this rank's experts go in a checkpoint (ranks in each layer's expert groups)."""
+    names = {layer.expert_group_name for layer in moe_layers(module)}
+    ranks_of = {name: (groups._get_expert_parallel_rank(name), groups._get_expert_data_parallel_rank(name))
+                for name in names}
+    return describe(module, MoECore, ranks_of, groups._get_max_expert_size_name())
