@@ -103,3 +103,28 @@ def _check_same(straight: list[dict], resumed: list[dict]) -> None:
         for eid in a["experts"]:
             for name in a["experts"][eid]:
                 torch.testing.assert_close(a["experts"][eid][name], b["experts"][eid][name], atol=0, rtol=0)
+
+
+def test_zero_to_fp32_includes_every_expert(tmp_path: object) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from tests.dist import test_moe_parity as parity
+
+    save_dir = str(tmp_path)
+    run_distributed(_save_two_steps, 4, save_dir, timeout=180.0)
+    state = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t2")
+    expected = ref.reference_train(4, 2, K, parity.CAPACITY_FACTOR, parity.MIN_CAPACITY, parity.LR, parity.CLIP)
+    names = {"inp.weight": "inp.weight", "inp.bias": "inp.bias", "wg": "moe.deepspeed_moe.gate.wg.weight",
+             "head.weight": "head.weight", "head.bias": "head.bias"}
+    want = {names[n]: v for n, v in expected["shared"].items()}
+    for e, values in enumerate(expected["experts"]):
+        want.update({f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{n}": v for n, v in values.items()})
+    assert set(state) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(state[name], value, atol=2e-5, rtol=0, msg=name)
+
+
+def _save_two_steps(save_dir: str) -> None:
+    engine, _ = _engine(2)
+    _steps(engine, 0, 2)
+    engine.save_checkpoint(save_dir, tag="t2")
+    engine.destroy()
