@@ -36,7 +36,36 @@ def _bad_setups() -> dict[str, str]:
     plain = mm.MoEModel(2, 1, 1.0, 1)
     out["zero2_unsplit_groups"] = _error_of(
         lambda: _engine(plain, 2, torch.optim.AdamW(plain.parameters(), lr=1e-3)))
+    out["facade_partition_count"] = _facade_partition_count()
     return out
+
+
+def _facade_partition_count() -> list[int]:
+    """Upstream's constructor with ``has_moe_layers=True``: MoE groups partition over expert-data-parallel ranks."""
+    from deepspeed._core.optim.base import MicroStepKind
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.utils import groups
+    from tests.reference import moe_reference as ref
+
+    model = mm.MoEModel(2, 1, 1.0, 1)
+    model.moe.set_deepspeed_parallelism()
+    before = [p.detach().clone() for p in mm.local_experts(model).parameters()]
+    opt = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer({"params": model.parameters()}),
+                            lr=1e-2)
+    zero = DeepSpeedZeroOptimizer(opt, None, None, None, has_moe_layers=True, partition_grads=True,
+                                  communication_data_type=torch.float32,
+                                  expert_parallel_group=groups._get_expert_parallel_group_dict(),
+                                  expert_data_parallel_group=groups._get_expert_data_parallel_group_dict())
+    zero.prepare_backward(MicroStepKind.REDUCE)
+    zero.backward(model(*ref.batch(0, 0)))
+    zero.finish_backward()
+    assert zero.step()
+    after = list(mm.local_experts(model).parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    counts = zero.partition_count
+    zero.destroy()
+    return counts
 
 
 def test_bad_moe_setups_raise_on_every_rank() -> None:
@@ -49,3 +78,4 @@ def test_bad_moe_setups_raise_on_every_rank() -> None:
         assert "NotImplementedError" in rank_result["zero3"] and "stage=3" in rank_result["zero3"]
         assert "marked 'moe'" in rank_result["zero2_unsplit_groups"]
         assert "split_params_into_different_moe_groups_for_optimizer" in rank_result["zero2_unsplit_groups"]
+        assert rank_result["facade_partition_count"] == [4, 2]  # shared over 4 ranks, experts over 2
