@@ -118,10 +118,18 @@ def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_
     opt.publish_weights()
 
 
+def _partition_count(shard: dict, index: int, default: int) -> int:
+    """Saved partition count of group ``index`` (a list per group; an int or nothing in some writers' files)."""
+    count = shard.get("partition_count", default)
+    if isinstance(count, (list, tuple)):
+        return int(count[index]) if index < len(count) else default
+    return int(count)
+
+
 def _group_shards(group: Any, shards: list[dict], index: int) -> list[dict]:
     """The saved shards that hold pieces of flat group ``index``: all of them for a data-parallel group; for
     an MoE group partitioned over fewer ranks, those of the live group's members (same world size only)."""
-    counts = {s["partition_count"][index] for s in shards}
+    counts = {_partition_count(s, index, len(shards)) for s in shards}
     if counts == {len(shards)}:
         return shards
     if len(shards) < max(group.member_ranks, default=0) + 1 or counts != {len(group.member_ranks)}:
