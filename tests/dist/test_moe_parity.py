@@ -20,10 +20,10 @@ CAPACITY_FACTOR = 1.0
 MIN_CAPACITY = 1
 
 
-def _config(stage: int, dtype: str = "fp32") -> dict:
+def _config(stage: int, dtype: str = "fp32", gas: int = 1) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": ref.TOKENS_SHAPE[0],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 300},
@@ -35,7 +35,8 @@ def _config(stage: int, dtype: str = "fp32") -> dict:
     return cfg
 
 
-def _train(stage: int, ep_size: int, k: int, dtype: str = "fp32", data_before_expert: bool = False) -> dict:
+def _train(stage: int, ep_size: int, k: int, dtype: str = "fp32", data_before_expert: bool = False,
+           gas: int = 1) -> dict:
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.utils import groups
@@ -44,19 +45,22 @@ def _train(stage: int, ep_size: int, k: int, dtype: str = "fp32", data_before_ex
     # Expert-parallel groups are blocks of consecutive ranks; with data before expert parallelism they are strided.
     ep_rank = rank // (dist.get_world_size() // ep_size) if data_before_expert else rank % ep_size
     model = mm.build(ep_size, ep_rank, k, CAPACITY_FACTOR, MIN_CAPACITY)
-    config = _config(stage, dtype)
+    config = _config(stage, dtype, gas)
     if data_before_expert:
         config["use_data_before_expert_parallelism"] = True
     engine, *_ = deepspeed.initialize(model=model, config=config)
     assert groups._get_expert_parallel_rank(f"ep_size_{ep_size}") == ep_rank
     losses, norms = [], []
+    dtype_t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     for step in range(STEPS):
-        x, y = ref.batch(step, rank)
-        dtype_t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        loss = engine(x.to(dtype_t), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
+        window = 0.0
+        for micro in range(gas):  # micro-batch m of rank r is the reference's batch of virtual rank r * gas + m
+            x, y = ref.batch(step, rank * gas + micro)
+            loss = engine(x.to(dtype_t), y)
+            engine.backward(loss)
+            engine.step()
+            window += float(loss.detach()) / gas
+        losses.append(window)
         norms.append(engine.get_global_grad_norm())
     out = {"losses": losses, "norms": norms, "shared": mm.shared_state(model),
            "experts": mm.expert_states(model, ep_rank)}
@@ -108,3 +112,13 @@ def test_data_before_expert_parallel_layout() -> None:
     references = {k: ref.reference_train(4, STEPS, k, CAPACITY_FACTOR, MIN_CAPACITY, LR, CLIP) for k in (1, 2)}
     for case in cases:
         _check(results, 4, case, references[case[2]], atol=2e-5)
+
+
+def test_gradient_accumulation_with_experts() -> None:
+    # Two micro-batches per step at world 2 train like the reference over 4 batches (every stage's accumulation
+    # path, ZeRO-1's full-size accumulator included, with the expert groups' own process groups).
+    cases = [(0, 2, 2, "fp32", False, 2), (1, 2, 2, "fp32", False, 2), (2, 2, 1, "fp32", False, 2)]
+    results = run_distributed(_sweep, 2, cases, timeout=240.0)
+    references = {k: ref.reference_train(4, STEPS, k, CAPACITY_FACTOR, MIN_CAPACITY, LR, CLIP) for k in (1, 2)}
+    for case in cases:
+        _check(results, 2, case, references[case[2]], atol=2e-5)
