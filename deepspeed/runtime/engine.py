@@ -16,6 +16,8 @@ from deepspeed._core.engine.loss_scaling import from_policy as loss_scaler_from_
 from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
+from deepspeed._core.moe.params import configure_moe_param_groups, moe_layers
+from deepspeed.moe._setup import configure_moe
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_checkpointing import EngineCheckpointMixin
@@ -55,6 +57,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self.client_model_parameters = model_parameters
         self._apply_config(args, config, config_class, mpu)
         self._apply_process_group(dist_init_required)
+        self._apply_moe()
         self._apply_device(args, dont_change_device)
         self._apply_optimizer(optimizer, model_parameters)
         self._apply_scheduler(lr_scheduler)
@@ -90,6 +93,14 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self.dp_world_size = dist.get_world_size(group=self.dp_group)
         self.mp_world_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
 
+    def _apply_moe(self) -> None:
+        # Expert groups exist before any optimizer: their gradients reduce over expert-data-parallel groups.
+        self.expert_groups = configure_moe(self.module, self.zero_optimization_stage(), self.mpu,
+                                           bool(self.config.get("use_data_before_expert_parallelism", False)))
+        self.has_moe_layers = bool(self.expert_groups)
+        self.moe_layers = moe_layers(self.module)
+        self.num_experts = [layer.num_experts for layer in self.moe_layers]
+
     def _apply_device(self, args: Any, dont_change_device: bool) -> None:
         self.local_rank = setup.local_rank_from_env()
         arg_rank = getattr(args, "local_rank", None)
@@ -108,6 +119,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
 
     def _apply_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
+        if self.has_moe_layers and not isinstance(client_optimizer, torch.optim.Optimizer):
+            params = configure_moe_param_groups(params)  # the optimizer is built here: give experts groups
         self.basic_optimizer = build_basic_optimizer(client_optimizer, params, self._config, self.module)
         self.optimizer: EngineOptimizer | None = None
         if self.basic_optimizer is None:
@@ -126,7 +139,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             loss_scaler = loss_scaler_from_policy(self.plan.precision.loss_scale)
         self.optimizer = setup.wrap_optimizer(
             self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size, self.module,
-            self.zero3_manager, zero12_factory=DeepSpeedZeroOptimizer.from_plan,
+            self.zero3_manager, zero12_factory=DeepSpeedZeroOptimizer.from_plan, expert_groups=self.expert_groups,
         )
         if self.zero3_manager is not None:
             self.optimizer.parameter_offload = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)

@@ -18,6 +18,7 @@ from deepspeed._core.engine import checkpoint_io
 from deepspeed._core.engine import checkpointing as ckpt
 from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 from deepspeed.git_version_info import version as _DS_VERSION
+from deepspeed.moe._setup import moe_checkpoint_layout
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from deepspeed.utils.logging import logger
@@ -62,6 +63,7 @@ class EngineCheckpointMixin:
             dp_group=self.dp_group,
             zero_to_fp32_source=_ZERO_TO_FP32_SOURCE,
             load_from_fp32_weights=bool(self.plan.zero.load_from_fp32_weights),
+            moe=moe_checkpoint_layout(self.module) if getattr(self, "has_moe_layers", False) else None,
         )
 
     def _get_ckpt_name(self, checkpoints_path: str, tag: str, mp_placeholder: str | None = None) -> str:

@@ -242,7 +242,7 @@ def _get_sequence_data_parallel_group() -> Any:
     return _get_data_parallel_group()
 
 
-# ---------------------------------------------------------------------- expert parallel (minimal)
+# ---------------------------------------------------------------------- expert parallel
 def _create_expert_and_data_parallel(expert_parallel_size_: int,
                                      use_data_before_expert_parallel_: bool = False) -> None:
     """Build expert-parallel groups of ``expert_parallel_size_`` consecutive ranks plus their expert-data groups.
@@ -252,7 +252,12 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int,
     """
     assert dist.is_initialized(), _NOT_INIT
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    _ensure_divisibility(world_size, expert_parallel_size_)
+    if expert_parallel_size_ < 1 or world_size % expert_parallel_size_ != 0:
+        # Raised identically on every rank before any group is created, so no rank waits in new_group.
+        raise ValueError(
+            f"expert-parallel size ep_size={expert_parallel_size_} must divide the world size {world_size} "
+            f"(valid ep_size values here: {[d for d in range(1, world_size + 1) if world_size % d == 0]})"
+        )
     name = f"ep_size_{expert_parallel_size_}"
     if name in _EXPERT_PARALLEL_GROUP:
         return

@@ -53,6 +53,8 @@ from deepspeed.utils import logger
 TRUST_ENV = "DS_CHECKPOINT_TRUSTED"
 _MODEL_FILE = re.compile(r"^(zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+_EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_EXPERTS_INFIX = "deepspeed_moe.experts.deepspeed_experts."
 # Classes DeepSpeed pickles into checkpoints; looked up by import path so any deepspeed version works.
 _SAFE_CLASSES = {
     "deepspeed.runtime.fp16.loss_scaler": ("LossScalerBase", "LossScaler", "DynamicLossScaler"),
@@ -158,6 +160,8 @@ class ZeroShards:
     stage: int
     world_size: int
     groups: list = field(default_factory=list)
+    # Ranks each group is partitioned over (stages 1-2); fewer than world_size for MoE expert groups.
+    partition_counts: list = field(default_factory=list)
 
 
 def _parse_model_file(path: str) -> ZeroModelState:
@@ -193,7 +197,33 @@ def _parse_optim_files(paths: list[str]) -> ZeroShards:
         groups = [list(s[SINGLE_PARTITION_OF_FP32_GROUPS]) for s in states]
     else:
         groups = [torch.cat([t.reshape(-1) for t in s[FP32_FLAT_GROUPS]]) for s in states]
-    return ZeroShards(stage=stage, world_size=world, groups=groups)
+    counts = list(count) if isinstance(count, (list, tuple)) else [world] * len(groups[0] if stage <= 2 else [])
+    return ZeroShards(stage=stage, world_size=world, groups=groups, partition_counts=counts)
+
+
+def _expert_layers(tag_dir: str) -> dict[str, int]:
+    """MoE checkpoints: ``{module prefix of a layer's experts: number of experts}`` from the expert files."""
+    per_layer: dict[int, list[str]] = {}
+    for name in os.listdir(tag_dir):
+        m = _EXPERT_FILE.match(name)
+        if m:
+            per_layer.setdefault(int(m.group(1)), []).append(name)
+    prefixes = {}
+    for names in per_layer.values():
+        key = next(iter(_load(os.path.join(tag_dir, names[0]))), "")
+        prefixes[key[: key.find(_EXPERTS_INFIX)]] = len(names)
+    return prefixes
+
+
+def _global_expert_name(name: str, ep_rank: int, ep_size: int, layers: dict[str, int]) -> str:
+    """``name`` of a local expert parameter on expert-parallel rank ``ep_rank``, spelled with its global id."""
+    at = name.find(_EXPERTS_INFIX)
+    prefix = name[:at]
+    if at < 0 or prefix not in layers:
+        raise ValueError(f"'{name}' is in an MoE optimizer group but matches no layer_*_expert_* file")
+    local, rest = name[at + len(_EXPERTS_INFIX):].split(".", 1)
+    global_id = ep_rank * (layers[prefix] // ep_size) + int(local)
+    return f"{prefix}{_EXPERTS_INFIX}{global_id}.{rest}"
 
 
 # --- lazy full tensors --------------------------------------------------------------------------
@@ -236,19 +266,35 @@ def _align(n: int, multiple: int) -> int:
     return multiple * math.ceil(n / multiple)
 
 
-def _stage12_params(shards: ZeroShards, param_shapes: list) -> OrderedDict:
+def _stage12_params(shards: ZeroShards, param_shapes: list, expert_layers: dict[str, int]) -> OrderedDict:
     out: OrderedDict = OrderedDict()
     for g, shapes in enumerate(param_shapes):
-        buffers = [rank_groups[g] for rank_groups in shards.groups]
-        available = sum(b.numel() for b in buffers)
-        offset = 0
-        for name, shape in shapes.items():
-            numel = math.prod(shape)
-            out[name] = GatheredTensor(_pieces_across(buffers, offset, numel), shape)
-            offset += numel
-        # Partitions may or may not include the alignment padding (2 x world elements) at the end.
-        if _align(offset, 2 * shards.world_size) != _align(available, 2 * shards.world_size):
-            raise ValueError(f"group {g}: parameters need {offset} elements but the partitions hold {available}")
+        count = shards.partition_counts[g] if g < len(shards.partition_counts) else shards.world_size
+        if count == shards.world_size:
+            out.update(_group_params(g, shapes, [rank_groups[g] for rank_groups in shards.groups], count))
+            continue
+        # An MoE group: partitioned over an expert-data-parallel group of `count` ranks. With expert-parallel
+        # groups of consecutive ranks, expert-parallel rank j's group holds ranks j, j + P, j + 2P, ...
+        ep_size = shards.world_size // count
+        for ep_rank in range(ep_size):
+            buffers = [shards.groups[r][g] for r in range(ep_rank, shards.world_size, ep_size)]
+            renamed = OrderedDict((_global_expert_name(n, ep_rank, ep_size, expert_layers), shape)
+                                  for n, shape in shapes.items())
+            out.update(_group_params(g, renamed, buffers, count))
+    return out
+
+
+def _group_params(g: int, shapes: dict, buffers: list[torch.Tensor], world: int) -> OrderedDict:
+    out: OrderedDict = OrderedDict()
+    available = sum(b.numel() for b in buffers)
+    offset = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        out[name] = GatheredTensor(_pieces_across(buffers, offset, numel), shape)
+        offset += numel
+    # Partitions may or may not include the alignment padding (2 x world elements) at the end.
+    if _align(offset, 2 * world) != _align(available, 2 * world):
+        raise ValueError(f"group {g}: parameters need {offset} elements but the partitions hold {available}")
     return out
 
 
@@ -319,8 +365,10 @@ def get_fp32_state_dict_from_zero_checkpoint(
     state: OrderedDict = OrderedDict(models[0].buffers)
     if not exclude_frozen_parameters:
         state.update(_frozen_params(models, shards.stage))
-    merge = _stage12_params if shards.stage <= 2 else _stage3_params
-    state.update(merge(shards, models[0].param_shapes))
+    if shards.stage <= 2:
+        state.update(_stage12_params(shards, models[0].param_shapes, _expert_layers(tag_dir)))
+    else:
+        state.update(_stage3_params(shards, models[0].param_shapes))
     _add_shared(state, models[0].shared_params)
     return state if lazy_mode else _materialize(state)
 

@@ -31,6 +31,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed._core.engine import checkpoint_io as io
 from deepspeed._core.engine.checkpoint_io import LoadTrust
+from deepspeed._core.moe import checkpoint as moe_ckpt
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import logger
 
@@ -125,6 +126,7 @@ class CheckpointSubject:
     dp_group: Any = None
     zero_to_fp32_source: str | None = None
     load_from_fp32_weights: bool = True
+    moe: moe_ckpt.MoECheckpointLayout | None = None  # models with MoE layers: experts in files of their own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +300,8 @@ def build_model_state(
     state = {
         "module": compact_tensors(module_state),
         "buffer_names": persistent_buffer_names(subject.module),
-        "optimizer": opt.state_dict() if opt is not None and not topo.shards_optimizer else None,
+        "optimizer": opt.state_dict() if opt is not None and not topo.shards_optimizer and subject.moe is None
+        else None,
         "param_shapes": zero_param_shapes(subject.module, opt) if opt is not None and topo.shards_optimizer else None,
         "frozen_param_shapes": frozen[0],
         "frozen_param_fragments": frozen[1],
@@ -349,6 +352,7 @@ def save_checkpoint(
     _optional_call(opt, "checkpoint_event_prologue")
     try:
         os.makedirs(ckpt_dir, exist_ok=True)
+        module_state_fn = _save_expert_files(subject, ckpt_dir, module_state_fn)
         if subject.topology.writes_model_file:
             state = build_model_state(subject, request, module_state_fn(), counters, client_state)
             io.atomic_save(state, os.path.join(ckpt_dir, model_file_name(subject.topology)))
@@ -366,6 +370,47 @@ def save_checkpoint(
     except Exception as err:  # noqa: BLE001 - same agreement as above
         error = err
     _agree_or_raise(error, f"updating '{os.path.join(request.save_dir, LATEST_FILE)}'")
+
+
+def _save_expert_files(subject: CheckpointSubject, ckpt_dir: str,
+                       module_state_fn: Callable[[], dict]) -> Callable[[], dict]:
+    """MoE models: write this rank's expert files (and stage-0 expert optimizer file); the shared state remains."""
+    moe = subject.moe
+    if moe is None:
+        return module_state_fn
+    mp_rank = subject.topology.mp_rank
+    shared, experts = moe_ckpt.split_state(module_state_fn(), moe)
+    for (layer_id, expert_id), entries in experts.items():
+        name = moe_ckpt.expert_file_name(layer_id, expert_id, mp_rank)
+        io.atomic_save(compact_tensors(entries), os.path.join(ckpt_dir, name))
+    opt = subject.optimizer
+    if opt is not None and not subject.topology.shards_optimizer and moe.edp_rank == 0:
+        name = moe_ckpt.expert_optim_file_name(moe.ep_rank, mp_rank)
+        payload = {"optimizer": compact_tensors(opt.state_dict()), "ds_version": subject.ds_version}
+        io.atomic_save(payload, os.path.join(ckpt_dir, name))
+    return lambda: shared
+
+
+def _read_expert_files(subject: CheckpointSubject, request: LoadRequest, ckpt_dir: str, state: dict) -> dict:
+    """MoE models: ``state`` with this rank's experts merged into ``module`` (and its stage-0 optimizer)."""
+    moe = subject.moe
+    if moe is None:
+        return state
+    rank, mp_rank = dist.get_rank(), subject.topology.mp_rank
+    module = type(state["module"])(state["module"])
+    if hasattr(state["module"], "_metadata"):
+        module._metadata = state["module"]._metadata
+    for layer, local, name in moe_ckpt.wanted_expert_files(moe, mp_rank):
+        entries = io.load_file(os.path.join(ckpt_dir, name), rank, request.trust)
+        module.update(moe_ckpt.localise(entries, layer, local))
+    state = {**state, "module": module}
+    wants_optimizer = request.optimizer_states and not request.module_only
+    if subject.optimizer is not None and not subject.topology.shards_optimizer and wants_optimizer:
+        path = os.path.join(ckpt_dir, moe_ckpt.expert_optim_file_name(moe.ep_rank, mp_rank))
+        saved = io.load_file(path, rank, request.trust)
+        io.require_keys(saved, ["optimizer"], path, rank)
+        state["optimizer"] = saved["optimizer"]
+    return state
 
 
 def _write_coordinator_files(subject: CheckpointSubject, request: SaveRequest) -> None:
@@ -450,6 +495,7 @@ def _read_rank_files(subject: CheckpointSubject, request: LoadRequest, ckpt_dir:
             model_path = os.path.join(ckpt_dir, model_file_name(subject.topology, dp_rank=0))
         state = io.load_file(model_path, rank, request.trust)
         io.require_keys(state, ["module"], model_path, rank)
+        state = _read_expert_files(subject, request, ckpt_dir, state)
         wants_shards = request.optimizer_states and not request.module_only
         if subject.optimizer is not None and subject.topology.shards_optimizer and wants_shards:
             saved_dp = int(state.get("dp_world_size", subject.topology.dp_world_size))

@@ -6,11 +6,14 @@ bf16 working weights the inner optimizer steps on fp32 masters (:class:`MasterWe
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from deepspeed._core.optim.clipping import NormScope, clip_, global_norm
+from deepspeed import comm as dist
+from deepspeed._core.moe.params import ExpertGroup, by_reduce_group
+from deepspeed._core.optim.clipping import NormScope, clip_, global_norm, global_norm_of_parts
 from deepspeed._core.engine.grad_sync import BucketedAllReduce
 from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
@@ -28,6 +31,8 @@ class DataParallelOptimizer(EngineOptimizer):
         loss_scaler: a loss scaler for fp16, else ``None``.
         dp_group: data-parallel group; ``None`` = world.
         dp_world_size: size of ``dp_group``.
+        expert_groups: process groups of each expert group, by name, when the model has MoE layers: expert
+            gradients are all-reduced over their expert-data-parallel group instead of ``dp_group``.
     """
 
     def __init__(
@@ -37,6 +42,7 @@ class DataParallelOptimizer(EngineOptimizer):
         loss_scaler: Any,
         dp_group: Any,
         dp_world_size: int,
+        expert_groups: Mapping[str, ExpertGroup] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.plan = plan
@@ -45,15 +51,20 @@ class DataParallelOptimizer(EngineOptimizer):
         needs_master = precision.param_dtype != precision.master_dtype
         self.masters = MasterWeights(optimizer, precision.master_dtype) if needs_master else None
         self.params = self._working_params()
-        self.sync: BucketedAllReduce | None = None
+        self.dp_group = dp_group
+        self.expert_groups = dict(expert_groups or {})
+        # One all-reduce per reduction group: shared parameters over dp_group, each expert group over its
+        # expert-data-parallel group. Both divide by the full dp_world_size: every rank's loss feeds the
+        # experts through the token exchange, so that is the mean the single-process model would compute.
+        self.parts = by_reduce_group([p for p in self.params if p.requires_grad])
+        self.syncs: list[BucketedAllReduce] = []
         if dp_world_size > 1:
-            self.sync = BucketedAllReduce(
-                [p for p in self.params if p.requires_grad],
-                plan.zero.buckets.reduce_bucket_size,
-                precision.comm_dtype,
-                ReduceScaling.from_policy(plan.grads, dp_world_size),
-                dp_group,
-            )
+            scaling = ReduceScaling.from_policy(plan.grads, dp_world_size)
+            for name, params in self.parts:
+                if params:
+                    group = dp_group if name is None else self.expert_groups[name].edp_group
+                    self.syncs.append(BucketedAllReduce(params, plan.zero.buckets.reduce_bucket_size,
+                                                        precision.comm_dtype, scaling, group))
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         attach_hp_mapping(self)  # safe_get_full_fp32_param & co.
 
@@ -64,20 +75,19 @@ class DataParallelOptimizer(EngineOptimizer):
 
     def prepare_backward(self, kind: MicroStepKind) -> None:
         """Arm the overlapped all-reduce when this backward ends the accumulation window."""
-        if kind is MicroStepKind.REDUCE and self.sync is not None:
-            self.sync.arm()
+        if kind is MicroStepKind.REDUCE:
+            for sync in self.syncs:
+                sync.arm()
 
     def finish_backward(self) -> None:
         """Complete the all-reduce of this window's gradients (no-op between boundaries)."""
-        if self.sync is not None:
-            self.sync.finish()
+        for sync in self.syncs:
+            sync.finish()
 
     def step(self, closure: Any = None) -> bool:
         """Check overflow, unscale, clip, step the inner optimizer and refresh working weights."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        # After the all-reduce every rank holds the same sums, so an inf on any rank is seen by all
-        # and they all skip together without an extra collective.
-        self.overflow = self.check_overflow and has_inf_or_nan(grads)
+        self.overflow = self.check_overflow and self._any_overflow(grads)
         if self.overflow:
             self._global_grad_norm = None
             self.zero_grad()
@@ -90,7 +100,7 @@ class DataParallelOptimizer(EngineOptimizer):
             grads = [m.grad for _, m in self.masters.pairs if m.grad is not None]
         elif scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
-        self._global_grad_norm = global_norm(grads, NormScope.REPLICATED)
+        self._global_grad_norm = self._norm(grads)
         clip_(grads, self._global_grad_norm, self.plan.grads.clip_norm)
         self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if self.masters is not None:
@@ -99,6 +109,33 @@ class DataParallelOptimizer(EngineOptimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
+
+    def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
+        local = has_inf_or_nan(grads)
+        if not self.expert_groups or not dist.is_initialized():
+            # After the all-reduce every rank holds the same sums, so an inf on any rank is seen by all
+            # and they all skip together without an extra collective.
+            return local
+        # Expert gradients differ between expert-parallel ranks: agree on skipping explicitly.
+        flag = torch.tensor([1.0 if local else 0.0], device=grads[0].device if grads else None)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return bool(flag.item() > 0)
+
+    def _norm(self, grads: list[torch.Tensor]) -> float:
+        """Global norm of the (unscaled) gradients ``grads``, each expert counted once."""
+        if not self.expert_groups:
+            return global_norm(grads, NormScope.REPLICATED)
+        grad_of = {id(p): (m.grad if self.masters is not None else p.grad) for p, m in self._pairs()}
+        parts = []
+        for name, params in self.parts:
+            group = None if name is None else self.expert_groups[name].ep_group
+            parts.append(([grad_of[id(p)] for p in params if grad_of[id(p)] is not None], group))
+        return global_norm_of_parts(parts)
+
+    def _pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        if self.masters is not None:
+            return self.masters.pairs
+        return [(p, p) for p in self.params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the working gradients (and masters' gradients, if any)."""
@@ -119,9 +156,9 @@ class DataParallelOptimizer(EngineOptimizer):
 
     def destroy(self) -> None:
         """Remove the all-reduce hooks."""
-        if self.sync is not None:
-            self.sync.remove_hooks()
-            self.sync = None
+        for sync in self.syncs:
+            sync.remove_hooks()
+        self.syncs = []
         detach_hp_mapping(self)
 
     def state_dict(self) -> dict:

@@ -6,7 +6,7 @@ The façade (``deepspeed.runtime.engine``) composes these with the public factor
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ import torch
 from deepspeed._core.engine.data_parallel import DataParallelOptimizer
 from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.engine.precision import cast_buffers, cast_module_params
+from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups
 from deepspeed._core.plan import RunPlan
 from deepspeed._core.zero.manager import ZeroParamManager
 from deepspeed._core.zero.param import ShardGroup
@@ -96,11 +97,13 @@ def wrap_optimizer(
     module: torch.nn.Module,
     manager: ZeroParamManager | None = None,
     zero12_factory: Callable[..., ZeroOptimizer] = ZeroOptimizer,
+    expert_groups: Mapping[str, ExpertGroup] | None = None,
 ) -> EngineOptimizer:
     """Wrap the inner optimizer for the configured ZeRO stage (stage 3 needs the parameter ``manager``).
 
-    ``zero12_factory(basic, plan, loss_scaler, dp_group, names)`` builds the ZeRO-1/2 optimizer; the engine
-    façade passes the public class's constructor so ``engine.optimizer`` is an instance of it.
+    ``zero12_factory(basic, plan, loss_scaler, dp_group, names, expert_groups)`` builds the ZeRO-1/2 optimizer;
+    the engine façade passes the public class's constructor so ``engine.optimizer`` is an instance of it.
+    ``expert_groups`` (MoE models) names the process groups expert gradients are reduced over.
     """
     stage = plan.zero.stage
     if stage == 3:
@@ -108,10 +111,11 @@ def wrap_optimizer(
             raise ValueError("ZeRO stage 3 needs the parameter manager built by partition_parameters()")
         return Stage3Optimizer(basic, plan, loss_scaler, dp_group, manager)
     if stage == 0:
-        return DataParallelOptimizer(basic, plan, loss_scaler, dp_group, dp_world_size)
+        return DataParallelOptimizer(basic, plan, loss_scaler, dp_group, dp_world_size, expert_groups)
     if stage in (1, 2):
+        check_zero_param_groups(basic.param_groups, stage)
         names = {p: n for n, p in module.named_parameters()}
-        return zero12_factory(basic, plan, loss_scaler, dp_group, names)
+        return zero12_factory(basic, plan, loss_scaler, dp_group, names, expert_groups)
     raise ValueError(f"zero_optimization.stage={stage} is not valid; valid stages: 0, 1, 2, 3")
 
 

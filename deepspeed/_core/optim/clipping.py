@@ -92,3 +92,21 @@ def clip_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float) -> 
     coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
         torch._foreach_mul_([g for g in grads if g is not None], coef)
+
+
+def global_norm_of_parts(parts: Sequence[tuple[Sequence[torch.Tensor], Any]]) -> float:
+    """L2 norm over several kinds of whole (unpartitioned) gradients.
+
+    Each part is ``(grads, group)``: the squared sum of ``grads`` is added across ``group`` when it is not
+    ``None`` (expert gradients: every expert-parallel rank holds different experts, so each expert counts
+    once), and taken as is otherwise (shared gradients, identical on every rank). Every rank must pass the
+    parts in the same order. Returns ``inf`` when any gradient holds inf or nan.
+    """
+    total = torch.zeros((), dtype=torch.float32)
+    for grads, group in parts:
+        sq = local_sq_norm(grads)
+        if group is not None and dist.get_world_size(group=group) > 1:
+            dist.all_reduce(sq, group=group)
+        total = total + sq.to(total.device)
+    value = float(total.sqrt().item())
+    return value if math.isfinite(value) else float("inf")

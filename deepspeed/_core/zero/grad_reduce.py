@@ -146,6 +146,9 @@ class GradReducer:
         config: path, reduction mode, bucket size, dtypes and scaling.
         group: the data-parallel process group.
         observer: optional callback ``(event, bucket_index)`` for tests and memory accounting.
+        process_groups: per entry of ``groups``, the process group it is partitioned and reduced over when it
+            is not ``group`` (MoE expert groups reduce over their expert-data-parallel group); ``None`` = all
+            over ``group``. A bucket never spans two groups, so each bucket has exactly one.
     """
 
     def __init__(
@@ -154,10 +157,12 @@ class GradReducer:
         config: ReducerConfig,
         group: Any = None,
         observer: Callable[[str, int], None] | None = None,
+        process_groups: Sequence[Any] | None = None,
     ) -> None:
         self.groups = list(groups)
         self.config = config
         self.group = group
+        self.process_groups = list(process_groups) if process_groups is not None else [group] * len(self.groups)
         self.observer = observer or (lambda event, index: None)
         self.buckets = self._plan()
         # parameter id -> (bucket index, group index, slot index)
@@ -282,17 +287,18 @@ class GradReducer:
         if self.config.scaling.pre != 1.0:
             data.mul_(self.config.scaling.pre)
         layout = self.groups[bucket.group].layout
+        pg = self.process_groups[bucket.group]
         if self.config.mode is ReduceMode.ALL_REDUCE:
-            bucket.handles = [dist.all_reduce(data, group=self.group, async_op=True)]
+            bucket.handles = [dist.all_reduce(data, group=pg, async_op=True)]
         else:
             bucket.handles = []
             for r in range(layout.world_size):
                 piece = bucket.range.intersect(layout.partition(r))
                 if piece.is_empty:
                     continue
-                dst = dist.get_global_rank(self.group, r) if self.group is not None else r
+                dst = dist.get_global_rank(pg, r) if pg is not None else r
                 view = data[piece.shift(-bucket.range.start).as_slice()]
-                bucket.handles.append(dist.reduce(view, dst=dst, group=self.group, async_op=True))
+                bucket.handles.append(dist.reduce(view, dst=dst, group=pg, async_op=True))
         self._in_flight.append(bucket)
         self.observer("launched", bucket.index)
 

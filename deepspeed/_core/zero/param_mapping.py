@@ -106,8 +106,10 @@ class ZeroHpMapping:
         full = torch.zeros(self.slot.numel, dtype=torch.float32, device=device)
         if local is not None and local.numel():
             full[self.lp_range.as_slice()] = local.to(device=device, dtype=torch.float32)
-        if self.optimizer.world_size > 1:
-            dist.all_reduce(full, group=self.optimizer.dp_group)
+        # Over the ranks this flat group is partitioned across (an MoE group's is its expert-data group).
+        pg = getattr(self._group, "process_group", self.optimizer.dp_group)
+        if dist.get_world_size(group=pg) > 1:
+            dist.all_reduce(full, group=pg)
         return full.view(self.slot.shape)
 
     def get_full_hp_param(self, optim_state_key: str | None = None) -> torch.Tensor:

@@ -9,12 +9,14 @@ steps the inner optimizer, writes the masters back and all-gathers the bit16 par
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.moe.params import ExpertGroup, is_moe_param_group
 from deepspeed._core.optim.clipping import local_sq_norm
 from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
@@ -50,6 +52,11 @@ class ZeroGroup:
     flat: FlatBuffer
     master: MasterPartition
     grads: GroupGrads
+    # The ranks this group is partitioned and reduced over: the data-parallel group, or for an MoE
+    # parameter group the expert-data-parallel group of its expert group (its own world size and rank).
+    process_group: Any = None
+    rank: int = 0
+    member_ranks: list[int] = field(default_factory=list)
 
 
 def _trainable_unique(group_params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -72,6 +79,8 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         loss_scaler: fp16 loss scaler or ``None``.
         dp_group: data-parallel process group (``None`` = world).
         param_names: optional ``{param: name}`` used for checkpoint ``param_shapes``.
+        expert_groups: process groups of each expert group by name; a parameter group marked ``moe`` is
+            partitioned and reduced over the expert-data-parallel group of its ``name``.
     """
 
     def __init__(
@@ -81,8 +90,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         loss_scaler: Any,
         dp_group: Any,
         param_names: dict[torch.nn.Parameter, str] | None = None,
+        expert_groups: Mapping[str, ExpertGroup] | None = None,
     ) -> None:
         self.optimizer = optimizer
+        self.expert_groups = dict(expert_groups or {})
         self.plan = plan
         self.loss_scaler = loss_scaler
         self.dp_group = dp_group
@@ -90,7 +101,8 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         self.rank = dist.get_rank(group=dp_group)
         self.path = GradPath.select(plan.zero.stage, plan.zero.lean.eager_grad_release)
         self.groups = [self._build_group(g, param_names or {}) for g in optimizer.param_groups]
-        self.reducer = GradReducer([g.grads for g in self.groups], self._reducer_config(), dp_group)
+        self.reducer = GradReducer([g.grads for g in self.groups], self._reducer_config(), dp_group,
+                                   process_groups=[g.process_group for g in self.groups])
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
@@ -106,7 +118,8 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         if not params:
             raise ValueError("a ZeRO optimizer parameter group has no trainable parameters")
         device = params[0].device
-        layout = plan_group([tuple(p.shape) for p in params], self.world_size)
+        pg, world, rank = self._process_group_of(param_group)
+        layout = plan_group([tuple(p.shape) for p in params], world)
         lean = self.plan.zero.lean
         flat = flatten_params(
             params,
@@ -120,11 +133,27 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         placement = MasterPlacement.DEVICE
         if offload.enabled:
             placement = MasterPlacement.PINNED_HOST if offload.pin_memory else MasterPlacement.HOST
-        master = MasterPartition(flat, self.rank, self.plan.precision.master_dtype, placement)
+        master = MasterPartition(flat, rank, self.plan.precision.master_dtype, placement)
         param_group["params"] = [master.param]
-        grads = GroupGrads(layout, params, self.rank, self.plan.precision.grad_accum_dtype,
+        grads = GroupGrads(layout, params, rank, self.plan.precision.grad_accum_dtype,
                            keep_storage=offload.enabled)
-        return ZeroGroup(params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads)
+        members = [dist.get_global_rank(pg, r) if pg is not None else r for r in range(world)]
+        return ZeroGroup(params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads,
+                         pg, rank, members)
+
+    def _process_group_of(self, param_group: dict) -> tuple[Any, int, int]:
+        """``(process group, its size, this rank's index)`` a parameter group is partitioned over."""
+        if not is_moe_param_group(param_group):
+            return self.dp_group, self.world_size, self.rank
+        name = param_group.get("name")
+        if name not in self.expert_groups:
+            raise ValueError(
+                f"optimizer parameter group marked 'moe' has name {name!r}, which is not an expert group of the "
+                f"model (known: {sorted(self.expert_groups)}); build the groups with "
+                "split_params_into_different_moe_groups_for_optimizer"
+            )
+        pg = self.expert_groups[name].edp_group
+        return pg, dist.get_world_size(group=pg), dist.get_rank(group=pg)
 
     def _reducer_config(self) -> ReducerConfig:
         buckets = self.plan.zero.buckets
@@ -198,7 +227,7 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         window = max(1, self.plan.zero.buckets.allgather_bucket_size // max(1, self.world_size))
         for group in self.groups:
             group.master.write_back()
-            all_gather_partitions(group.flat, window, self.dp_group)
+            all_gather_partitions(group.flat, window, group.process_group)
 
     def _clear_grads(self) -> None:
         for group in self.groups:

@@ -40,12 +40,13 @@ def shard_state_dict(opt: Any, version: str) -> dict:
         "overflow": opt.overflow,
         "clip_grad": opt.plan.grads.clip_norm,
         BASE_OPTIMIZER_STATE: opt.optimizer.state_dict(),
-        SINGLE_PARTITION_OF_FP32_GROUPS: [_valid(g.flat.layout, opt.rank, g.master.param.data) for g in groups],
+        SINGLE_PARTITION_OF_FP32_GROUPS: [_valid(g.flat.layout, g.rank, g.master.param.data) for g in groups],
         "zero_stage": opt.plan.zero.stage,
-        "group_paddings": [g.flat.layout.upstream_group_padding(opt.rank) for g in groups],
-        "partition_count": [opt.world_size for _ in groups],
+        "group_paddings": [g.flat.layout.upstream_group_padding(g.rank) for g in groups],
+        # MoE groups are partitioned over their expert-data-parallel group, hence a count per group.
+        "partition_count": [g.flat.layout.world_size for g in groups],
         "ds_version": version,
-        "param_slice_mappings": [_slice_mappings(g, opt.rank) for g in groups],
+        "param_slice_mappings": [_slice_mappings(g, g.rank) for g in groups],
     }
 
 
@@ -106,14 +107,37 @@ def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_
     for g, group in enumerate(opt.groups):
         layout = group.flat.layout
         if load_from_fp32_weights:
-            full = _full_vector([s[SINGLE_PARTITION_OF_FP32_GROUPS][g] for s in shards], layout.numel)
+            mine = _group_shards(group, shards, g)
+            full = _full_vector([s[SINGLE_PARTITION_OF_FP32_GROUPS][g] for s in mine], layout.numel)
             master = group.master.param.data
-            master.copy_(_reslice(full, layout, opt.rank, master).to(master.device))
+            master.copy_(_reslice(full, layout, group.rank, master).to(master.device))
         else:
             group.master.flat.copy_out(group.master.partition, group.master.param.data)
     if load_optimizer_states:
         _load_inner_state(opt, shards)
     opt.publish_weights()
+
+
+def _partition_count(shard: dict, index: int, default: int) -> int:
+    """Saved partition count of group ``index`` (a list per group; an int or nothing in some writers' files)."""
+    count = shard.get("partition_count", default)
+    if isinstance(count, (list, tuple)):
+        return int(count[index]) if index < len(count) else default
+    return int(count)
+
+
+def _group_shards(group: Any, shards: list[dict], index: int) -> list[dict]:
+    """The saved shards that hold pieces of flat group ``index``: all of them for a data-parallel group; for
+    an MoE group partitioned over fewer ranks, those of the live group's members (same world size only)."""
+    counts = {_partition_count(s, index, len(shards)) for s in shards}
+    if counts == {len(shards)}:
+        return shards
+    if len(shards) < max(group.member_ranks, default=0) + 1 or counts != {len(group.member_ranks)}:
+        raise ValueError(
+            f"optimizer group {index} (an MoE expert group) was saved partitioned over {sorted(counts)} ranks of a "
+            f"{len(shards)}-rank run; it can only be resumed with the same world size and expert-parallel size"
+        )
+    return [shards[r] for r in group.member_ranks]
 
 
 def _load_inner_state(opt: Any, shards: list[dict]) -> None:
@@ -125,8 +149,8 @@ def _load_inner_state(opt: Any, shards: list[dict]) -> None:
         entry = {}
         for key, value in saved["state"].get(g, {}).items():
             if torch.is_tensor(value) and value.dim() == 1:  # partition-shaped (moments); 0-d = step count
-                full = _full_vector(_saved_valid_states(shards, g, key), layout.numel)
-                entry[key] = _reslice(full, layout, opt.rank, master).to(value.dtype)
+                full = _full_vector(_saved_valid_states(_group_shards(group, shards, g), g, key), layout.numel)
+                entry[key] = _reslice(full, layout, group.rank, master).to(value.dtype)
             else:
                 entry[key] = value  # scalars such as Adam's step count are identical on every rank
         state[g] = entry

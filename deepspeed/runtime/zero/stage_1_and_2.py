@@ -31,6 +31,7 @@ from deepspeed._core.plan import (
     RunPlan,
     ZeroPlan,
 )
+from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups, is_moe_param_group
 from deepspeed._core.zero.param_mapping import attach_hp_mapping
 from deepspeed._core.zero.stage12 import ZeroOptimizer
 
@@ -104,12 +105,30 @@ def _zero_plan(kw: Mapping[str, Any]) -> ZeroPlan:
 
 def _check_supported(kw: Mapping[str, Any]) -> None:
     """Reject the upstream features this build does not implement, naming the argument."""
-    if kw["has_moe_layers"]:
-        raise _unsupported("has_moe_layers", True, "mixture-of-experts parameter groups are not implemented")
     if kw["zenflow_config"] is not None:
         raise _unsupported("zenflow_config", kw["zenflow_config"], "ZenFlow is not implemented")
     if kw["bf16_optimizer_states"]:
         raise _unsupported("bf16_optimizer_states", True, "optimizer states are kept in the master dtype")
+
+
+def _expert_groups(init_optimizer: torch.optim.Optimizer, kw: Mapping[str, Any]) -> dict[str, ExpertGroup]:
+    """``has_moe_layers=True``: the expert groups, from upstream's ``{name: group}`` dictionaries."""
+    if not kw["has_moe_layers"]:
+        return {}
+    ep, edp = kw["expert_parallel_group"], kw["expert_data_parallel_group"]
+    if not isinstance(ep, Mapping) or not isinstance(edp, Mapping) or set(ep) != set(edp):
+        raise ValueError(
+            "DeepSpeedZeroOptimizer(has_moe_layers=True) needs expert_parallel_group and expert_data_parallel_group "
+            "as {name: group} dicts with the same names (deepspeed.utils.groups._get_expert_parallel_group_dict() "
+            "and _get_expert_data_parallel_group_dict())"
+        )
+    if not any(is_moe_param_group(g) for g in init_optimizer.param_groups):
+        raise ValueError(
+            "DeepSpeedZeroOptimizer(has_moe_layers=True): no optimizer parameter group is marked 'moe'; build the "
+            "optimizer over deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)"
+        )
+    check_zero_param_groups(init_optimizer.param_groups, 2 if kw["partition_grads"] else 1)
+    return {name: ExpertGroup(name, ep[name], edp[name]) for name in sorted(ep)}
 
 
 def build_plan(init_optimizer: torch.optim.Optimizer, dp_group: Any, kw: Mapping[str, Any]) -> tuple[RunPlan, Any]:
@@ -131,8 +150,9 @@ def build_plan(init_optimizer: torch.optim.Optimizer, dp_group: Any, kw: Mapping
 class DeepSpeedZeroOptimizer(ZeroOptimizer):
     """ZeRO stage 1/2 optimizer with upstream's constructor (see ``docs/compat.md`` for accepted values).
 
-    ``timers``, ``verbose``, ``optimizer_params`` and ``expert_*_group`` are accepted and ignored;
-    ``mpu`` supplies the data-parallel group when ``dp_process_group`` is None. ``has_moe_layers=True``,
+    ``timers``, ``verbose`` and ``optimizer_params`` are accepted and ignored; ``mpu`` supplies the
+    data-parallel group when ``dp_process_group`` is None. With ``has_moe_layers=True`` the groups marked
+    ``moe`` are partitioned over ``expert_data_parallel_group[name]`` (``{name: group}`` dicts, as upstream).
     ``zenflow_config``, ``bf16_optimizer_states=True`` and NVMe optimizer offload raise
     ``NotImplementedError`` naming the argument.
     """
@@ -182,12 +202,14 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
         if dp_process_group is None and mpu is not None:
             dp_process_group = mpu.get_data_parallel_group()
         plan, scaler = build_plan(init_optimizer, dp_process_group, kw)
-        super().__init__(init_optimizer, plan, scaler, dp_process_group, param_names)
+        experts = _expert_groups(init_optimizer, kw)
+        super().__init__(init_optimizer, plan, scaler, dp_process_group, param_names, experts)
         attach_hp_mapping(self)
 
     @classmethod
     def from_plan(cls, init_optimizer: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any,
-                  param_names: dict | None) -> DeepSpeedZeroOptimizer:
+                  param_names: dict | None, expert_groups: Mapping[str, ExpertGroup] | None = None
+                  ) -> DeepSpeedZeroOptimizer:
         """Build from an already validated run plan (what ``deepspeed.initialize`` does).
 
         The engine's ZeRO-1/2 optimizer is this class, so integrations that check
@@ -195,7 +217,7 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
         the upstream keyword list above is only for code that constructs the optimizer itself.
         """
         self = cls.__new__(cls)
-        ZeroOptimizer.__init__(self, init_optimizer, plan, loss_scaler, dp_group, param_names)
+        ZeroOptimizer.__init__(self, init_optimizer, plan, loss_scaler, dp_group, param_names, expert_groups)
         return self
 
     # --- upstream attribute names, read-only views over the groups ------------------------------------
@@ -216,8 +238,8 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
 
     @property
     def partition_count(self) -> list[int]:
-        """Partitions per group (the data-parallel size)."""
-        return [self.world_size for _ in self.groups]
+        """Partitions per group (the data-parallel size; an MoE group's expert-data-parallel size)."""
+        return [g.flat.layout.world_size for g in self.groups]
 
     @property
     def partition_gradients(self) -> bool:

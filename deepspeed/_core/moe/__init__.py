@@ -1,0 +1,1 @@
+"""Mixture of experts: gating, expert-parallel layer and parameter classification (public: ``deepspeed.moe``)."""
