@@ -79,6 +79,12 @@ _DTYPE_CANON = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float1
                 "torch.float32": "fp32"}
 
 
+def _bf16_master_alone(value: Any, effective: Mapping[str, Any]) -> bool:
+    # Torch optimizers create their states in the dtype of the tensors they step, so bf16 masters mean bf16
+    # states; upstream's bf16 masters with fp32 states are not implemented.
+    return bool(value) and not (effective.get("bf16.enabled") and effective.get("bf16.bf16_optimizer_states"))
+
+
 def _stage0_accum_differs(value: Any, effective: Mapping[str, Any]) -> bool:
     # Stage 0 accumulates in the parameters' own .grad, so only the working dtype is possible there.
     if value is None or int(effective.get("zero_optimization.stage", 0)) != 0:
@@ -178,8 +184,11 @@ _PRECISION: dict[str, KeyRule] = {
                                       "fp16_master_weights_and_grads")},
     "bf16.enabled": _impl(), "bf16.immediate_grad_update": _noop("gradients are folded at the bucket flush (same "
                                                                  "values)"),
-    "bf16.check_grad_overflow": _impl(), "bf16.bf16_master_weights_and_grads": _impl(),
-    "bf16.bf16_optimizer_states": _impl(),
+    "bf16.check_grad_overflow": _impl(),
+    "bf16.bf16_master_weights_and_grads": _impl(
+        "bf16 masters with fp32 optimizer states are not implemented (states follow the master dtype)",
+        _bf16_master_alone, "true together with bf16.enabled and bf16.bf16_optimizer_states"),
+    "bf16.bf16_optimizer_states": _impl("optimizer states in the master dtype (bf16)"),
     "data_types.grad_accum_dtype": _impl("stages 1-3; stage 0 accumulates in the working dtype only",
                                          _stage0_accum_differs, "at stage 0, the working dtype (or unset)"),
     "data_types.param_dtype": _impl(), "data_types.buffer_dtype": _impl(),

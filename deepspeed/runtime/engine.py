@@ -75,6 +75,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._config = config_class
         self.config = config_class._param_dict
         self.plan = config_class.plan
+        if config_class.comms_config.comms_logger_enabled:
+            dist.configure(config_class)  # the comms_logger block takes effect for this process's collectives
 
     def _apply_process_group(self, dist_init_required: bool | None) -> None:
         if not dist.is_initialized():

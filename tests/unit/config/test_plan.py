@@ -39,7 +39,7 @@ def test_dtype_resolution(extra: dict, param: torch.dtype, accum: torch.dtype, c
 
 
 def test_buffer_and_master_dtypes() -> None:
-    precision = _plan(bf16={"enabled": True, "bf16_master_weights_and_grads": True},
+    precision = _plan(bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
                       data_types={"buffer_dtype": "bf16", "param_dtype": "bf16"}).precision
     assert precision.buffer_dtype == torch.bfloat16 and precision.master_dtype == torch.bfloat16
     assert _plan().precision.buffer_dtype is None
