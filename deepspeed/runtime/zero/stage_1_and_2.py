@@ -108,8 +108,10 @@ def _check_supported(kw: Mapping[str, Any]) -> None:
         raise _unsupported("has_moe_layers", True, "mixture-of-experts parameter groups are not implemented")
     if kw["zenflow_config"] is not None:
         raise _unsupported("zenflow_config", kw["zenflow_config"], "ZenFlow is not implemented")
-    if kw["bf16_optimizer_states"]:
-        raise _unsupported("bf16_optimizer_states", True, "optimizer states are kept in the master dtype")
+    if kw["bf16_master_weights_and_gradients"] and not kw["bf16_optimizer_states"]:
+        # Optimizer states follow the master dtype, so bf16 masters come with bf16 states.
+        raise _unsupported("bf16_master_weights_and_gradients", True, "bf16 masters with fp32 optimizer states are "
+                           "not implemented; pass bf16_optimizer_states=True as well")
 
 
 def build_plan(init_optimizer: torch.optim.Optimizer, dp_group: Any, kw: Mapping[str, Any]) -> tuple[RunPlan, Any]:
@@ -133,7 +135,8 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
 
     ``timers``, ``verbose``, ``optimizer_params`` and ``expert_*_group`` are accepted and ignored;
     ``mpu`` supplies the data-parallel group when ``dp_process_group`` is None. ``has_moe_layers=True``,
-    ``zenflow_config``, ``bf16_optimizer_states=True`` and NVMe optimizer offload raise
+    ``zenflow_config``, ``bf16_master_weights_and_gradients=True`` without ``bf16_optimizer_states=True`` (states
+    follow the master dtype) and NVMe optimizer offload raise
     ``NotImplementedError`` naming the argument.
     """
 
