@@ -249,7 +249,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
     def offload_states(
         self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
     ) -> None:
-        """Move optimizer state and fp32 masters to host memory until :meth:`reload_states`."""
+        """Move optimizer state and fp32 masters (and, under ZeRO-3, the 16-bit parameter shards) to host memory
+        until :meth:`reload_states`."""
         if self.optimizer is None or getattr(self.optimizer, "optimizer", None) is None:
             raise ValueError("offload_states needs an engine with an optimizer")
         target = torch.device(getattr(device, "value", device))
@@ -258,8 +259,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         if "_state_offloader" not in self.__dict__:
             self._state_offloader = StateOffloader()
         self._state_offloader.offload(
-            self.optimizer.optimizer, parse_kinds(include), target, torch.float32 if pin_memory else None,
-            non_blocking,
+            self.optimizer.optimizer, parse_kinds(include, zero3=self.zero3_manager is not None), target,
+            torch.float32 if pin_memory else None, non_blocking, manager=self.zero3_manager,
         )
 
     def reload_states(self, non_blocking: bool = False) -> None:
