@@ -221,8 +221,17 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         schedule: Any = None,
         compiled_autograd_enabled: bool = False,
     ) -> None:
-        """``torch.compile`` the wrapped module in place (upstream keyword form; ``schedule`` is unused)."""
+        """``torch.compile`` the wrapped module in place (upstream keyword form).
+
+        Under ZeRO-3 the parameter fetch/release hooks run eagerly, as graph breaks ([Note: zero3 under compile]
+        in docs/design/zero3.md). ``schedule`` (DeepCompile passes) and ``compiled_autograd_enabled`` are refused.
+        """
         from deepspeed.accelerator import get_accelerator
+
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError("engine.compile(schedule=..., compiled_autograd_enabled=True) is not supported "
+                                      "by deepspeed-lean (DeepCompile schedules and compiled autograd are not "
+                                      "implemented); call engine.compile(backend=..., compile_kwargs=...)")
 
         backend = backend if backend is not None else get_accelerator().get_compile_backend()
         self.module.compile(backend=backend, **compile_kwargs)

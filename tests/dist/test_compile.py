@@ -100,3 +100,22 @@ def test_zero3_compiled_matches_eager_inductor() -> None:
 def test_zero_0_1_2_compiled_match_eager() -> None:
     for rank_results in run_distributed(_compare, 2, [0, 1, 2], "aot_eager", timeout=300):
         _check(rank_results, "aot_eager", 2, 0.0)
+
+
+def _refused_compile_arguments() -> list[str]:
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(2))
+    messages = []
+    for kwargs in ({"schedule": [(0, [])]}, {"compiled_autograd_enabled": True}):
+        try:
+            engine.compile(**kwargs)
+            messages.append("no error")
+        except NotImplementedError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_unimplemented_compile_arguments_raise() -> None:
+    for message in run_distributed(_refused_compile_arguments, 1, timeout=60)[0]:
+        assert "schedule" in message and "compiled_autograd_enabled" in message, message
