@@ -5,7 +5,8 @@ ZeRO-3's fetch/release hooks swap ``param.data``; traced by dynamo that is an in
 version counter of a parameter another compiled graph saved for backward, so they run eagerly (a graph break at
 each hook; see [Note: zero3 under compile] in docs/design/zero3.md). Inductor needs a C++ compiler on CPU; the
 ZeRO-3 case uses inductor, stages 0-2 use aot_eager (the same AOT-autograd path, without code generation, to
-keep this file fast).
+keep this file fast). The model has no activation checkpointing: under ZeRO-3 a checkpointed region runs
+uncompiled (the known limit in that note).
 """
 from __future__ import annotations
 
