@@ -29,6 +29,7 @@ from deepspeed._core.plan import (BatchPlan, BucketPolicy, GradPolicy, LeafModul
 from deepspeed.comm.config import CommsLoggerConfig, DeepSpeedCommsConfig
 from deepspeed.monitor.config import CometConfig, CSVConfig, DeepSpeedMonitorConfig, TensorBoardConfig, WandbConfig
 from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
+from deepspeed.runtime.config_surface import enforce_surface
 from deepspeed.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, DeepSpeedLenientConfigModel,
                                             dict_raise_error_on_duplicate_keys)
 from deepspeed.runtime.constants import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,
@@ -318,12 +319,10 @@ def _mode_dtype(root: _RootConfig) -> torch.dtype:
     return torch.float32
 
 
-def _check_unsupported(param_dict: dict) -> None:
-    """Reject features that change training semantics and that this package does not implement."""
-    for block, what in (("elasticity", "elastic training"), ("amp", "apex AMP (use the fp16 or bf16 block)")):
-        section = param_dict.get(block)
-        if isinstance(section, dict) and section.get("enabled"):
-            raise DeepSpeedConfigError(f"{block}.enabled: {what} is not supported by deepspeed-lean")
+def _check_unsupported(root: _RootConfig, param_dict: dict) -> None:
+    """Refuse keys asking for features this package does not implement; warn about keys without effect (the
+    table is ``deepspeed._core.config_surface``)."""
+    enforce_surface(root, param_dict)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -601,7 +600,7 @@ class DeepSpeedConfig:
     def __init__(self, config: str | os.PathLike | dict, mpu: Any = None, mesh_device: Any = None) -> None:
         self._param_dict = load_config_dict(config)
         self._model = _RootConfig.from_dict(self._param_dict)
-        _check_unsupported(self._param_dict)
+        _check_unsupported(self._model, self._param_dict)
         self.world_size = data_parallel_world_size(mpu, mesh_device, self._model.sequence_parallel_size)
         self._batch = resolve_batch(self._model.train_batch_size, self._model.train_micro_batch_size_per_gpu,
                                     self._model.gradient_accumulation_steps, self.world_size)

@@ -79,6 +79,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._config = config_class
         self.config = config_class._param_dict
         self.plan = config_class.plan
+        if config_class.comms_config.comms_logger_enabled:
+            dist.configure(config_class)  # the comms_logger block takes effect for this process's collectives
 
     def _apply_process_group(self, dist_init_required: bool | None) -> None:
         if not dist.is_initialized():
@@ -234,8 +236,17 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         schedule: Any = None,
         compiled_autograd_enabled: bool = False,
     ) -> None:
-        """``torch.compile`` the wrapped module in place (upstream keyword form; ``schedule`` is unused)."""
+        """``torch.compile`` the wrapped module in place (upstream keyword form).
+
+        Under ZeRO-3 the parameter fetch/release hooks run eagerly, as graph breaks ([Note: zero3 under compile]
+        in docs/design/zero3.md). ``schedule`` (DeepCompile passes) and ``compiled_autograd_enabled`` are refused.
+        """
         from deepspeed.accelerator import get_accelerator
+
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError("engine.compile(schedule=..., compiled_autograd_enabled=True) is not supported "
+                                      "by deepspeed-lean (DeepCompile schedules and compiled autograd are not "
+                                      "implemented); call engine.compile(backend=..., compile_kwargs=...)")
 
         backend = backend if backend is not None else get_accelerator().get_compile_backend()
         self.module.compile(backend=backend, **compile_kwargs)
@@ -262,7 +273,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
     def offload_states(
         self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
     ) -> None:
-        """Move optimizer state and fp32 masters to host memory until :meth:`reload_states`."""
+        """Move optimizer state and fp32 masters (and, under ZeRO-3, the 16-bit parameter shards) to host memory
+        until :meth:`reload_states`."""
         if self.optimizer is None or getattr(self.optimizer, "optimizer", None) is None:
             raise ValueError("offload_states needs an engine with an optimizer")
         target = torch.device(getattr(device, "value", device))
@@ -271,8 +283,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         if "_state_offloader" not in self.__dict__:
             self._state_offloader = StateOffloader()
         self._state_offloader.offload(
-            self.optimizer.optimizer, parse_kinds(include), target, torch.float32 if pin_memory else None,
-            non_blocking,
+            self.optimizer.optimizer, parse_kinds(include, zero3=self.zero3_manager is not None), target,
+            torch.float32 if pin_memory else None, non_blocking, manager=self.zero3_manager,
         )
 
     def reload_states(self, non_blocking: bool = False) -> None:

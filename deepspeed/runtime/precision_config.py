@@ -113,7 +113,8 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
     """Check gradients for inf/nan before the optimizer step and skip the step on overflow."""
 
     bf16_master_weights_and_grads: bool = False
-    """Keep the optimizer's master weights and gradients in bf16 (ZeRO only)."""
+    """Keep the optimizer's master weights and gradients in bf16. The optimizer's states follow the master dtype, so
+    deepspeed-lean needs ``bf16_optimizer_states`` true as well (bf16 masters with fp32 states are refused)."""
 
     bf16_optimizer_states: bool = False
     """Keep optimizer states in bf16 as well; requires ``bf16_master_weights_and_grads``."""

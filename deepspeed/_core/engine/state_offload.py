@@ -3,6 +3,11 @@
 RL loops alternate training with generation; parking the optimizer's tensors in host memory during
 generation frees most of a ZeRO rank's model-state memory. Tensors keep their identity (only ``.data``
 moves), so optimizer and hook references stay valid across an offload/reload cycle.
+
+Under ZeRO-3, ``lp_params`` also parks the 16-bit parameter shards: the manager first returns every parameter,
+persistent ones included, to the partitioned state (:meth:`ZeroParamManager.shards_for_offload`), so nothing
+gathered stays on the device; after the reload the persistent ones are gathered again. ZeRO-3 gradients live
+only between a backward and its step, so between steps there are none to move.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ class StateKind(str, enum.Enum):
 
     OPTIM_STATES = "optim_states"
     HP_PARAMS = "hp_params"
+    LP_PARAMS = "lp_params"
 
 
 def _tensors(inner: torch.optim.Optimizer, kinds: set[StateKind]) -> list[torch.Tensor]:
@@ -37,11 +43,21 @@ class StateOffloader:
 
     def __init__(self) -> None:
         self.moved: list[tuple[torch.Tensor, torch.device]] = []
+        self.manager: Any = None  # the ZeRO-3 parameter manager whose shards are parked, if any
 
     def offload(self, inner: torch.optim.Optimizer, kinds: set[StateKind], device: torch.device,
-                pin: torch.dtype | None, non_blocking: bool) -> None:
-        """Move the selected tensors to ``device``; ``pin`` non-None pins host copies."""
-        for t in _tensors(inner, kinds):
+                pin: torch.dtype | None, non_blocking: bool, manager: Any = None) -> None:
+        """Move the selected tensors to ``device``; ``pin`` non-None pins host copies.
+
+        ``manager``: the ZeRO-3 parameter manager, needed for ``lp_params`` (refused without one).
+        """
+        tensors = _tensors(inner, kinds)
+        if StateKind.LP_PARAMS in kinds:
+            if manager is None:
+                raise ValueError("offload_states include='lp_params' is supported with ZeRO stage 3 only")
+            tensors += manager.shards_for_offload()
+            self.manager = manager
+        for t in tensors:
             if t.device == device:
                 continue
             self.moved.append((t, t.device))
@@ -57,12 +73,15 @@ class StateOffloader:
         self.moved.clear()
         if non_blocking:
             get_accelerator().synchronize()
+        if self.manager is not None:
+            self.manager.restore_persistent()
+            self.manager = None
 
 
-def parse_kinds(include: Any) -> set[StateKind]:
-    """``None`` = everything supported; else names or enum values, validated."""
+def parse_kinds(include: Any, zero3: bool = False) -> set[StateKind]:
+    """``None`` = everything supported (``lp_params`` with ZeRO-3 only); else names or enum values, validated."""
     if include is None:
-        return set(StateKind)
+        return set(StateKind) if zero3 else {StateKind.OPTIM_STATES, StateKind.HP_PARAMS}
     kinds = set()
     for item in include:
         value = getattr(item, "value", item)

@@ -74,7 +74,7 @@ class GatheringParameterDict(dict):
     def __init__(self, original: dict, on_access: Callable[[nn.Parameter], None], hooks: ModuleHooks) -> None:
         """Copy ``original``'s entries; call ``on_access(param)`` on reads of a non-``FULL`` ZeRO parameter."""
         super().__init__(original)
-        self._on_access = on_access
+        self._on_access = _eager(on_access)  # gathers, i.e. swaps param.data: never traced
         self._hooks = hooks
         self.routed: frozenset[str] = frozenset()
         self.forward_depth = 0  # > 0 inside this module's forward (the hooks count calls in and out)
@@ -111,6 +111,11 @@ anything else (containers, named tuples, registered pytree nodes) takes it."""
 
 def _grad_tensors(values: Iterable[Any]) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _eager(fn: Callable) -> Callable:
+    """``fn`` run eagerly under ``torch.compile``: a graph break, never traced (see [Note: zero3 under compile])."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 class ModuleHooks:
@@ -162,6 +167,7 @@ class ModuleHooks:
                 params.forward_depth -= 1
             target.post_forward(mod)
 
+        fetch, release = _eager(fetch), _eager(release)
         self.forward_hooks.append(module.register_forward_pre_hook(fetch))
         # always_call: a non-reentrant checkpoint stops its recompute early by raising out of the last
         # module it needs; without it that module would stay gathered until the backward ends.

@@ -186,6 +186,7 @@ class ZeroParamManager:
         # [Note: routed grads]: only the lean gradient path routes uses; off, every gradient reaches param.grad.
         self._route_grads = lean.eager_grad_release
         self._quiet_backward: set[int] = set()  # modules whose backward runs without fetching (all uses routed)
+        self._parked_persistent: list[ZeroParam] = []  # persistent, partitioned while offload_states holds shards
         self._adopt_parameters(module.parameters())
         self._mark_persistent()
         self.hooks = ModuleHooks(self)
@@ -356,6 +357,33 @@ class ZeroParamManager:
         self._grad_callbacks.clear()
         self._update_routing()
         self._backward_end_callbacks.clear()
+
+    def shards_for_offload(self) -> list[torch.Tensor]:
+        """Partition every parameter, persistent ones included, and return the shards to park (``offload_states``).
+
+        Raises:
+            ValueError: a gradient waits in a shard (between a backward and its step), or a parameter is held by
+                an open ``GatheredParameters`` context.
+        """
+        if any(s.grad_parked is not None for s in self.states.values()):
+            raise ValueError("offload_states: gradients of the current step wait in the parameter shards; call it "
+                             "after engine.step()")
+        self.release_all()
+        self._parked_persistent = [s for s in self.states.values() if s.is_persistent]
+        for state in self._parked_persistent:
+            state.persistence = Persistence.PARTITIONED
+        self.engine.release(self._parked_persistent)
+        held = [s.ds_id for s in self.states.values() if s.state is not ShardedState.SHARDED]
+        if held:
+            raise ValueError(f"offload_states: parameters {held[:8]} are still gathered (open GatheredParameters?)")
+        return [s.shard for s in self.states.values()]
+
+    def restore_persistent(self) -> None:
+        """After the shards are back: gather again the parameters :meth:`shards_for_offload` un-persisted."""
+        persistent, self._parked_persistent = self._parked_persistent, []
+        self.engine.gather(persistent)
+        for state in persistent:
+            state.persistence = Persistence.PERSISTENT
 
     def refresh_persistent(self) -> None:
         """Re-gather persistent parameters after the optimizer rewrote their shards."""

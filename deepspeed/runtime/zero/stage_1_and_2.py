@@ -107,8 +107,10 @@ def _check_supported(kw: Mapping[str, Any]) -> None:
     """Reject the upstream features this build does not implement, naming the argument."""
     if kw["zenflow_config"] is not None:
         raise _unsupported("zenflow_config", kw["zenflow_config"], "ZenFlow is not implemented")
-    if kw["bf16_optimizer_states"]:
-        raise _unsupported("bf16_optimizer_states", True, "optimizer states are kept in the master dtype")
+    if kw["bf16_master_weights_and_gradients"] and not kw["bf16_optimizer_states"]:
+        # Optimizer states follow the master dtype, so bf16 masters come with bf16 states.
+        raise _unsupported("bf16_master_weights_and_gradients", True, "bf16 masters with fp32 optimizer states are "
+                           "not implemented; pass bf16_optimizer_states=True as well")
 
 
 def _expert_groups(init_optimizer: torch.optim.Optimizer, kw: Mapping[str, Any]) -> dict[str, ExpertGroup]:
@@ -153,7 +155,8 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
     ``timers``, ``verbose`` and ``optimizer_params`` are accepted and ignored; ``mpu`` supplies the
     data-parallel group when ``dp_process_group`` is None. With ``has_moe_layers=True`` the groups marked
     ``moe`` are partitioned over ``expert_data_parallel_group[name]`` (``{name: group}`` dicts, as upstream).
-    ``zenflow_config``, ``bf16_optimizer_states=True`` and NVMe optimizer offload raise
+    ``zenflow_config``, ``bf16_master_weights_and_gradients=True`` without ``bf16_optimizer_states=True`` (states
+    follow the master dtype) and NVMe optimizer offload raise
     ``NotImplementedError`` naming the argument.
     """
 

@@ -217,11 +217,11 @@ def test_monitor_comms_and_activation_checkpointing() -> None:
 
 
 def test_other_blocks_and_views() -> None:
-    cfg = DeepSpeedConfig({"train_batch_size": 2, "checkpoint": {"tag_validation": "fail", "load_universal": True},
+    cfg = DeepSpeedConfig({"train_batch_size": 2, "checkpoint": {"tag_validation": "fail"},
                            "flops_profiler": {"enabled": True}, "aio": {"queue_depth": 16},
                            "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "bf16"})
     assert cfg.checkpoint_tag_validation_enabled and cfg.checkpoint_tag_validation_fail
-    assert cfg.load_universal_checkpoint and cfg.use_node_local_storage is False
+    assert cfg.load_universal_checkpoint is False and cfg.use_node_local_storage is False
     assert cfg.wall_clock_breakdown is True  # forced by the flops profiler
     assert cfg.aio_config["queue_depth"] == 16 and cfg.aio_config["block_size"] == 1048576
     assert cfg.grad_accum_dtype == "fp32"

@@ -25,11 +25,12 @@ def test_plan_is_cached_and_frozen() -> None:
     ({}, torch.float32, torch.float32, torch.float32),
     ({"fp16": {"enabled": True}}, torch.float16, torch.float16, torch.float16),
     ({"bf16": {"enabled": True}}, torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, torch.bfloat16, torch.float32,
-     torch.bfloat16),
-    ({"fp16": {"enabled": True}, "communication_data_type": "fp32"}, torch.float16, torch.float16, torch.float32),
-    ({"bfloat16": {"enabled": True}, "data_types": {"grad_accum_dtype": "float"}, "communication_data_type": "bf16"},
+    # Stage 0 accumulates in the working dtype only (other grad_accum_dtype values are refused there).
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}},
      torch.bfloat16, torch.float32, torch.bfloat16),
+    ({"fp16": {"enabled": True}, "communication_data_type": "fp32"}, torch.float16, torch.float16, torch.float32),
+    ({"bfloat16": {"enabled": True}, "data_types": {"grad_accum_dtype": "float"}, "communication_data_type": "bf16",
+      "zero_optimization": {"stage": 2}}, torch.bfloat16, torch.float32, torch.bfloat16),
 ])
 def test_dtype_resolution(extra: dict, param: torch.dtype, accum: torch.dtype, comm: torch.dtype) -> None:
     precision = _plan(**extra).precision
@@ -38,7 +39,7 @@ def test_dtype_resolution(extra: dict, param: torch.dtype, accum: torch.dtype, c
 
 
 def test_buffer_and_master_dtypes() -> None:
-    precision = _plan(bf16={"enabled": True, "bf16_master_weights_and_grads": True},
+    precision = _plan(bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
                       data_types={"buffer_dtype": "bf16", "param_dtype": "bf16"}).precision
     assert precision.buffer_dtype == torch.bfloat16 and precision.master_dtype == torch.bfloat16
     assert _plan().precision.buffer_dtype is None
@@ -88,7 +89,7 @@ def test_zero_plan_fields() -> None:
         "stage3_max_reuse_distance": 5e8, "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e8,
         "stage3_gather_16bit_weights_on_model_save": True, "round_robin_gradients": True,
         "offload_optimizer": {"device": "cpu", "pin_memory": False, "ratio": 0.3},
-        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 6}}).zero
+        "offload_param": {"device": "cpu", "nvme_path": "/local_nvme", "buffer_count": 6}}).zero
     assert zero.stage == 3 and zero.round_robin_gradients
     assert (zero.buckets.reduce_bucket_size, zero.buckets.allgather_bucket_size) == (10_000_000, 20_000_000)
     assert not zero.buckets.contiguous_gradients and not zero.buckets.reduce_scatter
@@ -99,7 +100,7 @@ def test_zero_plan_fields() -> None:
     assert s3.gather_16bit_weights_on_model_save
     assert zero.offload_optimizer.device == OffloadDevice.CPU and zero.offload_optimizer.enabled
     assert zero.offload_optimizer.pin_memory is False and zero.offload_optimizer.ratio == 0.3
-    assert zero.offload_param.device == OffloadDevice.NVME and zero.offload_param.nvme_path == "/local_nvme"
+    assert zero.offload_param.device == OffloadDevice.CPU and zero.offload_param.nvme_path == "/local_nvme"
     assert zero.offload_param.buffer_count == 6
 
 
