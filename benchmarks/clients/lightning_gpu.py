@@ -56,7 +56,7 @@ def _module_class(pl):  # noqa: ANN001, ANN202
 
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
             x, y = batch
-            loss = nn.functional.mse_loss(self.net(x).float(), y)
+            loss = nn.functional.mse_loss(self.net(x).float(), y.float())  # bf16-mixed casts the batch, targets too
             self.losses.append(loss.item())
             return loss
 
