@@ -17,6 +17,7 @@ from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_checkpointing import EngineCheckpointMixin
 from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_scheduler
@@ -31,6 +32,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
     Users normally get one from :func:`deepspeed.initialize`. Unknown attributes fall through to the
     wrapped ``module``.
     """
+
+    _is_pipeline_engine = False  # PipelineEngine sets it; the 'pipeline' config block is refused otherwise
 
     def __init__(
         self,
@@ -75,6 +78,11 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._config = config_class
         self.config = config_class._param_dict
         self.plan = config_class.plan
+        if "pipeline" in self.config and not self._is_pipeline_engine:
+            raise DeepSpeedConfigError(
+                f"the config sets 'pipeline' but the model is a {type(self.module).__name__}, not a PipelineModule: "
+                "pipeline settings only apply to deepspeed.pipe.PipelineModule models; remove the 'pipeline' block"
+            )
 
     def _apply_process_group(self, dist_init_required: bool | None) -> None:
         if not dist.is_initialized():

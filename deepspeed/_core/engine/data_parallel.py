@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from deepspeed._core.optim.clipping import NormScope, clip_, global_norm
+from deepspeed import comm as dist
+from deepspeed._core.optim.clipping import NormScope, clip_, counts_in_norm, global_norm
 from deepspeed._core.engine.grad_sync import BucketedAllReduce
 from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
@@ -78,6 +79,10 @@ class DataParallelOptimizer(EngineOptimizer):
         # After the all-reduce every rank holds the same sums, so an inf on any rank is seen by all
         # and they all skip together without an extra collective.
         self.overflow = self.check_overflow and has_inf_or_nan(grads)
+        if self.check_overflow and self.stage_group is not None:  # pipeline: skip on every stage together
+            flag = torch.tensor([float(self.overflow)], device=self.params[0].device)
+            dist.all_reduce(flag, group=self.stage_group)
+            self.overflow = bool(flag.item() > 0)
         if self.overflow:
             self._global_grad_norm = None
             self.zero_grad()
@@ -87,10 +92,14 @@ class DataParallelOptimizer(EngineOptimizer):
         scale = self.cur_scale
         if self.masters is not None:
             self.masters.grads_to_masters(scale)
-            grads = [m.grad for _, m in self.masters.pairs if m.grad is not None]
-        elif scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        self._global_grad_norm = global_norm(grads, NormScope.REPLICATED)
+            owned = [(p, m.grad) for p, m in self.masters.pairs if m.grad is not None]
+        else:
+            owned = [(p, p.grad) for p in self.params if p.grad is not None]
+            if scale != 1.0:
+                torch._foreach_mul_(grads, 1.0 / scale)
+        grads = [g for _, g in owned]
+        counted = [g for p, g in owned if counts_in_norm(p)]
+        self._global_grad_norm = global_norm(counted, NormScope.REPLICATED, stage_group=self.stage_group)
         clip_(grads, self._global_grad_norm, self.plan.grads.clip_norm)
         self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if self.masters is not None:
