@@ -13,6 +13,7 @@ non-reentrant variant instead, which recomputes the same way but keeps the graph
 """
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -23,6 +24,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed._core.engine import activation_checkpoint as _ac
+from deepspeed._core.pipe import checkpoint as _ckpt
 from deepspeed._core.pipe.partition import PartitionError, parse_method, partition_layers
 from deepspeed._core.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
 from deepspeed.utils.logging import log_dist
@@ -327,6 +329,32 @@ class PipelineModule(nn.Module):
         if self.checkpointable_layers is not None:
             return any(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def ckpt_prefix(self, checkpoints_path: str, tag: str) -> str:
+        """Path prefix of this rank's files in ``<checkpoints_path>/<tag>`` (upstream helper)."""
+        rank_name = "module"
+        rank_repr = self._topo.get_rank_repr(rank=self.global_rank)
+        if rank_repr:
+            rank_name += f"-{rank_repr}"
+        return os.path.join(checkpoints_path, str(tag), rank_name)
+
+    def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
+        """File of local layer ``local_layer_idx``: ``layer_<global idx>[-<rank_repr>]-model_states.pt``."""
+        idx = self._local_start + local_layer_idx
+        return os.path.join(ckpt_dir, _ckpt.layer_file_name(idx, self._topo.get_rank_repr(rank=self.global_rank)))
+
+    def ckpt_layer_path_list(self, ckpt_dir: str, local_layer_idx: int) -> list[str]:
+        """Every saved file of local layer ``local_layer_idx`` (one per tensor-parallel slice)."""
+        return _ckpt.layer_files_of(ckpt_dir, self._local_start + local_layer_idx)
+
+    def save_state_dict(self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False) -> None:
+        """Write one file per local layer into ``save_dir`` (data-parallel rank 0 of each stage writes)."""
+        _ckpt.save_layers(self, save_dir, checkpoint_engine, exclude_frozen_params)
+
+    def load_state_dir(self, load_dir: str, checkpoint_engine: Any = None, strict: bool = True) -> None:
+        """Load every local layer from ``load_dir`` and re-synchronise tied weights (collective: call on all ranks)."""
+        _ckpt.load_layers(self, load_dir, checkpoint_engine, strict)
 
     # ------------------------------------------------------------------ queries
     def topology(self) -> ProcessTopology:
