@@ -7,12 +7,14 @@ are decided over every stage.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.pipe.buffers import ReleasePolicy
+from deepspeed._core.pipe.checkpoint import PipelineModuleFiles
 from deepspeed._core.pipe.executor import PipeExecutor, StageInfo
 from deepspeed._core.pipe.module import PipelineModule
 from deepspeed._core.pipe.p2p import StageLink
@@ -20,6 +22,7 @@ from deepspeed._core.pipe.schedule import InferenceSchedule, TrainSchedule
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils.logging import logger
 
 __all__ = ["PipelineEngine", "PipelineError", "DeepSpeedEngine"]
 
@@ -70,6 +73,7 @@ class PipelineEngine(DeepSpeedEngine):
                 f"zero_optimization.stage={stage} cannot be combined with pipeline parallelism (each micro-batch's "
                 "gradients would be partitioned mid-schedule); valid with a PipelineModule: stage 0 or 1"
             )
+        _apply_pipeline_block(self.config.get("pipeline"), self.module)
         if mpu is not None and mpu.get_slice_parallel_world_size() > 1:
             raise NotImplementedError(
                 "PipelineEngine: tensor (model) parallelism inside pipeline stages is not supported yet; use a "
@@ -114,6 +118,10 @@ class PipelineEngine(DeepSpeedEngine):
             self._loop.step()
         finally:
             acc.set_boundary(None)
+
+    def _checkpoint_subject(self) -> Any:
+        """The engine's checkpoint subject, with the module saved as upstream's per-layer files."""
+        return dataclasses.replace(super()._checkpoint_subject(), module_files=PipelineModuleFiles(self.module))
 
     # --- the pipeline API ----------------------------------------------------------------------------------------
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
@@ -190,6 +198,36 @@ class PipelineEngine(DeepSpeedEngine):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Not available in pipeline mode: use :meth:`train_batch`."""
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+
+# Upstream's ``pipeline`` config keys. Only the checkpoint interval reaches the engine; the others are read by the
+# code that builds the PipelineModule (GPT-NeoX, Megatron-DeepSpeed) or only matter with tensor parallelism.
+_PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
+                  "grad_partitioned")
+
+
+def _apply_pipeline_block(block: Any, module: PipelineModule) -> None:
+    """Validate the ``pipeline`` config block; apply ``activation_checkpoint_interval``, warn about the rest."""
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise DeepSpeedConfigError(f"pipeline must be an object with keys {list(_PIPELINE_KEYS)}, got {block!r}")
+    unknown = sorted(set(block) - set(_PIPELINE_KEYS))
+    if unknown:
+        raise DeepSpeedConfigError(f"pipeline: unknown key(s) {unknown}; valid keys: {list(_PIPELINE_KEYS)}")
+    interval = block.get("activation_checkpoint_interval")
+    if interval is not None:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+            raise DeepSpeedConfigError(f"pipeline.activation_checkpoint_interval must be an int >= 0, got {interval!r}")
+        if interval > 0:
+            module.activation_checkpoint_interval = interval
+    ignored = [k for k in block if k != "activation_checkpoint_interval"]
+    if ignored:
+        logger.warning(
+            f"pipeline config keys {ignored} do not change the PipelineEngine: stages, partitioning and layer "
+            "seeding are fixed when the PipelineModule is built, and pipe_partitioned / grad_partitioned only "
+            "apply to tensor parallelism"
+        )
 
 
 def _mark_replicated_tied_weights(model: PipelineModule) -> None:
