@@ -57,7 +57,7 @@ def _reference(name: str, gas: int, dp: int, extra: dict, model_kw: dict) -> tup
     return losses, {n: p.detach().float() for n, p in model.named_parameters()}
 
 
-def _check(results: list[dict], cases: list, dp: int) -> None:
+def _check(results: list[dict], cases: list, dp: int, pp: int = 2) -> None:
     for name, gas, _, extra, model_kw, _ in cases:
         ref_losses, ref_params = _reference(name, gas, dp, extra, model_kw)
         bf16 = "bf16" in name
@@ -73,7 +73,7 @@ def _check(results: list[dict], cases: list, dp: int) -> None:
                 else:
                     torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {pname}: {m}")
         # Every stage's parameters are checked, and the run moved them, or parity would be vacuous.
-        assert {r[name]["stage"] for r in results} == {0, 1}
+        assert {r[name]["stage"] for r in results} == set(range(pp))
         assert ref_losses[0] != ref_losses[-1]
 
 
@@ -83,3 +83,8 @@ def test_pipe_parity_pp2() -> None:
 
 def test_pipe_parity_pp2_dp2() -> None:
     _check(run_distributed(_train_cases, 4, 2, CASES_PP2_DP2, timeout=300), CASES_PP2_DP2, dp=2)
+
+
+def test_single_stage_pipeline_is_plain_data_parallelism() -> None:
+    cases = [("fp32_gas4_zero1_pp1", 4, 1, {}, {}, "parameters")]
+    _check(run_distributed(_train_cases, 2, 1, cases, timeout=240), cases, dp=2, pp=1)
