@@ -72,6 +72,10 @@ def _scheduler_and_eval() -> dict:
              engine.eval_batch(data_iter(1, 2, 1, 0), return_logits=True, num_micro_batches=1),
              engine.eval_batch(data_iter(1, 2, 1, 0), reduce_output=None)]
     unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    engine.set_has_attention_mask(True)
+    engine.set_train_batch_size(3 * 4)  # four micro-batches per batch ...
+    assert engine.micro_batches == 4
+    engine.set_train_batch_size(3 * 2)  # ... and back to two
     it = data_iter(STEPS, 2, 1, 0)
     losses, lrs = [], []
     for _ in range(STEPS):

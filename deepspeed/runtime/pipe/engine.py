@@ -57,6 +57,9 @@ class PipelineEngine(DeepSpeedEngine):
         self.micro_batch_size = self.train_micro_batch_size_per_gpu()
         self.is_pipe_parallel = self.num_stages > 1
         self.is_data_parallel = self.grid.get_data_parallel_world_size() > 1
+        self.is_model_parallel = False  # tensor parallelism inside stages is refused in _apply_config
+        self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
+        self.has_attention_mask = False
         self.data_iterator: Any = None
         self._batch_fn: Any = None
         self.agg_train_loss: torch.Tensor | None = None
@@ -169,6 +172,26 @@ class PipelineEngine(DeepSpeedEngine):
     def set_dataiterator(self, iterator: Any) -> None:
         """Use ``iterator`` for the following :meth:`train_batch` calls."""
         self.data_iterator = iterator
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Train from ``loader`` (iterated afresh) in the following :meth:`train_batch` calls."""
+        self.training_dataloader = loader
+        self.data_iterator = iter(loader)
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """Record that the inputs carry an attention mask (upstream API).
+
+        Nothing else is needed here: a boolean or integer tensor never asks for a gradient, so a mask crosses stage
+        boundaries like any other tensor and gets no gradient back ([Note: pipeline p2p]).
+        """
+        if not isinstance(value, bool):
+            raise TypeError(f"set_has_attention_mask expects a bool, got {type(value).__name__}")
+        self.has_attention_mask = value
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size through the number of micro-batches per :meth:`train_batch`."""
+        super().set_train_batch_size(train_batch_size)
+        self.micro_batches = self.gradient_accumulation_steps()
 
     def set_batch_fn(self, fn: Any) -> None:
         """Apply ``fn`` to every item the data iterator yields (before the ``(inputs, labels)`` split)."""
