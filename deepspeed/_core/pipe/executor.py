@@ -182,6 +182,7 @@ class PipeExecutor:
         if not self.stage.is_last:
             slot.outputs = outputs
             run.buffers.ledger.track(slot.micro_batch, outputs)
+            run.buffers.ledger.observe()  # a forward is where the count of live micro-batches can rise
             return
         loss = outputs
         if run.compute_loss and getattr(self.module, "loss_fn", None) is not None:
@@ -192,6 +193,7 @@ class PipeExecutor:
                                  f"got {type(loss).__name__}")
             slot.outputs, slot.loss = outputs, loss
             run.buffers.ledger.track(slot.micro_batch, outputs)
+            run.buffers.ledger.observe()
         else:
             run.last_outputs = outputs
             slot.clear()  # nothing of an evaluated micro-batch is needed once its loss is taken
