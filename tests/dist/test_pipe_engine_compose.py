@@ -112,6 +112,11 @@ def test_lr_scheduler_and_eval_batch() -> None:
 
 
 # --- bad input: the same clear error on every rank, no hang --------------------------------------------------------
+def _bad_inputs(cases: list[str]) -> dict[str, str]:
+    """Every case in one spawn: each fails identically on every rank, so the process group stays usable."""
+    return {case: _bad_input(case) for case in cases}
+
+
 def _bad_input(case: str) -> str:
     import deepspeed
     from deepspeed.runtime.pipe.module import PipelineModule
@@ -129,11 +134,13 @@ def _bad_input(case: str) -> str:
         elif case == "mpu":
             module = _module()
             deepspeed.initialize(model=module, config=pipe_config(1), mpu=module.mpu())
-        elif case in ("data", "data_one_stage"):
+        elif case in ("data", "data_one_stage", "data_late"):
             engine, _, _, _ = deepspeed.initialize(model=_module(), config=pipe_config(2))
             bad = iter([torch.zeros(3, 5, dtype=torch.long)] * 4)
             good = data_iter(1, 2, 1, 0)
-            engine.train_batch(bad if case == "data" or engine.is_first_stage() else good)
+            if case == "data_late":  # the second micro-batch is wrong, on the last stage only
+                bad = iter([micro_batch(0, 0), (micro_batch(0, 1)[0],)])
+            engine.train_batch(bad if case == "data" or engine.is_first_stage() != (case == "data_late") else good)
         elif case == "direct_calls":
             engine, _, _, _ = deepspeed.initialize(model=_module(), config=pipe_config(1))
             messages = []
@@ -148,6 +155,15 @@ def _bad_input(case: str) -> str:
     return "no error"
 
 
+BAD_INPUT_CASES = ["zero2", "zero3", "stages", "pipeline_block", "mpu", "data", "data_one_stage", "data_late",
+                   "direct_calls"]
+
+
+@pytest.fixture(scope="module")
+def bad_input_messages() -> list[dict]:
+    return run_distributed(_bad_inputs, 2, BAD_INPUT_CASES, timeout=180)
+
+
 @pytest.mark.parametrize("case, expected", [
     ("zero2", "DeepSpeedConfigError: zero_optimization.stage=2 cannot be combined with pipeline parallelism"),
     ("zero3", "DeepSpeedConfigError: zero_optimization.stage=3 cannot be combined with pipeline parallelism"),
@@ -156,14 +172,16 @@ def _bad_input(case: str) -> str:
     ("mpu", "AssertionError: mpu must be None with pipeline parallelism"),
     ("data", "ValueError: pipeline data on rank 0: ValueError: a pipeline data iterator must yield (inputs, labels)"),
     ("data_one_stage", "ValueError: pipeline data on rank 0: ValueError: a pipeline data iterator must yield"),
+    ("data_late", "ValueError: pipeline data on rank 1: ValueError: a pipeline data iterator must yield (inputs, "
+                  "labels) pairs (inputs: a tensor or a tuple of tensors for the first stage; labels: what loss_fn "
+                  "takes on the last stage); got a tuple of length 1"),
     ("direct_calls", "PipelineError: Only train_batch() is accessible in pipeline mode. | PipelineError: Only "
                      "train_batch() is accessible in pipeline mode. | PipelineError: Only train_batch() is "
                      "accessible in pipeline mode."),
 ])
-def test_bad_input_fails_on_every_rank(case: str, expected: str) -> None:
-    messages = run_distributed(_bad_input, 2, case, timeout=90)
-    for rank, message in enumerate(messages):
-        assert expected in message, f"rank {rank}: {message}"
+def test_bad_input_fails_on_every_rank(case: str, expected: str, bad_input_messages: list[dict]) -> None:
+    for rank, messages in enumerate(bad_input_messages):
+        assert expected in messages[case], f"rank {rank}: {messages[case]}"
 
 
 # --- the first user report's configuration, scaled down ----------------------------------------------------------

@@ -16,36 +16,38 @@ from deepspeed import comm as dist
 
 
 class DataFeed:
-    """Reads micro-batches for one call of ``train_batch`` / ``eval_batch``.
+    """Reads the micro-batches of one call of ``train_batch`` / ``eval_batch``.
 
     Args:
         iterator: the data iterator (``None`` where this stage reads nothing, or when none was given).
         batch_fn: optional function applied to every item before the contract is checked.
-        reads: whether this stage's schedule loads micro-batches at all.
+        reads: how many micro-batches this stage's schedule loads (0 on middle stages).
     """
 
-    def __init__(self, iterator: Iterator[Any] | None, batch_fn: Callable[[Any], Any] | None, reads: bool) -> None:
+    def __init__(self, iterator: Iterator[Any] | None, batch_fn: Callable[[Any], Any] | None, reads: int) -> None:
         self.iterator = iterator
         self.batch_fn = batch_fn
         self.reads = reads
-        self._first: tuple[Any, Any] | None = None
+        self._items: list[tuple[Any, Any]] = []
 
     def prime(self) -> str | None:
-        """Read and check the first micro-batch now; returns the problem, if any (``None`` when fine)."""
-        if not self.reads:
-            return None
+        """Read and check every micro-batch of the call now; returns the problem, if any (``None`` when fine).
+
+        Reading them all up front (they are the iterator's host-side items, moved to the device one at a time
+        when loaded) lets a bad item anywhere in the batch fail every rank together ([Note: pipeline data]).
+        """
         try:
-            self._first = self._read()
+            self._items = [self._read() for _ in range(self.reads)]
         except (TypeError, ValueError, StopIteration) as err:
+            self._items = []
             return f"{type(err).__name__}: {err}"
         return None
 
     def next(self) -> tuple[Any, Any]:
         """The next micro-batch as ``(inputs, labels)``."""
-        if self._first is not None:
-            item, self._first = self._first, None
-            return item
-        return self._read()
+        if not self._items:
+            raise RuntimeError("the schedule loads more micro-batches than it announced (schedule bug)")
+        return self._items.pop(0)
 
     def _read(self) -> tuple[Any, Any]:
         if self.iterator is None:

@@ -129,7 +129,7 @@ class PipeExecutor:
     def _start(self, mode: str, schedule: sched.PipeSchedule, feed_iter: Any, batch_fn: Any,
                compute_loss: bool) -> _Run:
         steps = list(schedule.steps())
-        reads = any(isinstance(cmd, sched.LoadMicroBatch) for step in steps for cmd in step)
+        reads = sum(isinstance(cmd, sched.LoadMicroBatch) for step in steps for cmd in step)
         feed = DataFeed(feed_iter, batch_fn, reads)
         # Before any point-to-point transfer: every rank fails together on bad data ([Note: pipeline data]).
         agree_or_raise(feed.prime(), self.link.comm_device)

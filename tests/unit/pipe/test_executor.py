@@ -105,13 +105,19 @@ def test_data_contract(item: object, message: str) -> None:
         check_item(item)
 
 
-def test_data_feed_primes_the_first_micro_batch_and_reports_problems() -> None:
-    items = [(torch.zeros(1), torch.ones(1)), (torch.ones(1), torch.zeros(1))]
-    feed = DataFeed(iter(items), batch_fn=None, reads=True)
+def test_data_feed_reads_and_checks_the_whole_batch_up_front() -> None:
+    items = [(torch.zeros(1), torch.ones(1)), (torch.ones(1), torch.zeros(1)), (torch.ones(1), torch.ones(1))]
+    it = iter(items)
+    feed = DataFeed(it, batch_fn=None, reads=2)
     assert feed.prime() is None
+    assert next(it) is items[2]  # exactly the batch's micro-batches were consumed
     assert feed.next()[0].item() == 0 and feed.next()[0].item() == 1
-    assert "exhausted" in DataFeed(iter([]), None, True).prime()
-    assert "no data iterator was given" in DataFeed(None, None, True).prime()
-    assert DataFeed(None, None, reads=False).prime() is None  # a middle stage reads nothing
-    doubled = DataFeed(iter([torch.zeros(2)]), batch_fn=lambda t: (t, t), reads=True)
+    with pytest.raises(RuntimeError, match="schedule bug"):
+        feed.next()
+    late_bad = DataFeed(iter([items[0], torch.zeros(1)]), None, reads=2)
+    assert "must yield (inputs, labels)" in late_bad.prime()  # a bad second item is found before any transfer
+    assert "exhausted" in DataFeed(iter([items[0]]), None, 2).prime()
+    assert "no data iterator was given" in DataFeed(None, None, 1).prime()
+    assert DataFeed(None, None, reads=0).prime() is None  # a middle stage reads nothing
+    doubled = DataFeed(iter([torch.zeros(2)]), batch_fn=lambda t: (t, t), reads=1)
     assert doubled.prime() is None  # batch_fn runs before the contract is checked
