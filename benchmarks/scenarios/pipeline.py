@@ -17,10 +17,17 @@ waits for the matching ``send`` (the pipeline's real dependencies and bubbles); 
 gradients) are not copied: the receiver fills its buffer with zeros, so fp16 never overflows on garbage. Both
 processes share the GPU, so step times are those of two stages time-sharing one device: compare ours with
 upstream, not with a two-GPU run. Per stage and G: peak allocated / reserved over one measured step (after warm-up
-steps that create the optimizer state), step time (median of the timed steps), tokens/s.
+step that creates the optimizer state), step time (median of the timed steps), tokens/s.
 
-Outputs in ``--out``: ``pipeline.jsonl`` (one record per stage, implementation and G; failures included),
-``pipeline_summary.json`` and ``pipeline_summary.md`` (the targets below, per implementation), ``logs/``.
+One process per (implementation, stage) runs every G in turn (``engine.set_train_batch_size`` between them, G
+ascending), with 1 warm-up step, the measured step and 2 timed steps per G; ours and upstream run one after the
+other (their step times are not mixed). ``--max-seconds`` (default 230) bounds the whole run: no G starts after
+an implementation's share of it, and whatever finished is written.
+
+Outputs in ``--out`` (five files): ``pipeline.jsonl`` (one record per stage, implementation and G; failures and
+``not_run`` included), ``pipeline_summary.json`` and ``pipeline_summary.md`` (the targets below, per
+implementation), ``pipeline_workers_log.txt`` (every worker's log tail); ``device_pipeline.sh`` adds ``env.txt``
+and ``stdout.txt``.
 
 Targets (see docs/pipeline.md): last stage ``peak(G) - peak(1)`` within one reduce bucket (5e8 fp16 elements);
 first stage ``peak(G) - peak(1) <= (min(P, G) - 1) x`` one micro-batch's activations (analytic: the checkpointed
@@ -61,13 +68,16 @@ SMALL_MESSAGE = 1024  # elements; messages up to this size travel for real (meta
 class StoreWire:
     """Replaces torch.distributed's point-to-point calls in a fake-group worker (see the module docstring)."""
 
-    def __init__(self, rank: int, world: int, port: int, timeout_s: float, small: int = SMALL_MESSAGE) -> None:
+    def __init__(self, rank: int, port: int, timeout_s: float, small: int = SMALL_MESSAGE) -> None:
         import datetime
 
         import torch.distributed as td
 
         self.td, self.rank = td, rank
-        self.store = td.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+        # The driver hosts the store, so it outlives whichever stage finishes first.
+        self.store = td.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                                 wait_for_workers=False)
+        self.namespace = ""
         self.sent: dict[int, int] = {}
         self.received: dict[int, int] = {}
         self.small = small
@@ -80,17 +90,22 @@ class StoreWire:
         td.send, td.recv = self.send, self.recv
         td.isend, td.irecv = self.isend, self.irecv
 
+    def begin(self, namespace: str) -> None:
+        """Start a new message sequence (one per configuration the process runs)."""
+        self.namespace = namespace
+        self.sent, self.received = {}, {}
+
     def _key(self, src: int, dst: int, counter: dict[int, int], peer: int) -> str:
         n = counter.get(peer, 0)
         counter[peer] = n + 1
-        return f"p2p/{src}->{dst}/{n}"
+        return f"{self.namespace}/p2p/{src}->{dst}/{n}"
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **_: Any) -> None:
         key = self._key(self.rank, dst, self.sent, dst)
         self.messages += 1
         if tensor.numel() <= self.small:
             self.small_messages += 1
-            self.store.set(key, tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self.store.set(key, tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             self.store.set(key, b"")
 
@@ -101,7 +116,7 @@ class StoreWire:
         data = self.store.get(self._key(src, self.rank, self.received, src))
         if data:
             raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            tensor.copy_(raw.view(tensor.dtype).view(tensor.shape).to(tensor.device))
+            tensor.copy_(raw.view(tensor.dtype).reshape(tensor.shape).to(tensor.device))
         else:
             tensor.zero_()
         return src
@@ -196,21 +211,19 @@ def _batches(spec: dict, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(0, m["vocab"], (1, m["seq"]), generator=gen)) for _ in range(n)]
 
 
-def run_stage(spec: dict) -> dict:
-    """One stage of one (implementation, G): warm up, measure one step's peaks, time the next steps."""
+def _set_gas(engine: Any, gas: int) -> None:
+    """Change the micro-batches per step of a live engine (the global batch is micro-batch x G, one replica)."""
+    engine.set_train_batch_size(gas * engine.train_micro_batch_size_per_gpu())
+    if getattr(engine, "micro_batches", gas) != gas:
+        raise RuntimeError(f"set_train_batch_size left micro_batches at {engine.micro_batches}, wanted {gas}")
+
+
+def measure(engine: Any, spec: dict, gas: int) -> dict:
+    """Warm up at ``gas``, then one step's peaks (fresh peak window) and the timed steps."""
     from _harness import mem, reset_peak, sync
 
-    stage, world = int(spec["stage"]), int(spec["model"]["stages"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-    wire = StoreWire(stage, world, int(spec["port"]), float(spec.get("wire_timeout_s", 300)),
-                     int(spec.get("small_message", SMALL_MESSAGE)))
-    wire.install()
-    _init_fake_group(spec["impl"], stage, world)
-    engine, module = _build_engine(spec)
-    gas = int(spec["gas"])
     data = _batches(spec, gas)
-    for _ in range(int(spec.get("warmup_steps", 2))):
+    for _ in range(int(spec.get("warmup_steps", 1))):
         engine.train_batch(iter(data))
     sync()
     before = mem()
@@ -219,23 +232,63 @@ def run_stage(spec: dict) -> dict:
     sync()
     measured = mem()
     times = []
-    for _ in range(int(spec.get("timed_steps", 3))):
+    for _ in range(int(spec.get("timed_steps", 2))):
         sync()
         t0 = time.perf_counter()
         engine.train_batch(iter(data))
         sync()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    tokens = gas * spec["model"]["seq"]
-    import deepspeed
-
     return {"peak_alloc_gib": measured["peak_alloc"], "peak_reserved_gib": measured["peak_reserved"],
             "alloc_before_gib": before["alloc"], "alloc_after_gib": measured["alloc"],
             "alloc_retries": measured["alloc_retries"], "step_s": step_s, "step_times_s": times,
-            "tokens_per_s": tokens / step_s, "layers": list(module.parts), "stage_layers": _stage_layers(module),
-            "skipped_steps": int(getattr(engine, "skipped_steps", 0) or 0), "p2p_messages": wire.messages,
-            "p2p_small_messages": wire.small_messages, "deepspeed_file": deepspeed.__file__,
-            "deepspeed_version": deepspeed.__version__}
+            "tokens_per_s": gas * spec["model"]["seq"] / step_s,
+            "skipped_steps_total": int(getattr(engine, "skipped_steps", 0) or 0)}
+
+
+def run_stage(spec: dict, emit: Any) -> None:
+    """One stage of one implementation, every G in turn in this process; ``emit(record)`` after each G.
+
+    Both stages walk the same G list; before each G stage 0 decides (its deadline) whether to go on and stage 1
+    follows that decision through the store, so neither waits for a peer that stopped.
+    """
+    import deepspeed
+
+    stage, world = int(spec["stage"]), int(spec["model"]["stages"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    wire = StoreWire(stage, int(spec["port"]), float(spec.get("wire_timeout_s", 300)),
+                     int(spec.get("small_message", SMALL_MESSAGE)))
+    wire.install()
+    _init_fake_group(spec["impl"], stage, world)
+    gases = [int(g) for g in spec["gases"]]
+    wire.begin("init")
+    t0 = time.perf_counter()
+    engine, module = _build_engine(dict(spec, gas=gases[0]))
+    init_s = time.perf_counter() - t0
+    deadline = float(spec["deadline"])
+    for gas in gases:
+        go_key = f"{spec['impl']}/go/{gas}"
+        if stage == 0:
+            wire.store.set(go_key, b"1" if time.time() < deadline else b"0")
+        if wire.store.get(go_key) != b"1":
+            emit({"gas": gas, "status": "not_run", "reason": "--max-seconds budget"})
+            continue
+        wire.begin(f"{spec['impl']}/g{gas}")
+        record: dict[str, Any] = {"gas": gas, "init_s": init_s}
+        try:
+            if gas != int(engine.gradient_accumulation_steps()):
+                _set_gas(engine, gas)
+            record.update(measure(engine, spec, gas), status="ok")
+        except Exception as exc:  # noqa: BLE001 - recorded; the peer stalls on its store read and is killed
+            record.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
+                          traceback=traceback.format_exc()[-4000:])
+            emit(record)
+            raise
+        record.update(layers=list(module.parts), stage_layers=_stage_layers(module), p2p_messages=wire.messages,
+                      p2p_small_messages=wire.small_messages, deepspeed_file=deepspeed.__file__,
+                      deepspeed_version=deepspeed.__version__)
+        emit(record)
 
 
 def _stage_layers(module: Any) -> int:
@@ -243,20 +296,22 @@ def _stage_layers(module: Any) -> int:
 
 
 def worker(spec_json: str, result: str) -> None:
+    """Run :func:`run_stage`, appending one JSON line per G to ``result``."""
     spec = json.loads(spec_json)
-    record: dict[str, Any] = {"scenario": "pipeline", **{k: v for k, v in spec.items() if k != "port"}}
-    t0 = time.perf_counter()
-    try:
-        record.update(run_stage(spec))
-        record["status"] = "ok"
-    except Exception as exc:  # noqa: BLE001 - the record carries the failure; the driver goes on
-        record.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
-                      traceback=traceback.format_exc()[-4000:])
-    record["worker_wall_s"] = round(time.perf_counter() - t0, 2)
-    record["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    record["torch"] = torch.__version__
-    with open(result, "w") as f:
-        json.dump(record, f)
+    base: dict[str, Any] = {"scenario": "pipeline", **{k: v for k, v in spec.items()
+                                                        if k not in ("port", "gases", "deadline")}}
+    base["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    base["torch"] = torch.__version__
+    with open(result, "a") as f:
+        def emit(rec: dict) -> None:
+            f.write(json.dumps({**base, **rec}) + "\n")
+            f.flush()
+
+        try:
+            run_stage(spec, emit)
+        except Exception as exc:  # noqa: BLE001 - set-up failures are recorded too
+            emit({"gas": None, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000],
+                  "traceback": traceback.format_exc()[-4000:]})
     sys.stdout.flush()
     os._exit(0)  # no teardown of the fake group and the store
 
@@ -279,39 +334,38 @@ def _env(impl: str, args: argparse.Namespace) -> dict:
     return env
 
 
-def run_config(impl: str, gas: int, args: argparse.Namespace, model: dict, logs: Path) -> list[dict]:
-    """Both stages of one configuration, started together; returns their records."""
-    port = _free_port()
+def run_impl(impl: str, gases: list[int], args: argparse.Namespace, model: dict, tmp: Path, port: int,
+             deadline: float) -> list[dict]:
+    """Both stages of ``impl`` (one process each, all G in turn), started together; returns their records."""
     env = _env(impl, args)
     procs = []
     for stage in range(model["stages"]):
-        spec = {"impl": impl, "gas": gas, "stage": stage, "model": model, "port": port,
+        spec = {"impl": impl, "gases": gases, "stage": stage, "model": model, "port": port, "deadline": deadline,
                 "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps,
-                "partition_activations": args.partition_activations, "wire_timeout_s": args.timeout_s,
+                "partition_activations": args.partition_activations, "wire_timeout_s": args.stall_s,
                 "small_message": 300 if args.smoke else SMALL_MESSAGE, "dtype": args.dtype}
-        result = logs / f"{impl}_g{gas}_s{stage}.json"
-        log = open(logs / f"{impl}_g{gas}_s{stage}.log", "w")
+        result, log_path = tmp / f"{impl}_s{stage}.jsonl", tmp / f"{impl}_s{stage}.log"
+        log = open(log_path, "w")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--result", str(result)]
         procs.append((subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=log, stderr=subprocess.STDOUT), result,
-                      spec, log))
-    records = []
-    deadline = time.time() + args.timeout_s
-    for proc, result, spec, log in procs:
+                      log, stage))
+    # Stage processes stop by themselves at the budget; the grace covers the G that was running then.
+    hard_stop = deadline + args.grace_s
+    for proc, _, log, _ in procs:
         try:
-            proc.wait(timeout=max(1.0, deadline - time.time()))
+            proc.wait(timeout=max(1.0, hard_stop - time.time()))
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
         log.close()
-        if result.exists():
-            records.append(json.loads(result.read_text()))
-        else:
-            tail = Path(log.name).read_text()[-2000:]
-            records.append({"scenario": "pipeline", "impl": impl, "gas": gas, "stage": spec["stage"],
-                            "model": model, "status": "error", "error": f"no result (rc {proc.returncode})",
-                            "log_tail": tail})
-    for proc, *_ in procs:  # a stage that waits on a dead peer
-        if proc.poll() is None:
-            proc.kill()
+    records = []
+    for proc, result, log, stage in procs:
+        found = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []
+        records += found
+        if not any(r.get("status") == "ok" for r in found) and not any(r.get("status") == "error" for r in found):
+            records.append({"scenario": "pipeline", "impl": impl, "stage": stage, "gas": None, "status": "error",
+                            "error": f"no result (rc {proc.returncode})",
+                            "log_tail": Path(log.name).read_text()[-3000:]})
     return records
 
 
@@ -401,13 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", default=None, help="comma list of ours,upstream (default both; smoke: ours)")
     ap.add_argument("--gas", default=None, help="comma list (default 1,2,4,8,16; smoke 1,2,4)")
     ap.add_argument("--dtype", default="fp16", help="fp16 (the report's) or bf16 (upstream on a CPU)")
-    ap.add_argument("--warmup-steps", type=int, default=2)
-    ap.add_argument("--timed-steps", type=int, default=3)
+    ap.add_argument("--warmup-steps", type=int, default=1)
+    ap.add_argument("--timed-steps", type=int, default=2)
     ap.add_argument("--partition-activations", action="store_true",
                     help="partition_activations (the report's setting; with model parallel size 1 it splits nothing)")
     ap.add_argument("--upstream-target", default="/tmp/upstream_ds")
     ap.add_argument("--extra-site", default=None)
-    ap.add_argument("--timeout-s", type=float, default=420.0, help="per configuration")
+    ap.add_argument("--max-seconds", type=float, default=230.0,
+                    help="wall budget of the whole run: no G is started after it; what finished is written")
+    ap.add_argument("--grace-s", type=float, default=60.0, help="time a G already running may take past the budget")
+    ap.add_argument("--stall-s", type=float, default=240.0, help="a store read waiting longer fails the stage")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -421,25 +478,50 @@ def main(argv: list[str] | None = None) -> int:
     gases = [int(g) for g in (args.gas or ("1,2,4" if args.smoke else "1,2,4,8,16")).split(",")]
     if args.smoke:
         args.warmup_steps, args.timed_steps = 1, 1
+    return _drive(args, model, impls, gases)
+
+
+def _drive(args: argparse.Namespace, model: dict, impls: list[str], gases: list[int]) -> int:
+    """Run each implementation in turn (both stages at once), sharing the wall budget; write the outputs."""
+    import datetime
+    import tempfile
+
+    import torch.distributed as td
+
     out = Path(args.out)
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    port = _free_port()
+    store = td.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=args.stall_s))
     records: list[dict] = []
-    with open(out / "pipeline.jsonl", "w") as f:
-        for impl in impls:
-            for gas in gases:
-                t0 = time.time()
-                for rec in run_config(impl, gas, args, model, logs):
-                    records.append(rec)
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
-                print(f"pipeline {impl} G={gas}: {[r.get('status') for r in records[-model['stages']:]]} "
-                      f"({time.time() - t0:.0f} s)", flush=True)
-    summary = summarize(records, model)
+    with tempfile.TemporaryDirectory(prefix="pipeline_bench_") as tmp_name:
+        tmp = Path(tmp_name)
+        for n, impl in enumerate(impls):
+            # Each implementation gets an equal share of what is left of the budget.
+            deadline = time.time() + (start + args.max_seconds - time.time()) / (len(impls) - n)
+            t0 = time.time()
+            got = run_impl(impl, gases, args, model, tmp, port, deadline)
+            records += got
+            print(f"pipeline {impl}: {[(r.get('stage'), r.get('gas'), r.get('status')) for r in got]} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+            with open(out / "pipeline.jsonl", "w") as f:  # rewritten after each implementation
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        _write_logs(tmp, out / "pipeline_workers_log.txt")
+    del store
+    summary = summarize([r for r in records if r.get("gas") is not None], model)
+    summary["wall_s"] = round(time.time() - start, 1)
     (out / "pipeline_summary.json").write_text(json.dumps(summary, indent=1))
     (out / "pipeline_summary.md").write_text(to_markdown(summary, records))
     print(to_markdown(summary, records))
     return 0 if all(r.get("status") == "ok" for r in records) else 1
+
+
+def _write_logs(tmp: Path, dest: Path) -> None:
+    """Every worker's log tail in one file (the device returns few files)."""
+    with open(dest, "w") as f:
+        for log in sorted(tmp.glob("*.log")):
+            f.write(f"===== {log.name}\n{log.read_text()[-20000:]}\n")
 
 
 if __name__ == "__main__":
