@@ -212,7 +212,8 @@ class PipeExecutor:
             scaled.backward()
         else:
             pairs = [(t, g) for t, g in zip(as_tensors(slot.outputs), slot.grads) if g is not None]
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            if pairs:  # an output outside any graph (every layer so far frozen) has nothing to backpropagate
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         opt.finish_backward()
         run.buffers.after_backward(cmd.buffer_id, has_upstream=not self.stage.is_first)
 
