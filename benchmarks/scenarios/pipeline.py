@@ -94,6 +94,7 @@ class StoreWire:
         """Start a new message sequence (one per configuration the process runs)."""
         self.namespace = namespace
         self.sent, self.received = {}, {}
+        self.messages = self.small_messages = 0
 
     def _key(self, src: int, dst: int, counter: dict[int, int], peer: int) -> str:
         n = counter.get(peer, 0)
@@ -285,7 +286,7 @@ def run_stage(spec: dict, emit: Any) -> None:
                           traceback=traceback.format_exc()[-4000:])
             emit(record)
             raise
-        record.update(layers=list(module.parts), stage_layers=_stage_layers(module), p2p_messages=wire.messages,
+        record.update(layers=[int(x) for x in module.parts], stage_layers=_stage_layers(module), p2p_messages=wire.messages,
                       p2p_small_messages=wire.small_messages, deepspeed_file=deepspeed.__file__,
                       deepspeed_version=deepspeed.__version__)
         emit(record)
@@ -304,7 +305,7 @@ def worker(spec_json: str, result: str) -> None:
     base["torch"] = torch.__version__
     with open(result, "a") as f:
         def emit(rec: dict) -> None:
-            f.write(json.dumps({**base, **rec}) + "\n")
+            f.write(json.dumps({**base, **rec}, default=str) + "\n")
             f.flush()
 
         try:
