@@ -232,3 +232,4 @@ def test_forward_matches_reference_with_and_without_checkpointing(tied: bool) ->
         # The embedding's input (token ids) needs no grad: checkpointing must still give it its gradient.
         torch.testing.assert_close(rep["grads"][key], embed_grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rep["grads"]["1.fc.weight"], ref_layers[1].fc.weight.grad, rtol=1e-5, atol=1e-6)
+
