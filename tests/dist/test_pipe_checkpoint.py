@@ -40,12 +40,12 @@ def _config(dp: int, samples: int, stage: int = 1) -> dict:
             "optimizer": {"type": "Adam", "params": {"lr": 5e-2}}, "zero_optimization": {"stage": stage}}
 
 
-def _engine(dp: int, samples: int, stage: int = 1) -> object:
+def _engine(dp: int, samples: int, stage: int = 1, partition: str = "uniform") -> object:
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
     module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss, seed_layers=True,
-                            partition_method="uniform")
+                            partition_method=partition)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                       config=_config(dp, samples, stage))
     return engine
@@ -83,6 +83,18 @@ def _resume(save_dir: str, dp: int, samples: int, steps: int, stage: int) -> dic
             "global_steps": engine.global_steps, "stage": engine.module.stage_id}
 
 
+def _load_other_partition(save_dir: str) -> dict:
+    """type:Linear gives layers [0, 4) and [4, 5): the stages' ZeRO shards no longer fit, the layer files do."""
+    engine = _engine(1, 4, 1, partition="type:Linear")
+    try:
+        engine.load_checkpoint(save_dir)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    engine.load_checkpoint(save_dir, load_module_only=True)
+    return {"refused": refused, "parts": list(engine.module.parts), "weights": _weights(engine)}
+
+
 def test_layout_and_exact_resume(tmp_path: os.PathLike) -> None:
     save_dir = str(tmp_path / "ckpt")
     first = run_distributed(_save_then_continue, 2, save_dir, 1, 4, 2, 1, timeout=120)
@@ -105,6 +117,13 @@ def test_layout_and_exact_resume(tmp_path: os.PathLike) -> None:
         assert a["losses"] == b["losses"]  # exact: the same computation from the same state
         for name, value in a["after"].items():
             assert torch.equal(value, b["after"][name]), name
+    other = run_distributed(_load_other_partition, 2, save_dir, timeout=120)
+    saved = {**first[0]["saved"], **first[1]["saved"]}
+    assert [o["parts"] for o in other] == [[0, 4, 5], [0, 4, 5]]
+    for rep in other:
+        assert "load_optimizer_states=False" in rep["refused"], rep["refused"]
+        for name, value in rep["weights"].items():
+            assert torch.equal(value, saved[name]), name
 
 
 def test_elastic_load_at_another_data_parallel_size(tmp_path: os.PathLike) -> None:

@@ -83,8 +83,9 @@ class ModuleFiles(Protocol):
     def save(self, ckpt_dir: str, exclude_frozen_parameters: bool) -> None:
         """Write the module's files into the tag folder (called on the ranks that write model files)."""
 
-    def load(self, ckpt_dir: str, strict: bool, trust: LoadTrust) -> None:
-        """Read them back (called on every rank; may be collective)."""
+    def load(self, ckpt_dir: str, strict: bool, trust: LoadTrust, saved_param_names: set[str] | None) -> None:
+        """Read them back (called on every rank; may be collective). ``saved_param_names``: the trainable
+        parameters the optimizer shards about to be loaded were saved for (``None``: no shards are loaded)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,7 +527,10 @@ def _apply_module(subject: CheckpointSubject, request: LoadRequest, state: dict,
         if request.custom_load_fn is not None:
             raise ValueError("load_checkpoint: custom_load_fn is not supported for a pipeline module (its "
                              "weights are in per-layer files); load them with module.load_state_dir instead")
-        subject.module_files.load(ckpt_dir, request.module_strict, request.trust)
+        shards_follow = subject.optimizer is not None and subject.topology.shards_optimizer and \
+            request.optimizer_states and not request.module_only
+        saved = {name for group in (state.get("param_shapes") or []) for name in group} if shards_follow else None
+        subject.module_files.load(ckpt_dir, request.module_strict, request.trust, saved)
         return
     if request.custom_load_fn is not None:
         request.custom_load_fn(src=state["module"], dst=subject.module)

@@ -72,16 +72,31 @@ def _read_layer(path: str, checkpoint_engine: Any, trust: io.LoadTrust) -> dict:
     return io.load_file(path, dist.get_rank(), trust)
 
 
+def _check_same_partition(module: Any, saved_param_names: set[str] | None, load_dir: str) -> None:
+    """Optimizer shards are per stage: they only fit a stage that holds the same parameters as when saved."""
+    if saved_param_names is None:
+        return
+    live = {name for name, p in module.named_parameters() if p.requires_grad}
+    if live != saved_param_names:
+        missing, extra = sorted(saved_param_names - live)[:4], sorted(live - saved_param_names)[:4]
+        raise ValueError(
+            f"checkpoint '{load_dir}': stage {module.stage_id} now holds other parameters than when it was saved "
+            f"(saved only: {missing}, new: {extra}); the partition or the number of stages changed. Load with "
+            "load_optimizer_states=False (or load_module_only=True): the layer files fit any partition")
+
+
 def load_layers(module: Any, load_dir: str, checkpoint_engine: Any = None, strict: bool = True,
-                trust: io.LoadTrust | None = None) -> None:
+                trust: io.LoadTrust | None = None, saved_param_names: set[str] | None = None) -> None:
     """Load every local layer from its file, then re-synchronise tied weights across stages.
 
     Collective (every rank calls it): the ranks first agree that all of them read their files, so a missing
-    or corrupt file raises on every rank instead of leaving the others in the tied-weight broadcast.
+    or corrupt file (or, when ``saved_param_names`` is given, a stage whose parameters differ from the saved
+    ones) raises on every rank instead of leaving the others in the tied-weight broadcast.
     """
     trust = trust if trust is not None else io.LoadTrust.from_env()
     error: BaseException | None = None
     try:
+        _check_same_partition(module, saved_param_names, load_dir)
         for local_idx, layer in enumerate(module.local_layer_modules()):
             if layer is None:
                 continue
@@ -118,6 +133,6 @@ class PipelineModuleFiles:
         """Write this stage's layer files (data-parallel rank 0 only)."""
         save_layers(self.module, ckpt_dir, exclude_frozen_params=exclude_frozen_parameters)
 
-    def load(self, ckpt_dir: str, strict: bool, trust: io.LoadTrust) -> None:
-        """Read this stage's layer files (every rank; collective)."""
-        load_layers(self.module, ckpt_dir, strict=strict, trust=trust)
+    def load(self, ckpt_dir: str, strict: bool, trust: io.LoadTrust, saved_param_names: set[str] | None) -> None:
+        """Read this stage's layer files (every rank; collective), refusing shards saved for other parameters."""
+        load_layers(self.module, ckpt_dir, strict=strict, trust=trust, saved_param_names=saved_param_names)
