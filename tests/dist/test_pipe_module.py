@@ -149,7 +149,11 @@ def _tied_grid_checks() -> dict:
     dist.all_gather(gathered, weight.detach().clone(), group=group)
     weight.grad = torch.full_like(weight, float(dist.get_rank() + 1))
     module.allreduce_tied_weight_gradients()
-    return {"equal": bool(torch.equal(gathered[0], gathered[1])), "grad": float(weight.grad[0, 0]),
+    seeds: list[int] = []
+    seeded = PipelineModule(_layers(2, tied=True), num_stages=2, partition_method="uniform", seed_layers=True,
+                            seed_fn=seeds.append, base_seed=100)
+    return {"seeds": seeds, "seeded_range": seeded.stage_layer_range(),
+            "equal": bool(torch.equal(gathered[0], gathered[1])), "grad": float(weight.grad[0, 0]),
             "weight": weight.detach().clone(), "stage": grid.get_stage_id(), "dp": grid.dp_group,
             "pp": grid.pp_group, "first": grid.is_first_stage, "last": grid.is_last_stage,
             "keys": sorted(module.state_dict())}
@@ -158,6 +162,9 @@ def _tied_grid_checks() -> dict:
 def test_tied_weights_synchronised_and_grads_summed() -> None:
     a, b = run_distributed(_tied_grid_checks, 2, timeout=60)
     assert a["equal"] and b["equal"]
+    for rep in (a, b):  # seed_fn(base_seed + global index) before each layer this stage builds
+        start, stop = rep["seeded_range"]
+        assert rep["seeds"] == [100 + i for i in range(start, stop)], rep["seeds"]
     ref = _reference(2, tied=True)
     assert torch.equal(a["weight"], ref[0].weight)  # the first holder's (seeded) copy wins
     assert a["grad"] == b["grad"] == 3.0
