@@ -161,7 +161,11 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         parts = [self._grad_partition(g) for g in self.groups]
         chunk = self.plan.zero.buckets.reduce_bucket_size
         # The scalar travels on the communication device even when the partitions live on the host.
-        sq = local_sq_norm(self._norm_pieces(parts), chunk).to(self.groups[0].flat.device)
+        counted = [p for p in parts if p is not None]
+        if any(not counts_in_norm(p) for g in self.groups for p in g.params):  # pipeline tied-weight copies
+            counted = self._norm_pieces(parts)
+        sq = local_sq_norm(counted, chunk).to(self.groups[0].flat.device)
+        del counted
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
