@@ -40,8 +40,8 @@ _LAZY = {
     "init_inference": ("deepspeed.unsupported", "init_inference"),
     "default_inference_config": ("deepspeed.unsupported", "default_inference_config"),
     "tp_model_init": ("deepspeed.unsupported", "tp_model_init"),
-    "PipelineEngine": ("deepspeed.unsupported", "PipelineEngine"),
-    "PipelineModule": ("deepspeed.unsupported", "PipelineModule"),
+    "PipelineEngine": ("deepspeed.runtime.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("deepspeed.runtime.pipe.module", "PipelineModule"),
     "InferenceEngine": ("deepspeed.unsupported", "InferenceEngine"),
     "DeepSpeedHybridEngine": ("deepspeed.unsupported", "DeepSpeedHybridEngine"),
     "DeepSpeedTransformerLayer": ("deepspeed.unsupported", "DeepSpeedTransformerLayer"),
@@ -159,7 +159,16 @@ def initialize(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
-    engine = DeepSpeedEngine(
+    engine_class = DeepSpeedEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):  # upstream's dispatch: the model's own grid is the mpu
+        if mpu is not None:
+            raise AssertionError("mpu must be None with pipeline parallelism: the PipelineModule's grid is used")
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        engine_class, mpu = PipelineEngine, model.mpu()
+    engine = engine_class(
         args=args,
         model=model,
         optimizer=optimizer,

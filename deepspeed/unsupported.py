@@ -36,8 +36,6 @@ def _refusing_class(name: str, what: str) -> type:
     return type(name, (), {"__init__": __init__, "__doc__": f"Upstream's ``{name}``: not implemented ({what})."})
 
 
-PipelineEngine = _refusing_class("PipelineEngine", "pipeline parallelism")
-PipelineModule = _refusing_class("PipelineModule", "pipeline parallelism")
 InferenceEngine = _refusing_class("InferenceEngine", "the inference engine")
 DeepSpeedHybridEngine = _refusing_class("DeepSpeedHybridEngine", "the hybrid (RLHF) engine")
 DeepSpeedTransformerLayer = _refusing_class("DeepSpeedTransformerLayer", "fused transformer kernels")

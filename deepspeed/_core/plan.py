@@ -144,12 +144,15 @@ class LeanPolicy:
             never by recording tensors as used on a side stream.
         grads_in_param_shards: ZeRO-3 with the optimizer offloaded and one micro-step per window keeps each
             reduced gradient in its parameter's shard until the step, not in host memory.
+        pipeline_release: pipeline stages free each micro-batch's activations right after its backward (the
+            last stage included), never holding more than the 1F1B schedule needs.
     """
 
     inplace_flatten: bool = True
     eager_grad_release: bool = True
     stream_ordered_release: bool = True
     grads_in_param_shards: bool = True
+    pipeline_release: bool = True
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

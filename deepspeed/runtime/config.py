@@ -539,7 +539,8 @@ def _zero_plan(zero: DeepSpeedZeroConfig) -> ZeroPlan:
                                                        name_suffixes=tuple(zero.leaf_module.name_suffixes)))
     lean = LeanPolicy(inplace_flatten=zero.lean_inplace_flatten, eager_grad_release=zero.lean_eager_grad_release,
                       stream_ordered_release=zero.lean_stream_ordered_release,
-                      grads_in_param_shards=zero.lean_grads_in_param_shards)
+                      grads_in_param_shards=zero.lean_grads_in_param_shards,
+                      pipeline_release=zero.lean_pipeline_release)
     return ZeroPlan(stage=int(zero.stage), buckets=buckets, offload_optimizer=_offload_policy(zero.offload_optimizer, 4),
                     offload_param=_offload_policy(zero.offload_param, 5), lean=lean, stage3=stage3,
                     round_robin_gradients=zero.round_robin_gradients,

@@ -19,6 +19,7 @@ from deepspeed._core.engine.training import TrainingLoop
 from deepspeed._core.moe.params import configure_moe_param_groups, moe_layers
 from deepspeed.moe._setup import configure_moe
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_checkpointing import EngineCheckpointMixin
 from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_scheduler
@@ -34,6 +35,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
     Users normally get one from :func:`deepspeed.initialize`. Unknown attributes fall through to the
     wrapped ``module``.
     """
+
+    _is_pipeline_engine = False  # PipelineEngine sets it; the 'pipeline' config block is refused otherwise
 
     def __init__(
         self,
@@ -81,6 +84,11 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self.plan = config_class.plan
         if config_class.comms_config.comms_logger_enabled:
             dist.configure(config_class)  # the comms_logger block takes effect for this process's collectives
+        if "pipeline" in self.config and not self._is_pipeline_engine:
+            raise DeepSpeedConfigError(
+                f"the config sets 'pipeline' but the model is a {type(self.module).__name__}, not a PipelineModule: "
+                "pipeline settings only apply to deepspeed.pipe.PipelineModule models; remove the 'pipeline' block"
+            )
 
     def _apply_process_group(self, dist_init_required: bool | None) -> None:
         if not dist.is_initialized():

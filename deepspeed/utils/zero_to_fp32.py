@@ -13,6 +13,8 @@ works later with any installed ``deepspeed`` (it needs only ``deepspeed.utils.lo
 Layout read (see ``docs/checkpoints.md``): ``<checkpoint_dir>/latest`` names the tag; the tag folder
 holds ``*_model_states.pt`` (parameter names and shapes per optimizer group, buffers, frozen and tied
 parameters) and ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (rank ``r``'s fp32 partition).
+A pipeline checkpoint has one ``mp_rank_<SS>`` model file and shard set per stage, plus per-layer
+``layer_<NN>-model_states.pt`` files (buffers are read from those); the stages' parameters are merged.
 
 * Stages 1-2: per group, the ranks' ``single_partition_of_fp32_groups`` entries laid end to end form
   the group's flat fp32 buffer; parameters follow one another in ``param_shapes`` order.
@@ -55,6 +57,8 @@ _MODEL_FILE = re.compile(r"^(zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
 _EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _EXPERTS_INFIX = "deepspeed_moe.experts.deepspeed_experts."
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)(-.+)?-model_states\.pt$")
 # Classes DeepSpeed pickles into checkpoints; looked up by import path so any deepspeed version works.
 _SAFE_CLASSES = {
     "deepspeed.runtime.fp16.loss_scaler": ("LossScalerBase", "LossScaler", "DynamicLossScaler"),
@@ -101,14 +105,12 @@ def _resolve_tag_dir(checkpoint_dir: str, tag: str | None) -> str:
     return tag_dir
 
 
-def _ranked_files(tag_dir: str, pattern: re.Pattern, what: str) -> list[str]:
-    """Files in ``tag_dir`` matching ``pattern``, ordered by data-parallel rank."""
+def _ranked_files(tag_dir: str, pattern: re.Pattern, what: str, mp_rank: int = 0) -> list[str]:
+    """Files in ``tag_dir`` matching ``pattern`` for model-parallel rank ``mp_rank``, ordered by data-parallel rank."""
     ranked = []
     for name in os.listdir(tag_dir):
         m = pattern.match(name)
-        if m:
-            if int(m.group(3)) != 0:
-                raise ValueError(f"'{name}': model/tensor-parallel checkpoints are not supported by zero_to_fp32")
+        if m and int(m.group(3)) == mp_rank:
             ranked.append((int(m.group(2) or 0), name))
     if not ranked:
         raise FileNotFoundError(f"no {what} files in '{tag_dir}'; is this a ZeRO checkpoint folder?")
@@ -139,6 +141,26 @@ def get_optim_files(checkpoint_dir: str) -> list[str]:
         raise FileNotFoundError(f"checkpoint folder '{checkpoint_dir}' does not exist")
     return _ranked_files(checkpoint_dir, _OPTIM_FILE, "optimizer state")
 
+def _layer_files(tag_dir: str) -> dict[int, str]:
+    """Pipeline per-layer files ``{global layer index: path}`` (empty for a checkpoint without pipeline)."""
+    found = {}
+    for name in os.listdir(tag_dir):
+        m = _LAYER_FILE.match(name)
+        if m:
+            if m.group(2):
+                raise ValueError(f"'{name}': tensor-parallel pipeline checkpoints are not supported by zero_to_fp32")
+            found[int(m.group(1))] = os.path.join(tag_dir, name)
+    return found
+
+
+def _model_parallel_ranks(tag_dir: str) -> list[int]:
+    """The ``mp_rank_XX`` values present; several only for pipeline checkpoints (one per stage)."""
+    ranks = sorted({int(m.group(3)) for n in os.listdir(tag_dir) if (m := _MODEL_FILE.match(n))})
+    if len(ranks) > 1 and not _layer_files(tag_dir):
+        raise ValueError(f"'{tag_dir}' holds model-parallel ranks {ranks}: tensor-parallel checkpoints are not "
+                         "supported by zero_to_fp32 (pipeline checkpoints are)")
+    return ranks or [0]
+
 
 # --- parsed checkpoint --------------------------------------------------------------------------
 @dataclass
@@ -164,12 +186,21 @@ class ZeroShards:
     partition_counts: list = field(default_factory=list)
 
 
+def _pipeline_module_state(tag_dir: str) -> dict:
+    """A pipeline stage's weights live in per-layer files; their keys gain the ``<layer index>.`` prefix."""
+    state = {}
+    for idx, path in sorted(_layer_files(tag_dir).items()):
+        state.update({f"{idx}.{k}": v for k, v in _load(path).items()})
+    return state
+
+
 def _parse_model_file(path: str) -> ZeroModelState:
     sd = _load(path)
     if BUFFER_NAMES not in sd:
         raise ValueError(f"'{path}' has no '{BUFFER_NAMES}' entry; it is not a DeepSpeed model-states file")
     names = set(sd[BUFFER_NAMES])
-    buffers = {k: (v.float() if v.is_floating_point() else v) for k, v in sd["module"].items() if k in names}
+    module = sd["module"] if sd["module"] is not None else _pipeline_module_state(os.path.dirname(path))
+    buffers = {k: (v.float() if v.is_floating_point() else v) for k, v in module.items() if k in names}
     return ZeroModelState(
         buffers=buffers,
         param_shapes=sd.get(PARAM_SHAPES) or [],
@@ -359,9 +390,19 @@ def get_fp32_state_dict_from_zero_checkpoint(
             tensors, so only one full parameter needs to exist in memory at a time.
     """
     tag_dir = _resolve_tag_dir(checkpoint_dir, tag)
-    models = [_parse_model_file(p) for p in _ranked_files(tag_dir, _MODEL_FILE, "model-states")]
-    shards = _parse_optim_files(_ranked_files(tag_dir, _OPTIM_FILE, "optimizer-states"))
-    logger.info(f"zero_to_fp32: '{tag_dir}': ZeRO stage {shards.stage}, {shards.world_size} rank(s)")
+    state: OrderedDict = OrderedDict()
+    # A pipeline checkpoint has one model-parallel rank per stage, each with its own ZeRO shards; stage-local
+    # names are global (layer index prefixes), and a tied weight held by several stages has one value.
+    for mp_rank in _model_parallel_ranks(tag_dir):
+        for name, value in _one_model_parallel_rank(tag_dir, mp_rank, exclude_frozen_parameters).items():
+            state.setdefault(name, value)
+    return state if lazy_mode else _materialize(state)
+
+
+def _one_model_parallel_rank(tag_dir: str, mp_rank: int, exclude_frozen_parameters: bool) -> OrderedDict:
+    models = [_parse_model_file(p) for p in _ranked_files(tag_dir, _MODEL_FILE, "model-states", mp_rank)]
+    shards = _parse_optim_files(_ranked_files(tag_dir, _OPTIM_FILE, "optimizer-states", mp_rank))
+    logger.info(f"zero_to_fp32: '{tag_dir}' mp_rank {mp_rank}: ZeRO stage {shards.stage}, {shards.world_size} rank(s)")
     state: OrderedDict = OrderedDict(models[0].buffers)
     if not exclude_frozen_parameters:
         state.update(_frozen_params(models, shards.stage))
@@ -370,7 +411,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     else:
         state.update(_stage3_params(shards, models[0].param_shapes))
     _add_shared(state, models[0].shared_params)
-    return state if lazy_mode else _materialize(state)
+    return state
 
 
 def _materialize(state: OrderedDict) -> OrderedDict:

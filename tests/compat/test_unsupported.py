@@ -9,8 +9,6 @@ CALLS = {
     "init_inference": lambda: deepspeed.init_inference(None),
     "default_inference_config": lambda: deepspeed.default_inference_config(),
     "tp_model_init": lambda: deepspeed.tp_model_init(None, tp_size=2),
-    "PipelineModule": lambda: deepspeed.PipelineModule(layers=[]),
-    "PipelineEngine": lambda: deepspeed.PipelineEngine(),
     "InferenceEngine": lambda: deepspeed.InferenceEngine(None),
     "DeepSpeedHybridEngine": lambda: deepspeed.DeepSpeedHybridEngine(),
     "DeepSpeedTransformerLayer": lambda: deepspeed.DeepSpeedTransformerLayer(),

@@ -71,6 +71,24 @@ class ShardedCheckpointOptimizer(Protocol):
         """Rebuild fp32 masters from the (just loaded) low-precision model weights."""
 
 
+@runtime_checkable
+class ModuleFiles(Protocol):
+    """A module whose weights are saved in files of their own instead of the model-states ``module`` entry.
+
+    A pipeline module writes one file per layer (``deepspeed._core.pipe.checkpoint.PipelineModuleFiles``);
+    the model-states file then stores ``module: None``, as upstream's pipeline engine does.
+    """
+
+    pipe_degree: int
+
+    def save(self, ckpt_dir: str, exclude_frozen_parameters: bool) -> None:
+        """Write the module's files into the tag folder (called on the ranks that write model files)."""
+
+    def load(self, ckpt_dir: str, strict: bool, trust: LoadTrust, saved_param_names: set[str] | None) -> None:
+        """Read them back (called on every rank; may be collective). ``saved_param_names``: the trainable
+        parameters the optimizer shards about to be loaded were saved for (``None``: no shards are loaded)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointTopology:
     """Where this rank sits and which files it owns; built once per save or load."""
@@ -127,6 +145,7 @@ class CheckpointSubject:
     zero_to_fp32_source: str | None = None
     load_from_fp32_weights: bool = True
     moe: moe_ckpt.MoECheckpointLayout | None = None  # models with MoE layers: experts in files of their own
+    module_files: ModuleFiles | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,12 +334,21 @@ def build_model_state(
         "global_samples": counters["global_samples"],
         "dp_world_size": topo.dp_world_size,
         "mp_world_size": topo.mp_world_size,
-        CHECKPOINT_PARALLEL_DIMS: {"pp_degree": 1, "tp_degree": topo.mp_world_size},
+        CHECKPOINT_PARALLEL_DIMS: {"pp_degree": _pipe_degree(subject), "tp_degree": _tp_degree(subject)},
         "ds_config": subject.ds_config,
         "ds_version": subject.ds_version,
     }
     state.update(client_state)
     return state
+
+
+def _pipe_degree(subject: CheckpointSubject) -> int:
+    return subject.module_files.pipe_degree if subject.module_files is not None else 1
+
+
+def _tp_degree(subject: CheckpointSubject) -> int:
+    # mp_world_size spans a whole model replica; with pipeline stages part of it is the pipe degree.
+    return max(1, subject.topology.mp_world_size // _pipe_degree(subject))
 
 
 def build_optimizer_shard(subject: CheckpointSubject) -> dict:
@@ -354,7 +382,12 @@ def save_checkpoint(
         os.makedirs(ckpt_dir, exist_ok=True)
         module_state_fn = _save_expert_files(subject, ckpt_dir, module_state_fn)
         if subject.topology.writes_model_file:
-            state = build_model_state(subject, request, module_state_fn(), counters, client_state)
+            if subject.module_files is not None:
+                subject.module_files.save(ckpt_dir, request.exclude_frozen_parameters)
+                module_state = None
+            else:
+                module_state = module_state_fn()
+            state = build_model_state(subject, request, module_state, counters, client_state)
             io.atomic_save(state, os.path.join(ckpt_dir, model_file_name(subject.topology)))
         if opt is not None and subject.topology.shards_optimizer:
             path = os.path.join(ckpt_dir, optim_file_name(subject.topology, subject.topology.dp_rank))
@@ -473,7 +506,7 @@ def load_checkpoint(subject: CheckpointSubject, request: LoadRequest) -> LoadOut
     _optional_call(opt, "checkpoint_event_prologue")
     try:
         state, shards = _read_rank_files(subject, request, ckpt_dir)
-        _apply_module(subject, request, state)
+        _apply_module(subject, request, state, ckpt_dir)
         _apply_optimizer(subject, request, state, shards)
         _apply_scheduler(subject, request, state)
     finally:
@@ -535,7 +568,16 @@ def _existing_optim_file(topo: CheckpointTopology, ckpt_dir: str, dp_rank: int) 
     return candidates[0]
 
 
-def _apply_module(subject: CheckpointSubject, request: LoadRequest, state: dict) -> None:
+def _apply_module(subject: CheckpointSubject, request: LoadRequest, state: dict, ckpt_dir: str) -> None:
+    if subject.module_files is not None:
+        if request.custom_load_fn is not None:
+            raise ValueError("load_checkpoint: custom_load_fn is not supported for a pipeline module (its "
+                             "weights are in per-layer files); load them with module.load_state_dir instead")
+        shards_follow = subject.optimizer is not None and subject.topology.shards_optimizer and \
+            request.optimizer_states and not request.module_only
+        saved = {name for group in (state.get("param_shapes") or []) for name in group} if shards_follow else None
+        subject.module_files.load(ckpt_dir, request.module_strict, request.trust, saved)
+        return
     if request.custom_load_fn is not None:
         request.custom_load_fn(src=state["module"], dst=subject.module)
     else:

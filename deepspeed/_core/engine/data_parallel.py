@@ -13,7 +13,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.moe.params import ExpertGroup, by_reduce_group
-from deepspeed._core.optim.clipping import NormScope, clip_, global_norm, global_norm_of_parts
+from deepspeed._core.optim.clipping import NormScope, clip_, counts_in_norm, global_norm, global_norm_of_parts
 from deepspeed._core.engine.grad_sync import BucketedAllReduce
 from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
@@ -97,10 +97,13 @@ class DataParallelOptimizer(EngineOptimizer):
         scale = self.cur_scale
         if self.masters is not None:
             self.masters.grads_to_masters(scale)
-            grads = [m.grad for _, m in self.masters.pairs if m.grad is not None]
-        elif scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        self._global_grad_norm = self._norm(grads)
+            owned = [(p, m.grad) for p, m in self.masters.pairs if m.grad is not None]
+        else:
+            owned = [(p, p.grad) for p in self.params if p.grad is not None]
+            if scale != 1.0:
+                torch._foreach_mul_(grads, 1.0 / scale)
+        grads = [g for _, g in owned]
+        self._global_grad_norm = self._norm(owned)
         clip_(grads, self._global_grad_norm, self.plan.grads.clip_norm)
         self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if self.masters is not None:
@@ -112,30 +115,32 @@ class DataParallelOptimizer(EngineOptimizer):
 
     def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = has_inf_or_nan(grads)
-        if not self.expert_groups or not dist.is_initialized():
+        groups = []
+        if self.expert_groups and dist.is_initialized():
+            groups.append(self.dp_group)  # expert gradients differ between expert-parallel ranks
+        if self.stage_group is not None:
+            groups.append(self.stage_group)  # pipeline: skip on every stage together
+        if not groups:
             # After the all-reduce every rank holds the same sums, so an inf on any rank is seen by all
             # and they all skip together without an extra collective.
             return local
-        # Expert gradients differ between expert-parallel ranks: agree on skipping explicitly.
-        flag = torch.tensor([1.0 if local else 0.0], device=grads[0].device if grads else None)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+        flag = torch.tensor([1.0 if local else 0.0], device=self.params[0].device)
+        for group in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
 
-    def _norm(self, grads: list[torch.Tensor]) -> float:
-        """Global norm of the (unscaled) gradients ``grads``, each expert counted once."""
+    def _norm(self, owned: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
+        """Global norm of the (unscaled) gradients of ``(param, grad)`` pairs: each expert and each pipeline-tied
+        weight counted once, every pipeline stage included."""
+        counted = [(p, g) for p, g in owned if counts_in_norm(p)]
         if not self.expert_groups:
-            return global_norm(grads, NormScope.REPLICATED)
-        grad_of = {id(p): (m.grad if self.masters is not None else p.grad) for p, m in self._pairs()}
+            return global_norm([g for _, g in counted], NormScope.REPLICATED, stage_group=self.stage_group)
+        grad_of = {id(p): g for p, g in counted}
         parts = []
         for name, params in self.parts:
             group = None if name is None else self.expert_groups[name].ep_group
-            parts.append(([grad_of[id(p)] for p in params if grad_of[id(p)] is not None], group))
-        return global_norm_of_parts(parts)
-
-    def _pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        if self.masters is not None:
-            return self.masters.pairs
-        return [(p, p) for p in self.params]
+            parts.append(([grad_of[id(p)] for p in params if id(p) in grad_of], group))
+        return global_norm_of_parts(parts, stage_group=self.stage_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the working gradients (and masters' gradients, if any)."""

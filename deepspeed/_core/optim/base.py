@@ -31,6 +31,9 @@ class EngineOptimizer:
     loss_scaler: Any = None
     overflow: bool = False
     _global_grad_norm: float | None = None
+    # Pipeline parallelism: the group of this replica's stages. Each stage holds a disjoint part of the model, so
+    # the overflow decision and the clipping norm are summed over it too ([Note: pipeline norm]).
+    stage_group: Any = None
 
     # --- attributes promoted from the inner optimizer --------------------------------------------
     @property
@@ -77,6 +80,19 @@ class EngineOptimizer:
     def step(self, closure: Any = None) -> bool:
         """Apply the update at the accumulation boundary; returns False when the step was skipped."""
         raise NotImplementedError
+
+    def window_grads(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The gradients accumulated so far in this window for ``params``, shaped like them and writable in place.
+
+        The pipeline engine sums tied weights' gradients over stages through these before they are reduced.
+        Default: ``param.grad`` (zeros when autograd left none).
+        """
+        out = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients."""

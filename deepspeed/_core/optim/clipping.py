@@ -73,16 +73,30 @@ def _sq_norm_on(device: torch.device, grads: list[torch.Tensor], chunk_numel: in
     return total
 
 
-def global_norm(grads: Sequence[torch.Tensor], scope: NormScope, group: Any = None) -> float:
+def global_norm(grads: Sequence[torch.Tensor], scope: NormScope, group: Any = None, stage_group: Any = None) -> float:
     """L2 norm of all ``grads``; for ``PARTITIONED`` gradients the squared sums are added across ``group``.
 
-    Returns ``inf`` when any gradient holds inf or nan, so callers can treat it as an overflow.
+    ``stage_group`` (pipeline parallelism) adds the squared sums of the other stages, which hold other
+    parameters ([Note: pipeline norm]). Returns ``inf`` when any gradient holds inf or nan, so callers can
+    treat it as an overflow.
     """
     sq = local_sq_norm(grads)
     if scope is NormScope.PARTITIONED and dist.is_initialized() and dist.get_world_size(group=group) > 1:
         dist.all_reduce(sq, group=group)
+    if stage_group is not None:
+        dist.all_reduce(sq, group=stage_group)
     value = float(sq.sqrt().item())
     return value if math.isfinite(value) else float("inf")
+
+
+def counts_in_norm(param: torch.Tensor) -> bool:
+    """False for a pipeline stage's copy of a tied weight whose first holder is another stage.
+
+    [Note: pipeline norm] Stages hold disjoint parameters, except tied weights, which every holding stage keeps
+    (with the same summed gradient). The global norm counts each tied weight once: the pipeline engine marks
+    the other copies with upstream's ``ds_pipe_replicated`` attribute.
+    """
+    return not getattr(param, "ds_pipe_replicated", False)
 
 
 def clip_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float) -> None:
@@ -94,7 +108,7 @@ def clip_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float) -> 
         torch._foreach_mul_([g for g in grads if g is not None], coef)
 
 
-def global_norm_of_parts(parts: Sequence[tuple[Sequence[torch.Tensor], Any]]) -> float:
+def global_norm_of_parts(parts: Sequence[tuple[Sequence[torch.Tensor], Any]], stage_group: Any = None) -> float:
     """L2 norm over several kinds of whole (unpartitioned) gradients.
 
     Each part is ``(grads, group)``: the squared sum of ``grads`` is added across ``group`` when it is not
@@ -108,5 +122,9 @@ def global_norm_of_parts(parts: Sequence[tuple[Sequence[torch.Tensor], Any]]) ->
         if group is not None and dist.get_world_size(group=group) > 1:
             dist.all_reduce(sq, group=group)
         total = total + sq.to(total.device)
+    if stage_group is not None:  # pipeline stages hold other parameters ([Note: pipeline norm])
+        device = next((g.device for grads, _ in parts for g in grads), total.device)
+        total = total.to(device)
+        dist.all_reduce(total, group=stage_group)
     value = float(total.sqrt().item())
     return value if math.isfinite(value) else float("inf")

@@ -17,7 +17,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.moe.params import ExpertGroup, is_moe_param_group
-from deepspeed._core.optim.clipping import local_sq_norm
+from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
 from deepspeed._core.optim.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.plan import RunPlan
@@ -190,7 +190,11 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         parts = [self._grad_partition(g) for g in self.groups]
         chunk = self.plan.zero.buckets.reduce_bucket_size
         # The scalar travels on the communication device even when the partitions live on the host.
-        sq = local_sq_norm([p for p in parts if p is not None], chunk).to(self.groups[0].flat.device)
+        counted = [p for p in parts if p is not None]
+        if any(not counts_in_norm(p) for g in self.groups for p in g.params):  # pipeline tied-weight copies
+            counted = self._norm_pieces(parts)
+        sq = local_sq_norm(counted, chunk).to(self.groups[0].flat.device)
+        del counted
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
@@ -206,6 +210,33 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
+
+    def _norm_pieces(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The partition gradients, less the ranges of tied-weight copies another stage counts ([Note: pipeline norm])."""
+        pieces: list[torch.Tensor] = []
+        for group, part in zip(self.groups, parts):
+            if part is None:
+                continue
+            own = group.grads.partition
+            skip = sorted((group.grads.layout.slots[s].range.intersect(own) for s, p in enumerate(group.params)
+                           if not counts_in_norm(p)), key=lambda r: r.start)
+            start = own.start
+            for r in (r for r in skip if not r.is_empty):
+                pieces.append(part[start - own.start : r.start - own.start])
+                start = max(start, r.end)
+            pieces.append(part[start - own.start :])
+        return pieces
+
+    def window_grads(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """Views of the window's accumulated gradients (the lean accumulator, else ``.grad``), shaped like ``params``."""
+        if self.path is not GradPath.STAGE1_ACCUMULATE:
+            return super().window_grads(params)
+        out = []
+        for p in params:
+            group, slot = next((g, s) for g in self.groups for s, q in enumerate(g.params) if q is p)
+            acc = group.grads.ensure_accumulator(self.reducer.config.device)
+            out.append(acc[group.grads.layout.slots[slot].range.as_slice()].view(p.shape))
+        return out
 
     def _step_group(self, index: int, group: ZeroGroup, part: torch.Tensor | None, coef: float) -> None:
         """Update one group's master; groups step one at a time so no other master holds a gradient."""

@@ -27,11 +27,14 @@ class ShardedStepMixin:
     world_size: int
     check_overflow: bool
     plan: Any
+    stage_group: Any
 
     def _decide_step(self, local_sq: torch.Tensor) -> StepDecision:
         """All-reduce this rank's squared norm, then derive overflow, the unscaled norm and the coefficient."""
         if self.world_size > 1:
             dist.all_reduce(local_sq, group=self.dp_group)
+        if self.stage_group is not None:  # pipeline: the other stages' shards ([Note: pipeline norm])
+            dist.all_reduce(local_sq, group=self.stage_group)
         scale = self.cur_scale
         total = float(local_sq)
         norm = math.sqrt(total) / scale if math.isfinite(total) else float("inf")

@@ -223,6 +223,12 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     host memory: 2 bytes per parameter less host memory. Any read of such a shard before the step gets the
     values back first. ``false`` keeps the gradient in host chunks (the upstream layout, for A/B)."""
 
+    lean_pipeline_release: bool = True
+    """deepspeed-lean: with pipeline parallelism, every stage frees a micro-batch's outputs and inputs as soon as its
+    backward has run (and its input gradient is sent), so stage ``s`` of ``P`` holds at most ``min(P - s, G)``
+    micro-batches of activations. ``false`` reproduces upstream's behaviour (for A/B): the last stage keeps every
+    micro-batch's outputs until the step ends, growing with ``gradient_accumulation_steps``."""
+
     @field_validator("stage", mode="before")
     @classmethod
     def _stage_in_range(cls, value: Any) -> Any:

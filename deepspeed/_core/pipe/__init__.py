@@ -1,0 +1,1 @@
+"""Pipeline parallelism internals: topology and grid, partitioning, the pipeline module, schedules, checkpoints."""
