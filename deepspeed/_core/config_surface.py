@@ -175,7 +175,7 @@ _ZERO: dict[str, KeyRule] = {
     "leaf_module.classes": _impl(), "leaf_module.names": _impl(), "leaf_module.name_suffixes": _impl(),
     "zenflow": _refused("ZenFlow is not implemented", "null", _given),
     "lean_inplace_flatten": _impl(), "lean_eager_grad_release": _impl(), "lean_stream_ordered_release": _impl(),
-    "lean_grads_in_param_shards": _impl(),
+    "lean_grads_in_param_shards": _impl(), "lean_pipeline_release": _impl(),
 }
 
 _PRECISION: dict[str, KeyRule] = {
