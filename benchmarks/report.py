@@ -5,7 +5,7 @@
 
 Several files may be given; a later record of the same configuration (scenario, impl, stage, dtype, GAS, world
 size) replaces an earlier one, so a re-run of a few failed configurations can be layered over a full run. Every
-number in the tables is read from those files; floors come from ../shared/spec/memory_targets.md:
+number in the tables is read from those files; floors are the model-state formulas of ZeRO:
 stage 0 16P; ZeRO-1 (bp+bg)P + 12P/N; ZeRO-2 bp·P + (bg+12)P/N; ZeRO-3 16P/N; FSDP2 (all sharded) 16P/N, with
 bp = bg = 2 bytes (bf16/fp16 parameters and gradients, fp32 Adam state K = 12). S3 records carry their own floors
 (``scenarios/s3_zero3.floors``: the offloaded variants too) and are keyed also by model and offload.
