@@ -97,6 +97,20 @@ class RssSampler:
         self.peak = max(self.peak, self.end_rss)
 
 
+def single_worker_env(impl: str, upstream_target: str, extra_site: str | None, port: int, cpu_only: bool) -> dict:
+    """Environment of a one-rank worker process: upstream's package or this repository first on the path,
+    its own rendezvous port, no op built ahead of time; ``cpu_only`` pins the CPU accelerator (smoke runs)."""
+    repo = os.path.dirname(BENCH_DIR)
+    env = dict(os.environ)
+    root = upstream_target if impl == "upstream" else repo
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([extra_site] if extra_site else []))
+    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", DS_BUILD_OPS="0")
+    if cpu_only:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
 # ----------------------------------------------------------------------------------------------- process group
 def init_process_group(impl: str, world_size: int) -> None:
     """World size 1: a real one-rank group (nccl/gloo). Larger: PyTorch's fake group (rank 0 of ``world_size``)."""

@@ -42,7 +42,7 @@ import torch
 
 import models
 from _harness import (DeepSpeedTrainer, GiB, default_checkpoint_reentrant, device, ds_config, hf_auto_config, mem,
-                      reset_peak, sync, worker_main)
+                      reset_peak, single_worker_env, sync, worker_main)
 from models import MODELS, build_model, random_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,14 +185,7 @@ def specs(groups: list[str], smoke: bool, impls: list[str]) -> list[dict]:
 
 
 def _env(impl: str, args: argparse.Namespace, port: int) -> dict:
-    env = dict(os.environ)
-    root = args.upstream_target if impl == "upstream" else str(REPO)
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([args.extra_site] if args.extra_site else []))
-    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", DS_BUILD_OPS="0")
-    if args.smoke:
-        env["DS_ACCELERATOR"] = "cpu"
-    return env
+    return single_worker_env(impl, args.upstream_target, args.extra_site, port, args.smoke)
 
 
 def _run_worker(spec: dict, args: argparse.Namespace, tmp: str, index: int) -> dict:

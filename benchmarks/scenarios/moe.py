@@ -150,14 +150,9 @@ def run(spec: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------------- driver
 def _env(impl: str, args: argparse.Namespace, port: int) -> dict:
-    env = dict(os.environ)
-    root = args.upstream_target if impl == "upstream" else str(REPO)
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([args.extra_site] if args.extra_site else []))
-    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", DS_BUILD_OPS="0")
-    if args.smoke:
-        env["DS_ACCELERATOR"] = "cpu"
-    return env
+    from _harness import single_worker_env
+
+    return single_worker_env(impl, args.upstream_target, args.extra_site, port, args.smoke)
 
 
 def _run_one(spec: dict, args: argparse.Namespace, port: int, tmp: str) -> dict:
