@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deepspeed._core.zero.chunked_step import step_in_chunks  # noqa: E402
+from deepspeed._core.optim.chunked_step import step_in_chunks  # noqa: E402
 from deepspeed.ops.adam import FusedAdam  # noqa: E402
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deepspeed._core.zero.chunked_step import step_in_chunks  # noqa: E402
-from deepspeed._core.zero.grad_shard import ChunkedGradShard  # noqa: E402
+from deepspeed._core.optim.chunked_step import step_in_chunks  # noqa: E402
+from deepspeed._core.grads.accumulator import ChunkedGradShard  # noqa: E402
 from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def main() -> None:
         shard.reset()
         return elapsed
 
-    from deepspeed._core.zero import chunked_step as chunked_step_mod
+    from deepspeed._core.optim import chunked_step as chunked_step_mod
 
     src_chunk, out_chunk = torch.randn(ch).bfloat16(), torch.empty(ch)
 
@@ -121,7 +121,7 @@ def main() -> None:
 
     from types import SimpleNamespace
 
-    from deepspeed._core.zero.parked_grads import Parked, ParkedWindow
+    from deepspeed._core.grads.parked import Parked, ParkedWindow
 
     region_numel = 4 << 20  # about one 3B-model matrix per region
     parked_regions = [Parked(SimpleNamespace(shard=torch.randn(min(region_numel, n - o)).bfloat16(), ds_id=o), 0, o)

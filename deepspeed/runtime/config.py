@@ -6,7 +6,7 @@ Flow (see docs/config.md):
 2. ``_RootConfig`` validates every block in one pass (pydantic models with upstream keys, aliases, defaults).
    Unknown top-level keys are ignored with one warning; unknown keys inside strict blocks are errors.
 3. :func:`resolve_batch` settles the batch-size triangle against the data-parallel world size.
-4. ``DeepSpeedConfig.plan`` converts the validated models into a :class:`deepspeed._core.plan.RunPlan` once.
+4. ``DeepSpeedConfig.plan`` converts the validated models into a :class:`deepspeed._core.config.plan.RunPlan` once.
 
 ``DeepSpeedConfig`` itself only holds those results and exposes upstream attribute names as properties.
 """
@@ -23,7 +23,7 @@ import hjson
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from deepspeed._core.plan import (BatchPlan, BucketPolicy, GradPolicy, LeafModulePolicy, LeanPolicy, LossScalePolicy,
+from deepspeed._core.config.plan import (BatchPlan, BucketPolicy, GradPolicy, LeafModulePolicy, LeanPolicy, LossScalePolicy,
                                   MemoryTimelinePolicy, OffloadDevice, OffloadPolicy, PrecisionPolicy, ReduceOp,
                                   RunPlan, Stage3Policy, ZeroPlan)
 from deepspeed.comm.config import CommsLoggerConfig, DeepSpeedCommsConfig
@@ -321,7 +321,7 @@ def _mode_dtype(root: _RootConfig) -> torch.dtype:
 
 def _check_unsupported(root: _RootConfig, param_dict: dict) -> None:
     """Refuse keys asking for features this package does not implement; warn about keys without effect (the
-    table is ``deepspeed._core.config_surface``)."""
+    table is ``deepspeed._core.config.surface``)."""
     enforce_surface(root, param_dict)
 
 
@@ -480,7 +480,7 @@ def check_batch(plan: BatchPlan, derived: bool = False) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Plan building: validated models -> frozen policies (deepspeed._core.plan).
+# Plan building: validated models -> frozen policies (deepspeed._core.config.plan).
 
 
 def _loss_scale_policy(fp16: DeepSpeedFP16Config) -> LossScalePolicy | None:
@@ -595,7 +595,7 @@ class DeepSpeedConfig:
     Raises:
         DeepSpeedConfigError: on any invalid key or value; the message names the key and what is valid.
 
-    The resolved :class:`deepspeed._core.plan.RunPlan` is available as :attr:`plan`.
+    The resolved :class:`deepspeed._core.config.plan.RunPlan` is available as :attr:`plan`.
     """
 
     def __init__(self, config: str | os.PathLike | dict, mpu: Any = None, mesh_device: Any = None) -> None:

@@ -1,4 +1,4 @@
-"""Enforce the config-surface table (``deepspeed._core.config_surface``) on a validated config, and render it.
+"""Enforce the config-surface table (``deepspeed._core.config.surface``) on a validated config, and render it.
 
 :func:`enforce_surface` runs inside ``DeepSpeedConfig(...)``, which the engine builds first thing on every rank,
 so a refused key fails every rank alike before any collective. Keys accepted without effect log one warning per
@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel
 
-from deepspeed._core.config_surface import RAW_BLOCKS, SURFACE, KeyRule, Status, judge
+from deepspeed._core.config.surface import RAW_BLOCKS, SURFACE, KeyRule, Status, judge
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from deepspeed.utils.logging import logger
 

@@ -12,7 +12,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.engine import setup
-from deepspeed._core.engine.loss_scaling import from_policy as loss_scaler_from_policy
+from deepspeed._core.optim.loss_scaling import from_policy as loss_scaler_from_policy
 from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop

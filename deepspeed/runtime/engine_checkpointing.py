@@ -1,7 +1,7 @@
 """``DeepSpeedEngine``'s checkpoint methods with upstream's signatures.
 
 The methods gather what the engine knows (ranks, stage, precision, counters, config) into the plain
-objects of ``deepspeed._core.engine.checkpointing`` and delegate; the layout, atomic writes and safe
+objects of ``deepspeed._core.checkpoint.save_load`` and delegate; the layout, atomic writes and safe
 loading live there (see ``docs/checkpoints.md``).
 
 Safe loading: files are read with ``torch.load(weights_only=True)`` and a small allow-list. To read a
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from deepspeed import comm as dist
-from deepspeed._core.engine import checkpoint_io
-from deepspeed._core.engine import checkpointing as ckpt
+from deepspeed._core.checkpoint import files as checkpoint_io
+from deepspeed._core.checkpoint import save_load as ckpt
 from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 from deepspeed.git_version_info import version as _DS_VERSION
 from deepspeed.moe._setup import moe_checkpoint_layout
@@ -145,7 +145,7 @@ class EngineCheckpointMixin:
             ``(load_path, client_state)``; ``(None, None)`` when no tag is given and ``latest`` is missing.
 
         Raises:
-            deepspeed._core.engine.checkpoint_io.CheckpointError: a file is missing, corrupt, or refused
+            deepspeed._core.checkpoint.files.CheckpointError: a file is missing, corrupt, or refused
                 by safe loading; the message names the file and the rank.
         """
         request = ckpt.LoadRequest(

@@ -6,7 +6,7 @@ parameter decides where the values live:
 - ZeRO-3 parameters (they carry ``ds_id``) are answered by ``param._z3_optimizer``; without one (an
   inference-only ZeRO-3 model) the getters return ``None``.
 - ZeRO-1/2 and stage-0 parameters carry ``param._hp_mapping``
-  (:mod:`deepspeed._core.zero.param_mapping`). For ZeRO-1/2 the *full* getters are collectives: every
+  (:mod:`deepspeed._core.optim.hp_mapping`). For ZeRO-1/2 the *full* getters are collectives: every
   rank of the data-parallel group must call them for the same parameter, in the same order.
 - Any other parameter is not managed: getters return ``None`` and setters do nothing.
 
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepspeed._core.zero.stage12_checkpoint import fragment_address  # noqa: F401 - upstream public name
+from deepspeed._core.optim.stage12_state import fragment_address  # noqa: F401 - upstream public name
 
 __all__ = [
     "safe_get_full_fp32_param",

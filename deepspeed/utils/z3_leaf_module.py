@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from deepspeed._core.zero.leaf_policy import class_entry_matches
-from deepspeed._core.zero.manager import Z3_LEAF_ATTR, is_z3_leaf
+from deepspeed._core.params.leaf_policy import class_entry_matches
+from deepspeed._core.params.manager import Z3_LEAF_ATTR, is_z3_leaf
 
 __all__ = [
     "get_z3_leaf_modules",
@@ -68,7 +68,7 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | s
     """Mark every module of the given classes as a leaf; return them.
 
     A class object also matches its subclasses; a string matches the exact class by bare or fully qualified name.
-    The config key ``zero_optimization.leaf_module.classes`` matches strings the same way (``_core/zero/leaf_policy``).
+    The config key ``zero_optimization.leaf_module.classes`` matches strings the same way (``_core/params/leaf_policy``).
     """
     return _mark(model, _class_matcher(leaf_module_classes), True, str(list(leaf_module_classes)),
                  raise_if_not_found)

@@ -144,7 +144,7 @@ class NotAllowListed:
 def _safety_and_corruption(root: str) -> None:
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed._core.engine.checkpoint_io import CheckpointCorruptError, CheckpointUnsafeError
+    from deepspeed._core.checkpoint.files import CheckpointCorruptError, CheckpointUnsafeError
 
     engine, _, _, _ = deepspeed.initialize(model=make_model(0), config=config("fp32", gas=1))
     train(engine, 0, 1)
@@ -213,7 +213,7 @@ def test_checkpoint_scenarios_world2(tmp_path: Path) -> None:
 def _write_then_die(root: str, mode: str) -> None:
     """Save tag A (global_step2), then die inside the save of tag B (global_step3)."""
     import deepspeed
-    from deepspeed._core.engine import checkpoint_io
+    from deepspeed._core.checkpoint import files as checkpoint_io
 
     engine, _, _, _ = deepspeed.initialize(model=make_model(0), config=config("fp32", gas=1))
     train(engine, 0, 2)

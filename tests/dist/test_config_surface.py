@@ -1,4 +1,4 @@
-"""The config-surface table (``deepspeed._core.config_surface``) against the parser and the engine, both ways.
+"""The config-surface table (``deepspeed._core.config.surface``) against the parser and the engine, both ways.
 
 * Every key the parser accepts (the pydantic models walked, nested blocks included, plus the upstream blocks it
   accepts unmodelled) is in the table, and every table key is one the parser accepts.
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from deepspeed._core.config_surface import SURFACE, Status
+from deepspeed._core.config.surface import SURFACE, Status
 from deepspeed.runtime.config import _TOLERATED_TOP_LEVEL_KEYS, DeepSpeedConfig, DeepSpeedConfigError, _RootConfig
 from deepspeed.runtime.config_surface import model_keys, render_status_table
 from tests._harness import run_distributed

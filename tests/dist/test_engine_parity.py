@@ -46,7 +46,7 @@ def _config(gas: int, clip: float, precision: dict, stage: int = 0) -> dict:
 def _train_cases(world_size: int, stage: int) -> dict[str, dict[str, torch.Tensor]]:
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed._core.zero import chunked_step
+    from deepspeed._core.optim import chunked_step
 
     out = {}
     for name, gas, clip, precision in CASES:

@@ -30,7 +30,7 @@ def _config(stage: int, **extra: object) -> dict:
 
 def _ensure_mapped(engine) -> None:
     """Attach the mappings if this build's optimizer constructor does not do it yet (idempotent)."""
-    from deepspeed._core.zero.param_mapping import attach_hp_mapping
+    from deepspeed._core.optim.hp_mapping import attach_hp_mapping
 
     if not all(hasattr(p, "_hp_mapping") for p in engine.module.parameters() if p.requires_grad):
         attach_hp_mapping(engine.optimizer)

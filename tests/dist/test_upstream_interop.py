@@ -59,7 +59,7 @@ def test_fixtures_present() -> None:
 def test_upstream_globals_are_ours_and_allowed() -> None:
     """Every class upstream's files pickle resolves in our package and is on our safe-load allow-list."""
     import deepspeed.runtime.engine_checkpointing  # noqa: F401 - registers ZeroStageEnum
-    from deepspeed._core.engine import checkpoint_io
+    from deepspeed._core.checkpoint import files as checkpoint_io
 
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in checkpoint_io.safe_globals()}
     problems = set()

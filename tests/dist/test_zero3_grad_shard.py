@@ -16,7 +16,7 @@ CHUNK_BYTES = 64  # 16 fp32 elements per chunk: the tiny model's shard spans man
 def _train_tiny_chunks(world: int, offload: bool, direct: bool = False) -> dict:
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed._core.zero import chunked_step
+    from deepspeed._core.optim import chunked_step
 
     chunked_step.STEP_CHUNK_BYTES_MIN = CHUNK_BYTES
     chunked_step.STEP_CHUNK_BYTES_CAP = CHUNK_BYTES
@@ -34,7 +34,7 @@ def _train_tiny_chunks(world: int, offload: bool, direct: bool = False) -> dict:
     opt = engine.optimizer
     submitted = {"direct": 0, "ring": 0}
     if direct:  # what page-locked chunks on a GPU machine do, on the CPU: every fold through the host path
-        from deepspeed._core.zero.host_transfer import Staging
+        from deepspeed._core.comm.host_transfer import Staging
 
         opt.host.staging = Staging.ALWAYS
         for grp in opt.groups:

@@ -105,7 +105,7 @@ def _weights(engine: object) -> dict[str, torch.Tensor]:
 def _run(cfg: dict, zero_init: bool) -> dict:
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed._core.zero.manager import is_z3_leaf
+    from deepspeed._core.params.manager import is_z3_leaf
 
     if zero_init:
         with deepspeed.zero.Init(config_dict_or_path=cfg):

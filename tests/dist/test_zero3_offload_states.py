@@ -21,7 +21,7 @@ def _config(stage: int) -> dict:
 def _train(cycle: bool) -> dict:
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed._core.zero.param import ShardedState
+    from deepspeed._core.params.param import ShardedState
 
     engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(3))
     rank, world = dist.get_rank(), dist.get_world_size()

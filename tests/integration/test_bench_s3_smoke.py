@@ -109,7 +109,7 @@ def test_trace_analysis_path_records_a_summary() -> None:
 
     if not s3_zero3.TIMELINE_FILE.exists():
         pytest.skip("deepspeed/_core/engine/memory_timeline.py is not in this checkout")
-    frames = [{"filename": "/x/deepspeed/_core/zero/param_group.py", "name": "gather", "line": 1}]
+    frames = [{"filename": "/x/deepspeed/_core/params/gather.py", "name": "gather", "line": 1}]
     trace = [{"action": "alloc", "addr": 100, "size": 1000, "frames": frames, "time_us": 1},
              {"action": "free_requested", "addr": 100, "size": 1000, "frames": [], "time_us": 2},
              {"action": "alloc", "addr": 5000, "size": 3000, "frames": [], "time_us": 3},

@@ -189,9 +189,12 @@ def test_cuda_detector_catches_direct_use(source: str, expected: int) -> None:
 
 # Lower layers of _core never import higher ones (style.md §3: plan -> layout/buffers -> ... -> engine).
 CORE_LOWER_LAYERS = {
-    "_core/optim/": ("deepspeed._core.engine", "deepspeed._core.zero"),
-    "_core/zero/": ("deepspeed._core.engine",),
-    "_core/plan.py": ("deepspeed._core.engine", "deepspeed._core.zero", "deepspeed._core.optim"),
+    "_core/optim/": ("deepspeed._core.engine", "deepspeed._core.checkpoint"),
+    "_core/grads/": ("deepspeed._core.engine", "deepspeed._core.optim.stage", "deepspeed._core.checkpoint"),
+    "_core/params/": ("deepspeed._core.engine", "deepspeed._core.optim", "deepspeed._core.grads",
+                      "deepspeed._core.checkpoint"),
+    "_core/config/plan.py": ("deepspeed._core.engine", "deepspeed._core.params", "deepspeed._core.grads",
+                             "deepspeed._core.optim"),
 }
 
 

@@ -1,4 +1,4 @@
-"""ZeRO-3 leaf selection from the config (``deepspeed/_core/zero/leaf_policy.py``): matching rules over several
+"""ZeRO-3 leaf selection from the config (``deepspeed/_core/params/leaf_policy.py``): matching rules over several
 module trees, the granularity threshold, unmatched entries, and the application point at world size 1."""
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from deepspeed._core.plan import DEFAULT_LEAF_MODULE_CLASSES, LeafModulePolicy, LeanPolicy, Stage3Policy
-from deepspeed._core.zero.leaf_policy import (
+from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES, LeafModulePolicy, LeanPolicy, Stage3Policy
+from deepspeed._core.params.leaf_policy import (
     GRANULARITY_KEY,
     module_granularity,
     report_leaf_selection,
     select_leaf_modules,
     subtree_numel,
 )
-from deepspeed._core.zero.manager import ZeroParamManager, is_z3_leaf
-from deepspeed._core.zero.param import ShardGroup
+from deepspeed._core.params.manager import ZeroParamManager, is_z3_leaf
+from deepspeed._core.params.param import ShardGroup
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils.logging import logger

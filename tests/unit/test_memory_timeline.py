@@ -32,21 +32,21 @@ LINEAR = fr("torch/nn/functional.py", "linear")
 # ------------------------------------------------------------------------------------------------ classify
 @pytest.mark.parametrize("frames, expected", [
     # ours
-    ([fr("deepspeed/_core/zero/flat_buffer.py", "alloc_storage"),
-      fr("deepspeed/_core/zero/param_group.py", "_copy_out"), fr("deepspeed/_core/zero/manager.py", "fetch"), CALL,
+    ([fr("deepspeed/_core/layout/flat_buffer.py", "alloc_storage"),
+      fr("deepspeed/_core/params/gather.py", "_copy_out"), fr("deepspeed/_core/params/manager.py", "fetch"), CALL,
       USER], "gathered parameters"),
-    ([fr("deepspeed/_core/zero/collectives.py", "start_all_gather"), USER], "gathered parameters"),
-    ([fr("deepspeed/_core/zero/stage3.py", "_launch_bucket")], "gradients"),
-    ([fr("deepspeed/_core/zero/grad_reduce.py", "ensure_accumulator")], "gradients"),
-    ([fr("deepspeed/_core/zero/optimizer_shard.py", "__init__"), fr("deepspeed/_core/zero/stage12.py", "_build_group")],
+    ([fr("deepspeed/_core/comm/collectives.py", "start_all_gather"), USER], "gathered parameters"),
+    ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
+    ([fr("deepspeed/_core/grads/reducer.py", "ensure_accumulator")], "gradients"),
+    ([fr("deepspeed/_core/optim/master.py", "__init__"), fr("deepspeed/_core/optim/stage12.py", "_build_group")],
      "optimizer state"),
-    ([fr("deepspeed/_core/zero/chunked_step.py", "step_in_chunks"), fr("deepspeed/_core/zero/stage12.py", "step")],
+    ([fr("deepspeed/_core/optim/chunked_step.py", "step_in_chunks"), fr("deepspeed/_core/optim/stage12.py", "step")],
      "optimizer state"),
     ([fr("torch/optim/adam.py", "_init_group"), fr("deepspeed/_core/engine/training.py", "step")], "optimizer state"),
-    ([fr("deepspeed/_core/zero/inplace_flatten.py", "flatten_params"), fr("deepspeed/_core/zero/stage12.py",
+    ([fr("deepspeed/_core/layout/inplace_flatten.py", "flatten_params"), fr("deepspeed/_core/optim/stage12.py",
                                                                            "_build_group")], "parameters"),
-    ([fr("deepspeed/_core/zero/flat_buffer.py", "allocate"), USER], "parameters"),  # helper, nobody decided
-    ([fr("deepspeed/_core/zero/init_context.py", "_partition_param")], "parameters"),
+    ([fr("deepspeed/_core/layout/flat_buffer.py", "allocate"), USER], "parameters"),  # helper, nobody decided
+    ([fr("deepspeed/_core/params/init_context.py", "_partition_param")], "parameters"),
     # upstream DeepSpeed
     ([fr("deepspeed/runtime/zero/partition_parameters.py", "_allgather_params_coalesced"),
       fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "fetch_sub_module"), CALL], "gathered parameters"),
@@ -73,7 +73,7 @@ LINEAR = fr("torch/nn/functional.py", "linear")
     ([LINEAR, CALL, fr("deepspeed/_core/engine/training.py", "forward"), USER], "activations"),
     ([LINEAR, CALL, fr("torch/utils/checkpoint.py", "recompute_fn"), fr("torch/autograd/function.py", "apply")],
      "activations"),
-    ([fr("deepspeed/_core/zero/param_group.py", "_copy_out"), fr("deepspeed/_core/zero/manager.py", "fetch"), CALL,
+    ([fr("deepspeed/_core/params/gather.py", "_copy_out"), fr("deepspeed/_core/params/manager.py", "fetch"), CALL,
       fr("torch/utils/checkpoint.py", "recompute_fn")], "gathered parameters"),  # a gather inside a recompute
     ([fr("torch/nn/modules/module.py", "_apply"), fr("torch/nn/modules/module.py", "to"), USER], "parameters"),
     ([USER], "buffers"),
@@ -83,13 +83,13 @@ def test_classify_by_allocation_stack(frames: list, expected: str) -> None:
 
 
 @pytest.mark.parametrize("free_frames, expected", [
-    ([fr("deepspeed/_core/zero/stage3.py", "_launch_bucket")], "gradients"),
-    ([fr("deepspeed/_core/zero/grad_reduce.py", "_on_grad")], "gradients"),
+    ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
+    ([fr("deepspeed/_core/grads/reducer.py", "_on_grad")], "gradients"),
     ([fr("deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads")], "gradients"),
     ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce")], "gradients"),
     ([fr("torch/optim/optimizer.py", "zero_grad"), USER], "gradients"),
-    ([fr("deepspeed/_core/zero/flat_buffer.py", "free_storage"), fr("deepspeed/_core/zero/param_group.py", "<lambda>"),
-      fr("deepspeed/_core/zero/param_group.py", "drain")], "gathered parameters"),  # deferred release queue
+    ([fr("deepspeed/_core/layout/flat_buffer.py", "free_storage"), fr("deepspeed/_core/params/gather.py", "<lambda>"),
+      fr("deepspeed/_core/params/gather.py", "drain")], "gathered parameters"),  # deferred release queue
     ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "free_unsharded_param")], "gathered parameters"),
     ([fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "release_sub_module")], "gathered parameters"),
     ([], "activations"),  # backward temporary freed by autograd
@@ -114,10 +114,10 @@ def ev(action: str, addr: int, size: int, t: int, frames: list | None = None) ->
     return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": frames or []}
 
 
-PARAM_ALLOC = [fr("deepspeed/_core/zero/init_context.py", "_partition_param")]
-GATHER_ALLOC = [fr("deepspeed/_core/zero/param_group.py", "_copy_out"), fr("deepspeed/_core/zero/manager.py", "fetch")]
+PARAM_ALLOC = [fr("deepspeed/_core/params/init_context.py", "_partition_param")]
+GATHER_ALLOC = [fr("deepspeed/_core/params/gather.py", "_copy_out"), fr("deepspeed/_core/params/manager.py", "fetch")]
 ACT_ALLOC = [LINEAR, CALL]
-REDUCE_FREE = [fr("deepspeed/_core/zero/stage3.py", "_launch_bucket")]
+REDUCE_FREE = [fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")]
 
 
 def snapshot(trace: list[dict], segments: list | None = None, **extra: object) -> dict:
@@ -216,7 +216,7 @@ def test_blocks_from_before_recording_are_a_baseline() -> None:
         ev("free_completed", 0x20000, 256, 5),
         ev("free_requested", 0x30000, 64, 6),                 # alive before recording, unknown origin
         ev("free_completed", 0x30000, 64, 6),
-        ev("free_requested", 0x40000, 2048, 6, [fr("deepspeed/_core/zero/param_group.py", "free")]),
+        ev("free_requested", 0x40000, 2048, 6, [fr("deepspeed/_core/params/gather.py", "free")]),
         ev("free_completed", 0x40000, 2048, 6),               # gathered in the previous step, released now
         ev("alloc", 0x10C00, 1024, 7, ACT_ALLOC),
     ]

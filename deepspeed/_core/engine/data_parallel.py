@@ -14,12 +14,12 @@ import torch
 from deepspeed import comm as dist
 from deepspeed._core.moe.params import ExpertGroup, by_reduce_group
 from deepspeed._core.optim.clipping import NormScope, clip_, counts_in_norm, global_norm, global_norm_of_parts
-from deepspeed._core.engine.grad_sync import BucketedAllReduce
-from deepspeed._core.optim.scaling import ReduceScaling
+from deepspeed._core.grads.allreduce import BucketedAllReduce
+from deepspeed._core.grads.scaling import ReduceScaling
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan
-from deepspeed._core.plan import RunPlan
-from deepspeed._core.zero.param_mapping import attach_hp_mapping, detach_hp_mapping
+from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 
 
 class DataParallelOptimizer(EngineOptimizer):

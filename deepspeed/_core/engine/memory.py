@@ -19,7 +19,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.engine import memory_timeline
-from deepspeed._core.plan import MemoryTimelinePolicy, RunPlan
+from deepspeed._core.config.plan import MemoryTimelinePolicy, RunPlan
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import log_dist, logger
 

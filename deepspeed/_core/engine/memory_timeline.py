@@ -105,7 +105,7 @@ class Rule(NamedTuple):
         return not self.names or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names)
 
 
-_Z = "deepspeed/_core/zero/"
+_Z = "deepspeed/_core/"
 _E = "deepspeed/_core/engine/"
 _UP = "deepspeed/runtime/"
 _FSDP = "torch/distributed/fsdp/_fully_shard/"
@@ -114,11 +114,11 @@ _UP_GRAD_NAMES = ("*reduce*", "*ipg*", "*_grads*", "*gradient*", "*grad_to*", "a
 
 ALLOC_RULES: tuple[Rule, ...] = (
     # gathered parameters
-    Rule(GATHERED, _Z + "param_group.py", ("start_gather", "finish_gather", "_copy_out", "gather", "unshard",
+    Rule(GATHERED, _Z + "params/gather.py", ("start_gather", "finish_gather", "_copy_out", "gather", "unshard",
                                            "wait_for_unshard", "acquire")),
-    Rule(GATHERED, _Z + "collectives.py", ("start_all_gather", "finish_all_gather")),
-    Rule(GATHERED, _Z + "gathered.py"),
-    Rule(GATHERED, _Z + "manager.py", ("fetch", "_prefetch", "pre_forward", "pre_backward", "on_param_access")),
+    Rule(GATHERED, _Z + "comm/collectives.py", ("start_all_gather", "finish_all_gather")),
+    Rule(GATHERED, _Z + "params/gathered.py"),
+    Rule(GATHERED, _Z + "params/manager.py", ("fetch", "_prefetch", "pre_forward", "pre_backward", "on_param_access")),
     Rule(GATHERED, _UP + "zero/partition_parameters.py", ("*all_gather*", "*allgather*", "wait",
                                                           "_ensure_availability_of_partitioned_params")),
     Rule(GATHERED, _UP + "zero/partitioned_param_coordinator.py", ("*fetch*", "*all_gather*")),
@@ -128,13 +128,13 @@ ALLOC_RULES: tuple[Rule, ...] = (
                                               "unsharded_param", "to_sharded_post_forward*")),
     Rule(GATHERED, _FSDP + "_fsdp_param_group.py", ("*unshard*", "_backward_prefetch", "_to_sharded_post_forward")),
     # gradients
-    Rule(GRADS, _Z + "grad_reduce.py"),
-    Rule(GRADS, _Z + "grad_shard.py"),
-    Rule(GRADS, _Z + "stage3.py", ("_on_grad", "_launch_bucket", "_finish", "flush", "finish_backward",
+    Rule(GRADS, _Z + "grads/reducer.py"),
+    Rule(GRADS, _Z + "grads/accumulator.py"),
+    Rule(GRADS, _Z + "optim/stage3.py", ("_on_grad", "_launch_bucket", "_finish", "flush", "finish_backward",
                                    "ensure_accumulator", "_setup_grads")),
-    Rule(GRADS, _Z + "stage12.py", ("prepare_backward", "finish_backward", "_grad_partition")),
-    Rule(GRADS, _Z + "host_transfer.py"),
-    Rule(GRADS, _E + "grad_sync.py"),
+    Rule(GRADS, _Z + "optim/stage12.py", ("prepare_backward", "finish_backward", "_grad_partition")),
+    Rule(GRADS, _Z + "comm/host_transfer.py"),
+    Rule(GRADS, _Z + "grads/allreduce.py"),
     Rule(GRADS, _E + "data_parallel.py", ("prepare_backward", "finish_backward")),
     Rule(GRADS, _E + "precision.py", ("grads_to_masters",)),
     Rule(GRADS, _UP + "zero/stage3.py", _UP_GRAD_NAMES),
@@ -146,12 +146,12 @@ ALLOC_RULES: tuple[Rule, ...] = (
     Rule(GRADS, _FSDP + "_fsdp_param_group.py", ("post_backward", "finalize_backward")),
     Rule(GRADS, _FSDP + "_fsdp_state.py", ("_root_post_backward_final_callback",)),
     # optimizer state
-    Rule(OPTIM, _Z + "optimizer_shard.py"),
-    Rule(OPTIM, _Z + "chunked_step.py"),
-    Rule(OPTIM, _Z + "step_common.py"),
+    Rule(OPTIM, _Z + "optim/master.py"),
+    Rule(OPTIM, _Z + "optim/chunked_step.py"),
+    Rule(OPTIM, _Z + "optim/sharded_step.py"),
     Rule(OPTIM, "deepspeed/_core/optim/"),
-    Rule(OPTIM, _Z + "stage3.py", ("_build_group", "step", "write_back", "refresh_fp32_params")),
-    Rule(OPTIM, _Z + "stage12.py", ("_build_group", "step", "_step_group", "publish_weights", "refresh_fp32_params")),
+    Rule(OPTIM, _Z + "optim/stage3.py", ("_build_group", "step", "write_back", "refresh_fp32_params")),
+    Rule(OPTIM, _Z + "optim/stage12.py", ("_build_group", "step", "_step_group", "publish_weights", "refresh_fp32_params")),
     Rule(OPTIM, _E + "data_parallel.py", ("__init__", "step")),
     Rule(OPTIM, _E + "precision.py", ("__init__", "masters_to_working")),
     Rule(OPTIM, "torch/optim/"),
@@ -165,9 +165,9 @@ ALLOC_RULES: tuple[Rule, ...] = (
     Rule(OPTIM, _UP + "engine.py", ("step", "_take_model_step")),
     Rule(OPTIM, _E + "training.py", ("step", "_take_model_step")),
     # parameters
-    Rule(PARAMS, _Z + "init_context.py"),
-    Rule(PARAMS, _Z + "inplace_flatten.py"),
-    Rule(PARAMS, _Z + "param_group.py", ("partition", "commit")),
+    Rule(PARAMS, _Z + "params/init_context.py"),
+    Rule(PARAMS, _Z + "layout/inplace_flatten.py"),
+    Rule(PARAMS, _Z + "params/gather.py", ("partition", "commit")),
     Rule(PARAMS, _E + "setup.py"),
     Rule(PARAMS, _E + "precision.py", ("cast_module_params",)),
     Rule(PARAMS, _UP + "zero/stage3.py", ("*fp16*", "*flat*")),
@@ -187,9 +187,9 @@ ALLOC_RULES: tuple[Rule, ...] = (
 """Decisive rules, checked on the allocation stack innermost frame first."""
 
 HELPER_RULES: tuple[Rule, ...] = (
-    Rule(PARAMS, _Z + "flat_buffer.py"),
-    Rule(PARAMS, _Z + "param.py"),
-    Rule(PARAMS, _Z + "offload_param.py"),
+    Rule(PARAMS, _Z + "layout/flat_buffer.py"),
+    Rule(PARAMS, _Z + "params/param.py"),
+    Rule(PARAMS, _Z + "params/placement.py"),
     Rule(PARAMS, _UP + "zero/partition_parameters.py"),
     Rule(PARAMS, _FSDP + "_fsdp_param.py"),
 )
@@ -197,11 +197,11 @@ HELPER_RULES: tuple[Rule, ...] = (
 
 FREE_RULES: tuple[Rule, ...] = (
     # gradient reduction and zero_grad: autograd-produced .grad tensors
-    Rule(GRADS, _Z + "grad_reduce.py"),
-    Rule(GRADS, _Z + "grad_shard.py"),
-    Rule(GRADS, _Z + "stage3.py", ("_on_grad", "_launch_bucket", "_finish", "flush", "_clear_grads")),
-    Rule(GRADS, _Z + "stage12.py", ("finish_backward", "_clear_grads", "_grad_partition", "step")),
-    Rule(GRADS, _E + "grad_sync.py"),
+    Rule(GRADS, _Z + "grads/reducer.py"),
+    Rule(GRADS, _Z + "grads/accumulator.py"),
+    Rule(GRADS, _Z + "optim/stage3.py", ("_on_grad", "_launch_bucket", "_finish", "flush", "_clear_grads")),
+    Rule(GRADS, _Z + "optim/stage12.py", ("finish_backward", "_clear_grads", "_grad_partition", "step")),
+    Rule(GRADS, _Z + "grads/allreduce.py"),
     Rule(GRADS, _E + "data_parallel.py", ("finish_backward", "step")),
     Rule(GRADS, _E + "precision.py", ("grads_to_masters", "drop_master_grads")),
     Rule(GRADS, _UP + "zero/stage3.py", _UP_GRAD_NAMES),
@@ -212,8 +212,8 @@ FREE_RULES: tuple[Rule, ...] = (
     Rule(GRADS, _FSDP + "_fsdp_param_group.py", ("post_backward", "finalize_backward")),
     Rule(GRADS, "", ("zero_grad",)),
     # parameter release: gathered storage (matters for blocks gathered before recording started)
-    Rule(GATHERED, _Z + "param_group.py", ("free", "release", "_retire_flat", "drain", "shutdown", "<lambda>")),
-    Rule(GATHERED, _Z + "manager.py", ("release*", "_sweep_kept", "post_forward", "post_backward")),
+    Rule(GATHERED, _Z + "params/gather.py", ("free", "release", "_retire_flat", "drain", "shutdown", "<lambda>")),
+    Rule(GATHERED, _Z + "params/manager.py", ("release*", "_sweep_kept", "post_forward", "post_backward")),
     Rule(GATHERED, _UP + "zero/partitioned_param_coordinator.py", ("*release*",)),
     Rule(GATHERED, _UP + "zero/partition_parameters.py", ("free_param", "*partition*")),
     Rule(GATHERED, _FSDP + "_fsdp_param.py", ("free_unsharded_param", "to_sharded*")),

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from deepspeed._core.plan import PrecisionPolicy
+from deepspeed._core.config.plan import PrecisionPolicy
 
 
 def cast_module_params(module: torch.nn.Module, policy: PrecisionPolicy) -> None:

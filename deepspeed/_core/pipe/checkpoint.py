@@ -11,7 +11,7 @@ Inside a checkpoint tag folder a pipeline run holds
 
 Per-layer files make a checkpoint independent of the partition: a run with another partition or another
 data-parallel size reads the same layer files. :class:`PipelineModuleFiles` plugs this into
-``deepspeed._core.engine.checkpointing`` (its ``ModuleFiles`` protocol), so there is one checkpoint writer.
+``deepspeed._core.checkpoint.save_load`` (its ``ModuleFiles`` protocol), so there is one checkpoint writer.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.engine import checkpoint_io as io
-from deepspeed._core.engine.checkpointing import _agree_or_raise, compact_tensors
+from deepspeed._core.checkpoint import files as io
+from deepspeed._core.checkpoint.save_load import _agree_or_raise, compact_tensors
 
 LAYER_FILE_SUFFIX = "-model_states.pt"
 

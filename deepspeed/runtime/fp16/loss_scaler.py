@@ -2,12 +2,12 @@
 
 Checkpoints written by DeepSpeed pickle ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` and
 ``DynamicLossScaler``; unpickling resolves those names here. The classes live in
-``deepspeed._core.engine.loss_scaling`` (the engine core needs them without importing a façade) and
+``deepspeed._core.optim.loss_scaling`` (the engine core needs them without importing a façade) and
 declare this module as their ``__module__``, so our own pickles record this path too.
 """
 from __future__ import annotations
 
-from deepspeed._core.engine.loss_scaling import (
+from deepspeed._core.optim.loss_scaling import (
     CONSECUTIVE_HYSTERESIS,
     DELAYED_SHIFT,
     INITIAL_LOSS_SCALE,

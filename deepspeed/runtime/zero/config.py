@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from deepspeed._core.plan import DEFAULT_LEAF_MODULE_CLASSES
+from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, pp_int
 from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
                                                    DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum)
@@ -40,7 +40,7 @@ def _cpu_offload_param(enabled: bool | None) -> dict | None:
 class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
     """``zero_optimization.leaf_module``: modules ZeRO-3 treats as one unit (gathered/freed together).
 
-    Matching rules: ``deepspeed/_core/zero/leaf_policy.py``. Entries that match no module are logged and
+    Matching rules: ``deepspeed/_core/params/leaf_policy.py``. Entries that match no module are logged and
     ignored, as upstream (whose default ``classes`` name Hugging Face MoE blocks most models lack).
     """
 

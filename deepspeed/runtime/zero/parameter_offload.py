@@ -1,6 +1,6 @@
 """Upstream ``DeepSpeedZeRoOffload``: the ZeRO-3 parameter side as integrations (TRL) see it.
 
-A façade over :class:`deepspeed._core.zero.manager.ZeroParamManager`: the constructor turns upstream's keyword
+A façade over :class:`deepspeed._core.params.manager.ZeroParamManager`: the constructor turns upstream's keyword
 arguments into a ``Stage3Policy`` / ``LeanPolicy`` once and delegates.
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 
 from torch import nn
 
-from deepspeed._core.plan import LeafModulePolicy, LeanPolicy, OffloadDevice, OffloadPolicy, Stage3Policy
-from deepspeed._core.zero.manager import ZeroParamManager
-from deepspeed._core.zero.param import ShardGroup
-from deepspeed._core.zero.streams import SideStreams, StreamSet
+from deepspeed._core.config.plan import LeafModulePolicy, LeanPolicy, OffloadDevice, OffloadPolicy, Stage3Policy
+from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.param import ShardGroup
+from deepspeed._core.comm.streams import SideStreams, StreamSet
 from deepspeed.runtime.zero.partitioned_param_coordinator import (
     PartitionedParameterCoordinator,
 )

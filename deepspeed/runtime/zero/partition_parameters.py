@@ -1,7 +1,7 @@
-"""Upstream ``deepspeed.runtime.zero.partition_parameters`` names over ``deepspeed._core.zero``.
+"""Upstream ``deepspeed.runtime.zero.partition_parameters`` names over ``deepspeed._core.params``.
 
 ``Init`` and ``GatheredParameters`` accept upstream's arguments, resolve them once into plan objects and
-delegate; the algorithms live in ``deepspeed/_core/zero/`` (see ``docs/design/zero3.md``).
+delegate; the algorithms live in ``deepspeed/_core/params/`` (see ``docs/design/zero3.md``).
 """
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
-from deepspeed._core.zero.gathered import (
+from deepspeed._core.params.gathered import (
     GatheredContext,
     ModifierRank,
     collect_states,
     register_external,
     unregister_external,
 )
-from deepspeed._core.zero.init_context import InitPlan, ZeroInitContext, init_depth
-from deepspeed._core.zero.offload_param import Pinning, ShardPlacement
-from deepspeed._core.zero.param import (
+from deepspeed._core.params.init_context import InitPlan, ZeroInitContext, init_depth
+from deepspeed._core.params.placement import Pinning, ShardPlacement
+from deepspeed._core.params.param import (
     ShardGroup,
     ZeroParameter,
     ZeroParamStatus,
@@ -108,7 +108,7 @@ class Init:
                  dtype: torch.dtype | None = None, mpu: Any = None, zero_param_parallel_group: Any = None,
                  zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
                  sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
-        """Resolve the config into an :class:`~deepspeed._core.zero.init_context.InitPlan` and delegate."""
+        """Resolve the config into an :class:`~deepspeed._core.params.init_context.InitPlan` and delegate."""
         self.enabled = enabled
         self._context: ZeroInitContext | None = None
         if not enabled:

@@ -1,6 +1,6 @@
 """Upstream ``partitioned_param_coordinator`` names over the ZeRO-3 parameter manager.
 
-``PartitionedParameterCoordinator`` here is a view of :class:`~deepspeed._core.zero.manager.ZeroParamManager`
+``PartitionedParameterCoordinator`` here is a view of :class:`~deepspeed._core.params.manager.ZeroParamManager`
 (obtained from ``DeepSpeedZeRoOffload.get_param_coordinator()``), not a separately constructed object.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from deepspeed._core.zero.manager import ZeroParamManager
-from deepspeed._core.zero.prefetch import TraceMode
+from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.prefetch import TraceMode
 
 ZeRoTraceMode = TraceMode
 

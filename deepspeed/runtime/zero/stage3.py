@@ -1,6 +1,6 @@
 """``DeepSpeedZeroOptimizer_Stage3`` and ``unwrap_model_for_generation`` at upstream's import path.
 
-The engine builds :class:`deepspeed._core.zero.stage3.Stage3Optimizer` directly; this module gives it
+The engine builds :class:`deepspeed._core.optim.stage3.Stage3Optimizer` directly; this module gives it
 upstream's public name and the generation helper RL libraries import.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from deepspeed._core.zero.stage3 import Stage3Optimizer
+from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
 DeepSpeedZeroOptimizer_Stage3 = Stage3Optimizer

@@ -1,8 +1,8 @@
 """``DeepSpeedZeroOptimizer``: upstream's ZeRO-1/2 optimizer constructor over the lean core.
 
-The engine builds the core optimizer (:class:`deepspeed._core.zero.stage12.ZeroOptimizer`) straight
+The engine builds the core optimizer (:class:`deepspeed._core.optim.stage12.ZeroOptimizer`) straight
 from its run plan. This façade exists for code that constructs the optimizer itself with upstream's
-keyword list: the keywords are converted once into a frozen :class:`~deepspeed._core.plan.RunPlan`
+keyword list: the keywords are converted once into a frozen :class:`~deepspeed._core.config.plan.RunPlan`
 (by the small ``_*_policy`` helpers below) and everything else is the core class. Stage 1 is
 ``partition_grads=False``, stage 2 ``partition_grads=True``, as upstream.
 """
@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.engine.loss_scaling import (
+from deepspeed._core.optim.loss_scaling import (
     CreateLossScaler,
     LossScalerBase,
     from_policy,
 )
-from deepspeed._core.plan import (
+from deepspeed._core.config.plan import (
     BatchPlan,
     BucketPolicy,
     GradPolicy,
@@ -32,8 +32,8 @@ from deepspeed._core.plan import (
     ZeroPlan,
 )
 from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups, is_moe_param_group
-from deepspeed._core.zero.param_mapping import attach_hp_mapping
-from deepspeed._core.zero.stage12 import ZeroOptimizer
+from deepspeed._core.optim.hp_mapping import attach_hp_mapping
+from deepspeed._core.optim.stage12 import ZeroOptimizer
 
 __all__ = ["DeepSpeedZeroOptimizer"]
 

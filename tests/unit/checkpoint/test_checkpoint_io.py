@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspeed._core.engine import checkpoint_io as io
+from deepspeed._core.checkpoint import files as io
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from deepspeed._core.plan import OffloadDevice, ReduceOp, RunPlan
+from deepspeed._core.config.plan import OffloadDevice, ReduceOp, RunPlan
 from deepspeed.runtime.config import DeepSpeedConfig
 
 

@@ -7,13 +7,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from deepspeed._core.zero.flat_buffer import (
+from deepspeed._core.layout.flat_buffer import (
     FlatBuffer,
     alloc_storage,
     free_storage,
     storage_nbytes,
 )
-from deepspeed._core.zero.inplace_flatten import (
+from deepspeed._core.layout.inplace_flatten import (
     FlattenEvent,
     FlattenPath,
     FlattenStage,
@@ -22,7 +22,7 @@ from deepspeed._core.zero.inplace_flatten import (
     flatten_params_via_host,
     torch_flatten_into,
 )
-from deepspeed._core.zero.layout import GroupLayout, Range, plan_group, plan_segments
+from deepspeed._core.layout.shards import GroupLayout, Range, plan_group, plan_segments
 
 CPU = torch.device("cpu")
 
@@ -310,8 +310,8 @@ def test_trim_cache_runs_after_each_segment_release() -> None:
 
 def test_master_partition_chunked_transfer_matches_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cross-device (CHUNKED) path moves the same values as DIRECT, in pieces, both ways."""
-    from deepspeed._core.zero import optimizer_shard
-    from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, TransferPath
+    from deepspeed._core.optim import master as optimizer_shard
+    from deepspeed._core.optim.master import MasterPartition, MasterPlacement, TransferPath
 
     monkeypatch.setattr(optimizer_shard, "TRANSFER_CHUNK_NUMEL", 7)  # several chunks, some across segments
     layout = plan_group(SHAPES, 2)
@@ -335,7 +335,7 @@ def test_master_partition_chunked_transfer_matches_direct(monkeypatch: pytest.Mo
 
 def test_send_through_host_converts_in_chunks_through_one_buffer() -> None:
     """Every piece arrives converted, at its offset, in at most ``chunk_numel`` elements, from one shared buffer."""
-    from deepspeed._core.zero.optimizer_shard import send_through_host
+    from deepspeed._core.optim.master import send_through_host
 
     src = torch.randn(23)
     out = torch.full((23,), -1.0, dtype=torch.bfloat16)
@@ -355,8 +355,8 @@ def test_send_through_host_into_many_shards_straddling_pieces() -> None:
     """ZeRO-3's write-back: one pipeline over a group's master, each piece split across the shards it overlaps."""
     from types import SimpleNamespace
 
-    from deepspeed._core.zero.optimizer_shard import send_through_host
-    from deepspeed._core.zero.stage3 import Stage3Optimizer
+    from deepspeed._core.optim.master import send_through_host
+    from deepspeed._core.optim.stage3 import Stage3Optimizer
 
     sizes = [5, 1, 12, 3, 9]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]

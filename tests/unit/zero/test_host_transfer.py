@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from deepspeed._core.zero.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
+from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
 
 
 def test_submissions_fold_only_on_drain() -> None:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from deepspeed._core.zero.layout import (
+from deepspeed._core.layout.shards import (
     DEFAULT_PARTITION_ALIGNMENT,
     GroupLayout,
     ParamSlot,

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deepspeed._core.zero.flat_buffer import FlatBuffer
-from deepspeed._core.zero.layout import Range, plan_group, plan_segments
+from deepspeed._core.layout.flat_buffer import FlatBuffer
+from deepspeed._core.layout.shards import Range, plan_group, plan_segments
 from deepspeed.accelerator import get_accelerator
 
 pytestmark = pytest.mark.gpu
@@ -21,8 +21,8 @@ def _device() -> torch.device:
 
 
 def test_zero12_offloaded_master_is_pageable_and_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
-    from deepspeed._core.zero import optimizer_shard
-    from deepspeed._core.zero.optimizer_shard import MasterPartition, MasterPlacement, TransferPath
+    from deepspeed._core.optim import master as optimizer_shard
+    from deepspeed._core.optim.master import MasterPartition, MasterPlacement, TransferPath
 
     monkeypatch.setattr(optimizer_shard, "TRANSFER_CHUNK_NUMEL", 10_000)  # many pieces through both buffers
     layout = plan_group(SHAPES, 2)
@@ -43,8 +43,8 @@ def test_zero12_offloaded_master_is_pageable_and_round_trips(monkeypatch: pytest
 
 
 def test_zero3_write_back_pipeline_scatters_into_device_shards() -> None:
-    from deepspeed._core.zero.optimizer_shard import send_through_host
-    from deepspeed._core.zero.stage3 import Stage3Optimizer
+    from deepspeed._core.optim.master import send_through_host
+    from deepspeed._core.optim.stage3 import Stage3Optimizer
 
     sizes = [300_001, 17, 1_000_000, 3, 250_000]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]

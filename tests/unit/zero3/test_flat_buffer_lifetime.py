@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from deepspeed._core.zero import param_group
-from deepspeed._core.zero.codec import IdentityCodec
-from deepspeed._core.zero.param import FullStorage, ShardGroup
-from deepspeed._core.zero.param_group import GatherEngine, ReleaseMode
-from deepspeed._core.zero.streams import StreamSet
+from deepspeed._core.params import gather as param_group
+from deepspeed._core.params.codec import IdentityCodec
+from deepspeed._core.params.param import FullStorage, ShardGroup
+from deepspeed._core.params.gather import Gatherer, ReleaseMode
+from deepspeed._core.comm.streams import StreamSet
 
 
 class _Stream:
@@ -74,7 +74,7 @@ class _RecordingBackend:
 def test_flat_buffer_pool_and_lifetime(mode: ReleaseMode, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = _RecordingBackend()
     streams = StreamSet(backend)
-    engine = GatherEngine(streams, IdentityCodec(), mode, single_rank=FullStorage.SEPARATE)
+    engine = Gatherer(streams, IdentityCodec(), mode, single_rank=FullStorage.SEPARATE)
     group = ShardGroup(None, 0, 1)
     layers = [nn.Linear(8, 8) for _ in range(3)]
     states = [[engine.partition(p, group) for p in layer.parameters()] for layer in layers]

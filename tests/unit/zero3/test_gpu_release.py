@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from deepspeed._core.plan import LeanPolicy, Stage3Policy
-from deepspeed._core.zero.manager import ZeroParamManager
-from deepspeed._core.zero.param import FullStorage, ShardGroup
+from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
+from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.param import FullStorage, ShardGroup
 from deepspeed.accelerator import get_accelerator
 
 pytestmark = pytest.mark.gpu
@@ -90,9 +90,9 @@ def test_stream_ordered_release_holds_current_plus_window_under_a_slow_stream() 
 
 
 def test_offloaded_shards_stay_pinned_on_host_and_gather_to_the_device() -> None:
-    from deepspeed._core.plan import OffloadDevice, OffloadPolicy
-    from deepspeed._core.zero.init_context import InitPlan, ZeroInitContext
-    from deepspeed._core.zero.offload_param import Pinning, ShardPlacement
+    from deepspeed._core.config.plan import OffloadDevice, OffloadPolicy
+    from deepspeed._core.params.init_context import InitPlan, ZeroInitContext
+    from deepspeed._core.params.placement import Pinning, ShardPlacement
 
     device = torch.device(get_accelerator().current_device_name())
     placement = ShardPlacement(torch.device("cpu"), Pinning.PINNED)
@@ -112,6 +112,6 @@ def test_offloaded_shards_stay_pinned_on_host_and_gather_to_the_device() -> None
     out = model(x)  # the Init-built part alone, against the unsharded reference
     torch.testing.assert_close(out, reference(x))
     out.sum().backward()
-    manager.engine.sync_shard_reads()
+    manager.gatherer.sync_shard_reads()
     assert all(p.ds_status.name == "NOT_AVAILABLE" for p in manager.module.parameters())
     manager.destroy()

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from deepspeed._core.zero.grad_shard import ChunkedGradShard
+from deepspeed._core.grads.accumulator import ChunkedGradShard
 
 
 @pytest.mark.parametrize("numel,chunk", [(1, 1), (10, 3), (16, 4), (17, 4), (100, 7), (5, 64)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepspeed._core.zero.hooks import ModuleHooks
+from deepspeed._core.params.hooks import ModuleHooks
 
 Pair = collections.namedtuple("Pair", "x y")
 

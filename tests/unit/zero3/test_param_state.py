@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepspeed._core.zero.param import (
+from deepspeed._core.params.param import (
     FullStorage,
     ShardedState,
     ShardGroup,
@@ -15,8 +15,8 @@ from deepspeed._core.zero.param import (
     is_zero_param,
     zero_state,
 )
-from deepspeed._core.zero.param_group import GatherEngine
-from deepspeed._core.zero.streams import StreamSet
+from deepspeed._core.params.gather import Gatherer
+from deepspeed._core.comm.streams import StreamSet
 from deepspeed.runtime.zero.partition_parameters import (
     GatheredParameters,
     register_external_parameter,
@@ -24,10 +24,10 @@ from deepspeed.runtime.zero.partition_parameters import (
 
 
 def _partitioned(numel: int, rank: int = 0, world: int = 1,
-                 single_rank: FullStorage = FullStorage.SEPARATE) -> tuple[nn.Parameter, GatherEngine]:
+                 single_rank: FullStorage = FullStorage.SEPARATE) -> tuple[nn.Parameter, Gatherer]:
     # These tests check the allocate/free mechanics, which one-rank parameters skip by default (see the
     # FullStorage.SHARD test at the end), so they ask for separate gathered storage.
-    engine = GatherEngine(StreamSet(), single_rank=single_rank)
+    engine = Gatherer(StreamSet(), single_rank=single_rank)
     param = nn.Parameter(torch.arange(float(numel)))
     engine.partition(param, ShardGroup(None, rank, world))
     return param, engine
@@ -148,8 +148,8 @@ def test_convert_to_zero_parameters_uses_the_same_group() -> None:
 
 
 def test_shard_placement_from_offload_policy() -> None:
-    from deepspeed._core.plan import OffloadDevice, OffloadPolicy
-    from deepspeed._core.zero.offload_param import Pinning, ShardPlacement
+    from deepspeed._core.config.plan import OffloadDevice, OffloadPolicy
+    from deepspeed._core.params.placement import Pinning, ShardPlacement
 
     assert ShardPlacement.from_policy(OffloadPolicy()) == ShardPlacement()
     cpu = ShardPlacement.from_policy(OffloadPolicy(device=OffloadDevice.CPU, pin_memory=False))

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deepspeed._core.zero.grad_shard import ChunkedGradShard
-from deepspeed._core.zero.parked_grads import Parked, ParkedWindow
+from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.grads.parked import Parked, ParkedWindow
 
 NUMEL, CHUNK = 40, 16
 

@@ -1,8 +1,8 @@
 """Prefetch trace logic with fake unit sizes (no tensors, no process group)."""
 from __future__ import annotations
 
-from deepspeed._core.plan import Stage3Policy
-from deepspeed._core.zero.prefetch import PrefetchBudget, StepTrace, TraceMode
+from deepspeed._core.config.plan import Stage3Policy
+from deepspeed._core.params.prefetch import PrefetchBudget, StepTrace, TraceMode
 
 SIZES = {0: 10, 1: 10, 2: 10, 3: 10, 4: 30}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepspeed._core.zero.codec import IDENTITY_CODEC
-from deepspeed._core.zero.collectives import finish_all_gather, start_all_gather
-from deepspeed._core.zero.param import ShardGroup
-from deepspeed._core.zero.streams import StreamRole, StreamSet
+from deepspeed._core.params.codec import IDENTITY_CODEC
+from deepspeed._core.comm.collectives import finish_all_gather, start_all_gather
+from deepspeed._core.params.param import ShardGroup
+from deepspeed._core.comm.streams import StreamRole, StreamSet
 
 
 def test_single_rank_gather_allocates_no_flat_buffer_and_copies_each_shard() -> None:
@@ -60,7 +60,7 @@ def _gather_ops(world_size: int, rank: int) -> list[str]:
     numels = [10, 7, 3, 16]
     shards = [torch.full((-(-n // world_size),), float(i)) for i, n in enumerate(numels)]
     group = ShardGroup(None, rank, world_size)
-    from deepspeed._core.zero import collectives
+    from deepspeed._core.comm import collectives
 
     real = collectives.dist.all_gather_into_tensor
     collectives.dist.all_gather_into_tensor = lambda flat, local, group=None, async_op=False: None

@@ -1,0 +1,121 @@
+"""Batched parameter collectives: copy-in -> one collective -> copy-out, with typed split-phase results.
+
+The schedule code never calls ``dist.*`` itself; it calls :func:`start_all_gather` (issue, keep the handle) and
+later :func:`finish_all_gather` (wait, copy out). The flat buffer's lifetime rules are in [Note: streams-flat]
+(``docs/design/streams.md``): it comes from the pool of the stream that frees it, and is dropped only once that
+stream is ordered behind the copy-out that last read it (the compute stream under lean release).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
+from deepspeed._core.layout.shards import Stage3GroupLayout, plan_stage3_group
+from deepspeed._core.params.param import ShardGroup
+from deepspeed._core.comm.streams import StreamRole, StreamSet
+
+
+@dataclass
+class AllGatherResult:
+    """An issued all-gather: its flat buffer, the per-rank layout, and what to wait on.
+
+    Attributes:
+        flat: ``[world_size * layout.rank_numel]`` wire-dtype buffer; rank ``r``'s shards sit back to back in
+            row ``r`` of ``flat.view(world_size, rank_numel)``.
+        layout: where each parameter's shard sits inside a row.
+        event: recorded on the all-gather stream right after the collective was queued.
+        work: the asynchronous collective handle (``None`` for a single-rank group).
+    """
+
+    flat: torch.Tensor | None
+    layout: Stage3GroupLayout
+    event: Any
+    work: Any
+    world_size: int
+    sources: list[torch.Tensor] | None = None  # single-rank groups: the shards themselves, no flat buffer
+
+    def rows(self) -> torch.Tensor:
+        """``flat`` as ``[world_size, rank_numel]``."""
+        assert self.flat is not None, "a single-rank gather has no flat buffer"
+        return self.flat.view(self.world_size, self.layout.rank_numel)
+
+
+def start_all_gather(shards: Sequence[torch.Tensor], numels: Sequence[int], group: ShardGroup,
+                     streams: StreamSet, codec: ShardCodec, device: torch.device,
+                     alloc_role: StreamRole = StreamRole.ALL_GATHER) -> AllGatherResult:
+    """Copy the local ``shards`` into one buffer on ``device`` and issue one all-gather of it on the all-gather
+    stream.
+
+    ``numels`` are the full element counts of the parameters the shards belong to (same order). All shards must
+    share one dtype and device; host shards (offloaded) are copied in asynchronously. ``alloc_role`` names the
+    stream whose allocator pool the flat buffer comes from ([Note: streams-flat]).
+    """
+    layout = plan_stage3_group([(n,) for n in numels], group.world_size)
+    wire = codec.wire_dtype(shards[0].dtype)
+    if group.world_size == 1 and codec is IDENTITY_CODEC and all(s.device == device for s in shards):
+        # One rank: each shard already holds its whole (padded) parameter, so the copy-out reads the shards
+        # directly; a flat buffer would cost the unit's bytes once more (the S3 N=1 peak on the H200).
+        return AllGatherResult(None, layout, streams.record(StreamRole.COMPUTE), None, 1, sources=list(shards))
+    with streams.use(alloc_role):
+        flat = torch.empty(group.world_size * layout.rank_numel, dtype=wire, device=device)
+    # Recorded after the allocation: the shards may just have been written on the compute stream (optimizer
+    # step), and a block taken from the compute pool may still be read by compute work queued before now.
+    ready = streams.record(StreamRole.COMPUTE)
+    with streams.use(StreamRole.ALL_GATHER):
+        streams.wait(StreamRole.ALL_GATHER, ready)
+        local = flat.narrow(0, group.rank * layout.rank_numel, layout.rank_numel)
+        for slot, shard in zip(layout.slots, shards):
+            if layout.rank_range(slot).size != shard.numel():
+                raise ValueError(f"shard {slot.index} has {shard.numel()} elements, layout expects "
+                                 f"{layout.rank_range(slot).size}")
+        codec.encode(shards, local)  # the windows tile the row in slot order
+        work = None
+        if group.world_size > 1:
+            work = dist.all_gather_into_tensor(flat, local, group=group.handle, async_op=True)
+        event = streams.record(StreamRole.ALL_GATHER)
+    return AllGatherResult(flat, layout, event, work, group.world_size)
+
+
+def finish_all_gather(result: AllGatherResult, outputs: Sequence[torch.Tensor], streams: StreamSet,
+                      copy_role: StreamRole, codec: ShardCodec) -> Any:
+    """Wait for ``result`` and copy each parameter into its 1-D ``padded_numel`` output on ``copy_role``'s stream.
+
+    Returns the event recorded on ``copy_role``'s stream after the copy-out: the flat buffer may be reused by
+    the all-gather stream once that stream has waited on it. The compute stream is ordered after the copy-out.
+    """
+    with streams.use(copy_role):
+        streams.wait(copy_role, result.event)
+        if result.work is not None:
+            result.work.wait()
+        if result.sources is not None:
+            for src, out in zip(result.sources, outputs):
+                if src.data_ptr() != out.data_ptr():  # a gathered tensor that is its shard needs no copy
+                    codec.decode(src.reshape(1, -1), [out.view(1, -1)])
+            done = streams.record(copy_role)
+            if copy_role is not StreamRole.COMPUTE:
+                streams.wait(StreamRole.COMPUTE, done)
+            return done
+        ws, layout = result.world_size, result.layout
+        codec.decode(result.rows(), [out.view(ws, layout.rank_range(slot).size)
+                                     for slot, out in zip(layout.slots, outputs)])
+        done = streams.record(copy_role)
+    if copy_role is not StreamRole.COMPUTE:
+        streams.wait(StreamRole.COMPUTE, done)
+    return done
+
+
+def broadcast_from(tensor: torch.Tensor, group: ShardGroup, src_group_rank: int) -> None:
+    """Overwrite ``tensor`` on every rank of ``group`` with member ``src_group_rank``'s values (in place)."""
+    if group.world_size == 1:
+        return
+    if tensor.is_contiguous():
+        dist.broadcast(tensor, src=group.global_rank(src_group_rank), group=group.handle)
+        return
+    staging = tensor.contiguous()
+    dist.broadcast(staging, src=group.global_rank(src_group_rank), group=group.handle)
+    tensor.copy_(staging)

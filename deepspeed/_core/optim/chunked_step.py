@@ -1,0 +1,144 @@
+"""Step an fp32 master partition whose gradient is kept in a narrower dtype, one chunk at a time.
+
+[Note: chunked step] Inner optimizers want an fp32 gradient shaped like the fp32 master. Converting a
+bf16/fp16 partition gradient in one go materialises a second, fp32 copy of the whole gradient partition
+at the step (4 bytes per partition element on top of the floor; measured on the H200, docs/benchmarks.md).
+Instead the master is stepped through views of ``chunk_numel`` elements: each view is handed to the
+optimizer as a temporary parameter whose state entries are views of the master's state, with an fp32
+copy of just that chunk of the gradient. In-place optimizers (Adam/AdamW/Adagrad/Lion/SGD, torch's and
+ours) then update the master's state directly; state an optimizer creates lazily on its first step is
+copied into master-shaped tensors once. Peak extra memory: one chunk of fp32 gradient.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+STEP_CHUNK_BYTES_CAP = 1 << 28
+"""At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
+model steps in ~6 chunks), small enough to stay well under the floor's one-bucket transient."""
+STEP_CHUNK_BYTES_MIN = 1 << 26
+"""At least 64 MiB per chunk, whatever the bucket: HF's "auto" ZeRO-3 bucket (hidden², 8 MiB in bf16 at
+hidden 2048) would otherwise step a 3B model in ~1,500 optimizer calls, each paying Python overhead."""
+
+
+def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype) -> int:
+    """Elements per step chunk: one reduce bucket's bytes, clamped to [64 MiB, 256 MiB] of master dtype and
+    rounded down to a power of two, so page-locked chunks of this many elements (offloaded gradient shards)
+    are not rounded up by the caching host allocator ([Note: pinned ring])."""
+    master_bytes = torch.empty((), dtype=master_dtype).element_size()
+    clamped = max(1, min(max(bucket_bytes, STEP_CHUNK_BYTES_MIN), STEP_CHUNK_BYTES_CAP))
+    return max(1, (1 << (clamped.bit_length() - 1)) // master_bytes)
+
+
+def _is_per_element(value: Any, numel: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
+
+
+def _chunk_state(master_state: dict, scalars: dict, start: int, end: int) -> dict[str, Any]:
+    """Views of the master's per-element state for ``[start, end)`` plus fresh copies of the scalars
+    (e.g. the step count) as they were before this update, so every view advances them exactly once."""
+    state = {k: v[start:end] for k, v in master_state.items() if k not in scalars}
+    state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+    return state
+
+
+def _merge_back(master_state: dict, chunk_state: dict, master: torch.Tensor, start: int, end: int) -> dict:
+    """Fold a view's per-element state into the master's; returns the view's scalars (same for every view)."""
+    scalars = {}
+    for key, value in chunk_state.items():
+        if _is_per_element(value, end - start):
+            if key not in master_state:  # created lazily by the optimizer on its first step
+                master_state[key] = torch.zeros(master.numel(), dtype=value.dtype, device=value.device)
+            target = master_state[key][start:end]
+            if target.data_ptr() != value.data_ptr():
+                target.copy_(value)
+        else:
+            scalars[key] = value
+    return scalars
+
+
+CONVERT_BLOCK_NUMEL = 1 << 20
+"""Host conversions are scaled 4 MiB (fp32) at a time, while the block is still in cache."""
+
+
+def _convert_scaled(out: torch.Tensor, src: torch.Tensor, coef: float) -> None:
+    """``out = src.to(out.dtype) * coef``, the product taken in ``out``'s dtype.
+
+    On the host, converting a whole chunk and then scaling it reads and writes the fp32 chunk twice from memory;
+    done block by block the scaling pass hits the cache.
+    """
+    if coef == 1.0 or out.device.type != "cpu" or out.numel() <= CONVERT_BLOCK_NUMEL:
+        out.copy_(src)
+        if coef != 1.0:
+            out.mul_(coef)
+        return
+    for start in range(0, out.numel(), CONVERT_BLOCK_NUMEL):
+        block = out[start : start + CONVERT_BLOCK_NUMEL]
+        block.copy_(src[start : start + block.numel()])
+        block.mul_(coef)
+
+
+def step_in_chunks(
+    optimizer: torch.optim.Optimizer, group_index: int, grad: Any, chunk_numel: int, coef: float = 1.0,
+    consume: bool = False,
+) -> None:
+    """Apply one update to the single master parameter of ``optimizer.param_groups[group_index]``.
+
+    ``grad`` (any float dtype, same numel as the master; a tensor, or an object whose ``window(start, end)``
+    returns that range, such as :class:`~deepspeed._core.grads.accumulator.ChunkedGradShard`, or whose
+    ``convert_into(start, end, out, coef)`` writes it already converted and scaled) is converted to
+    the master's dtype and device ``chunk_numel`` elements at a time and multiplied by ``coef`` (unscale and
+    clip) after conversion, so an fp16 gradient is never divided in fp16. With ``consume`` the caller gives
+    the gradient up: a range already in the master's dtype and device is scaled in place and used without a
+    copy, and a ``grad`` with ``release(start, end)`` is told when each range has been stepped. No other
+    parameter may hold a gradient during the call.
+    """
+    group = optimizer.param_groups[group_index]
+    (master,) = group["params"]
+    master_state = optimizer.state.pop(master, {})
+    # Decided once: on the very first update every chunk lets the optimizer create its state (and its
+    # step count) afresh; chunk views must not pick up counters an earlier chunk already advanced.
+    existing = bool(master_state)
+    numel = master.numel()
+    scalars = {k: v for k, v in master_state.items() if not _is_per_element(v, numel)}
+    updated: dict = {}
+    # One conversion buffer for every chunk. A fresh host tensor per chunk is page-faulted in (zeroed by the
+    # kernel) on first touch: on the 2-core development CPU the bf16->fp32 conversion of 128M elements took
+    # 0.44 s that way and 0.09 s through one reused buffer (benchmarks/offload_step_cpu.py, cpu/README.md).
+    convert: torch.Tensor | None = None
+    try:
+        for start in range(0, numel, max(1, chunk_numel)):
+            end = min(start + chunk_numel, numel)
+            view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
+            if existing:
+                optimizer.state[view] = _chunk_state(master_state, scalars, start, end)
+            if convert is None and hasattr(grad, "convert_into"):
+                convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+            # A gradient that assembles ranges itself (parked gradients) converts each piece from where it lies.
+            assembled = hasattr(grad, "convert_into") and grad.convert_into(start, end, convert[: end - start], coef)
+            if assembled:
+                view.grad = convert[: end - start]
+            else:
+                piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
+                if consume and piece.dtype == master.dtype and piece.device == master.device:
+                    view.grad = piece
+                    if coef != 1.0:
+                        view.grad.mul_(coef)
+                else:
+                    if convert is None:
+                        convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+                    view.grad = convert[: end - start]
+                    _convert_scaled(view.grad, piece, coef)
+            group["params"] = [view]
+            optimizer.step()
+            updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)
+            view.grad = None
+            if consume and hasattr(grad, "release"):
+                grad.release(start, end)  # stepped: its memory can serve the next chunk
+        master_state.update(updated)
+    finally:
+        group["params"] = [master]
+        optimizer.state[master] = master_state

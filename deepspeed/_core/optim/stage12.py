@@ -1,0 +1,317 @@
+"""ZeRO stages 1 and 2: flat bit16 groups, partitioned fp32 optimizer state, bucketed gradient reduction.
+
+Set-up, per optimizer parameter group: the trainable parameters are flattened on their own device
+(lean: in place, chunk by chunk, [Note: layout]; A/B: via host memory as upstream did), this rank's
+partition is copied to an fp32 master that replaces the group's parameters in the inner optimizer, and
+gradient hooks are installed ([Note: gradient lifetime] in grad_reduce.py). A step checks overflow and
+the global norm with one scalar all-reduce, unscales and clips the fp32 partition gradient in place,
+steps the inner optimizer, writes the masters back and all-gathers the bit16 partitions.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed._core.moe.params import ExpertGroup, is_moe_param_group
+from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
+from deepspeed._core.grads.scaling import ReduceScaling
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
+from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.optim import stage12_state as stage12_checkpoint
+from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.layout.flat_buffer import FlatBuffer
+from deepspeed._core.grads.reducer import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
+from deepspeed._core.layout.inplace_flatten import FlattenPath, flatten_params
+from deepspeed._core.layout.shards import plan_group
+from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
+from deepspeed._core.optim.sharded_step import ShardedStepMixin
+from deepspeed._core.optim.master import MasterPartition, MasterPlacement, all_gather_partitions
+from deepspeed.accelerator import get_accelerator
+
+
+def _package_version() -> str:
+    """The installed distribution's version (what checkpoints record as ``ds_version``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+@dataclass
+class ZeroGroup:
+    """One flat group: its parameters (slot order), working flat buffer, master partition and gradients."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    flat: FlatBuffer
+    master: MasterPartition
+    grads: GroupGrads
+    # The ranks this group is partitioned and reduced over: the data-parallel group, or for an MoE
+    # parameter group the expert-data-parallel group of its expert group (its own world size and rank).
+    process_group: Any = None
+    rank: int = 0
+    member_ranks: list[int] = field(default_factory=list)
+
+
+def _trainable_unique(group_params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Trainable parameters of a group, each once (tied weights appear once)."""
+    seen: set[int] = set()
+    out = []
+    for p in group_params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
+    """The ZeRO-1/2 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer``).
+
+    Args:
+        optimizer: inner optimizer built over the model's working parameters.
+        plan: run plan (stage, buckets, lean switches, precision, gradient policy).
+        loss_scaler: fp16 loss scaler or ``None``.
+        dp_group: data-parallel process group (``None`` = world).
+        param_names: optional ``{param: name}`` used for checkpoint ``param_shapes``.
+        expert_groups: process groups of each expert group by name; a parameter group marked ``moe`` is
+            partitioned and reduced over the expert-data-parallel group of its ``name``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        plan: RunPlan,
+        loss_scaler: Any,
+        dp_group: Any,
+        param_names: dict[torch.nn.Parameter, str] | None = None,
+        expert_groups: Mapping[str, ExpertGroup] | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.expert_groups = dict(expert_groups or {})
+        self.plan = plan
+        self.loss_scaler = loss_scaler
+        self.dp_group = dp_group
+        self.world_size = dist.get_world_size(group=dp_group)
+        self.rank = dist.get_rank(group=dp_group)
+        self.path = GradPath.select(plan.zero.stage, plan.zero.lean.eager_grad_release)
+        self.groups = [self._build_group(g, param_names or {}) for g in optimizer.param_groups]
+        self.reducer = GradReducer([g.grads for g in self.groups], self._reducer_config(), dp_group,
+                                   process_groups=[g.process_group for g in self.groups])
+        precision = plan.precision
+        self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
+        self._cleared_after_step = True
+        # A step chunk holds at most one reduce bucket's bytes, the transient memory_targets.md allows.
+        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
+        self._step_chunk_numel = step_chunk_numel(plan.zero.buckets.reduce_bucket_size * comm_bytes,
+                                                  precision.master_dtype)
+        attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
+
+    # --- set-up ---------------------------------------------------------------------------------------
+    def _build_group(self, param_group: dict, names: dict[torch.nn.Parameter, str]) -> ZeroGroup:
+        params = _trainable_unique(param_group["params"])
+        if not params:
+            raise ValueError("a ZeRO optimizer parameter group has no trainable parameters")
+        device = params[0].device
+        pg, world, rank = self._process_group_of(param_group)
+        layout = plan_group([tuple(p.shape) for p in params], world)
+        lean = self.plan.zero.lean
+        flat = flatten_params(
+            params,
+            layout,
+            device,
+            chunk_numel=self.plan.zero.buckets.allgather_bucket_size,
+            path=FlattenPath.IN_PLACE if lean.inplace_flatten else FlattenPath.VIA_HOST,
+            trim_cache=get_accelerator().empty_cache if device.type != "cpu" else None,
+        )
+        offload = self.plan.zero.offload_optimizer
+        placement = MasterPlacement.DEVICE
+        if offload.enabled:
+            placement = MasterPlacement.PINNED_HOST if offload.pin_memory else MasterPlacement.HOST
+        master = MasterPartition(flat, rank, self.plan.precision.master_dtype, placement)
+        param_group["params"] = [master.param]
+        grads = GroupGrads(layout, params, rank, self.plan.precision.grad_accum_dtype,
+                           keep_storage=offload.enabled)
+        members = [dist.get_global_rank(pg, r) if pg is not None else r for r in range(world)]
+        return ZeroGroup(params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads,
+                         pg, rank, members)
+
+    def _process_group_of(self, param_group: dict) -> tuple[Any, int, int]:
+        """``(process group, its size, this rank's index)`` a parameter group is partitioned over."""
+        if not is_moe_param_group(param_group):
+            return self.dp_group, self.world_size, self.rank
+        name = param_group.get("name")
+        if name not in self.expert_groups:
+            raise ValueError(
+                f"optimizer parameter group marked 'moe' has name {name!r}, which is not an expert group of the "
+                f"model (known: {sorted(self.expert_groups)}); build the groups with "
+                "split_params_into_different_moe_groups_for_optimizer"
+            )
+        pg = self.expert_groups[name].edp_group
+        return pg, dist.get_world_size(group=pg), dist.get_rank(group=pg)
+
+    def _reducer_config(self) -> ReducerConfig:
+        buckets = self.plan.zero.buckets
+        return ReducerConfig(
+            path=self.path,
+            mode=ReduceMode.TO_OWNERS if buckets.reduce_scatter else ReduceMode.ALL_REDUCE,
+            bucket_numel=buckets.reduce_bucket_size,
+            comm_dtype=self.plan.precision.comm_dtype,
+            scaling=ReduceScaling.from_policy(self.plan.grads, self.world_size),
+            device=self.groups[0].flat.device,
+            grad_device=self.groups[0].master.param.device,
+            max_in_flight=2 if buckets.overlap_comm else 1,
+        )
+
+    # --- micro-step protocol ----------------------------------------------------------------------------
+    def prepare_backward(self, kind: MicroStepKind) -> None:
+        """Arm the reducer (stage 2 reduces every micro-step; stage 1 only at the boundary)."""
+        self._cleared_after_step = False
+        self.reducer.begin(kind)
+
+    def finish_backward(self) -> None:
+        """Flush this backward's buckets into the partition gradients."""
+        self.reducer.finish()
+
+    def _grad_partition(self, group: ZeroGroup) -> torch.Tensor | None:
+        """This rank's partition gradient, as accumulated (``grad_accum_dtype``; not copied)."""
+        grads = group.grads
+        if grads.accumulator is not None:  # lean ZeRO-1 after a window of several micro-steps
+            return grads.accumulator[group.master.partition.as_slice()]
+        return grads.partition_grad
+
+    def step(self, closure: Any = None) -> bool:
+        """Overflow check + global norm (one all-reduce), unscale and clip, inner step, write back, all-gather."""
+        parts = [self._grad_partition(g) for g in self.groups]
+        chunk = self.plan.zero.buckets.reduce_bucket_size
+        # The scalar travels on the communication device even when the partitions live on the host.
+        counted = [p for p in parts if p is not None]
+        if any(not counts_in_norm(p) for g in self.groups for p in g.params):  # pipeline tied-weight copies
+            counted = self._norm_pieces(parts)
+        sq = local_sq_norm(counted, chunk).to(self.groups[0].flat.device)
+        del counted
+        decision = self._decide_step(sq)
+        self.overflow = decision.overflow
+        if decision.overflow:
+            return self._skip_step()
+        self._global_grad_norm = decision.norm
+        coef = decision.coef
+        for index in range(len(self.groups)):
+            self._step_group(index, self.groups[index], parts[index], coef)
+        del parts  # the last reference to views of the accumulators (a loop variable kept one alive)
+        # Gradients go before the all-gather, so its staging never coexists with them (the N=8 step peak).
+        self._clear_grads()
+        self.publish_weights()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True
+
+    def _norm_pieces(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The partition gradients, less the ranges of tied-weight copies another stage counts ([Note: pipeline norm])."""
+        pieces: list[torch.Tensor] = []
+        for group, part in zip(self.groups, parts):
+            if part is None:
+                continue
+            own = group.grads.partition
+            skip = sorted((group.grads.layout.slots[s].range.intersect(own) for s, p in enumerate(group.params)
+                           if not counts_in_norm(p)), key=lambda r: r.start)
+            start = own.start
+            for r in (r for r in skip if not r.is_empty):
+                pieces.append(part[start - own.start : r.start - own.start])
+                start = max(start, r.end)
+            pieces.append(part[start - own.start :])
+        return pieces
+
+    def window_grads(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """Views of the window's accumulated gradients (the lean accumulator, else ``.grad``), shaped like ``params``."""
+        if self.path is not GradPath.STAGE1_ACCUMULATE:
+            return super().window_grads(params)
+        out = []
+        for p in params:
+            group, slot = next((g, s) for g in self.groups for s, q in enumerate(g.params) if q is p)
+            acc = group.grads.ensure_accumulator(self.reducer.config.device)
+            out.append(acc[group.grads.layout.slots[slot].range.as_slice()].view(p.shape))
+        return out
+
+    def _step_group(self, index: int, group: ZeroGroup, part: torch.Tensor | None, coef: float) -> None:
+        """Update one group's master; groups step one at a time so no other master holds a gradient."""
+        master = group.master.param
+        if part is None:
+            part = torch.zeros_like(master)
+        if part.dtype == master.dtype and part.device == master.device:
+            if coef != 1.0:
+                part.mul_(coef)
+            master.grad = part  # handed over, no copy
+            self.optimizer.step()
+            master.grad = None
+            return
+        # Narrow dtype or host master (offload): convert and scale one chunk at a time ([Note: chunked step]).
+        step_in_chunks(self.optimizer, index, part, self._step_chunk_numel, coef)
+
+    def publish_weights(self) -> None:
+        """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""
+        window = max(1, self.plan.zero.buckets.allgather_bucket_size // max(1, self.world_size))
+        for group in self.groups:
+            group.master.write_back()
+            all_gather_partitions(group.flat, window, group.process_group)
+
+    def _clear_grads(self) -> None:
+        for group in self.groups:
+            group.master.param.grad = None
+            group.grads.release()
+            for p in group.params:
+                p.grad = None
+        self._cleared_after_step = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient buffer of the current window (partition gradients and ``.grad``)."""
+        self.reducer.discard()
+        self._clear_grads()
+
+    def destroy(self) -> None:
+        """Remove hooks and drop gradient buffers."""
+        self.reducer.discard()
+        self.reducer.remove_hooks()
+        self._clear_grads()
+        detach_hp_mapping(self)
+
+    # --- checkpoints (interface: deepspeed._core.checkpoint.save_load.ShardedCheckpointOptimizer) ---------
+    def checkpoint_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable model parameters per flat group, in flat order (checkpoint ``param_shapes``)."""
+        return [list(g.params) for g in self.groups]
+
+    def state_dict(self) -> dict:
+        """This rank's shard with upstream's ZeRO-1/2 keys."""
+        return stage12_checkpoint.shard_state_dict(self, _package_version())
+
+    def load_state_dict(
+        self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = True
+    ) -> None:
+        """Restore from every saved rank's shard; the saved world size may differ from the live one."""
+        if isinstance(state_dict_list, dict):
+            state_dict_list = [state_dict_list]
+        stage12_checkpoint.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the fp32 masters from the current (e.g. just loaded) working weights."""
+        for g in self.groups:
+            g.flat.copy_out(g.master.partition, g.master.param.data)
+
+    # --- introspection for tests, checkpoints and safe_get_* helpers -------------------------------------
+    def observe(self, callback: Any) -> None:
+        """Register ``callback(event, bucket_index)`` for reducer events ("launched", "reduced", ...)."""
+        self.reducer.observer = callback
+
+    def live_grad_buffers(self) -> dict[str, int]:
+        """Counts of gradient buffers alive now: autograd ``.grad``, partition grads, accumulators, staging."""
+        return {
+            "param_grads": sum(p.grad is not None for g in self.groups for p in g.params),
+            "partition_grads": sum(g.grads.partition_grad is not None for g in self.groups),
+            "accumulators": sum(g.grads.accumulator is not None for g in self.groups),
+            "staging": sum(b.data is not None for b in self.reducer.buckets),
+        }

@@ -1,0 +1,157 @@
+"""ZeRO-1/2 optimizer state in upstream's checkpoint format, with elastic (any world size) loading.
+
+Saving writes this rank's shard with upstream's keys ([Note: checkpoint keys] in docs/checkpoints.md):
+the fp32 partition with its data-parallel padding removed, the inner optimizer's state, paddings and
+partition counts. Loading always rebuilds each group's full unpadded vectors from every saved rank's
+valid range and re-slices them for the live layout, so the same code serves resume at the same world
+size and resume at another one (2→1, 2→4, 4→2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepspeed._core.layout.shards import GroupLayout
+
+@dataclass
+class fragment_address:  # noqa: N801 - upstream's class name, pickled into ZeRO-1/2 optimizer files
+    """Where a parameter's fragment sits inside a rank's flat partition (``param_slice_mappings`` values)."""
+
+    numel: int
+    start: int
+
+
+# Pickles must name upstream's path so that either implementation can read the other's files.
+fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
+
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"
+
+
+def shard_state_dict(opt: Any, version: str) -> dict:
+    """This rank's ZeRO-1/2 shard of ``opt`` (a ``ZeroOptimizer``) with upstream's keys."""
+    groups = opt.groups
+    return {
+        "loss_scaler": opt.loss_scaler,
+        "dynamic_loss_scale": bool(getattr(opt.loss_scaler, "dynamic", False)),
+        "overflow": opt.overflow,
+        "clip_grad": opt.plan.grads.clip_norm,
+        BASE_OPTIMIZER_STATE: opt.optimizer.state_dict(),
+        SINGLE_PARTITION_OF_FP32_GROUPS: [_valid(g.flat.layout, g.rank, g.master.param.data) for g in groups],
+        "zero_stage": opt.plan.zero.stage,
+        "group_paddings": [g.flat.layout.upstream_group_padding(g.rank) for g in groups],
+        # MoE groups are partitioned over their expert-data-parallel group, hence a count per group.
+        "partition_count": [g.flat.layout.world_size for g in groups],
+        "ds_version": version,
+        "param_slice_mappings": [_slice_mappings(g, g.rank) for g in groups],
+    }
+
+
+def _valid(layout: GroupLayout, rank: int, partition: torch.Tensor) -> torch.Tensor:
+    """``partition`` (this rank's padded slice) without the tail padding, on the host."""
+    return partition[: layout.valid_range(rank).size].detach().cpu().clone()
+
+
+def _slice_mappings(group: Any, rank: int) -> dict[str, fragment_address]:
+    """Where each parameter fragment of this partition starts (partition-relative) and its size."""
+    out = {}
+    for frag in group.flat.layout.params_in_partition(rank):
+        name = group.names[frag.slot.index]
+        out[name] = fragment_address(numel=frag.partition_range.size, start=frag.partition_range.start)
+    return out
+
+
+def _full_vector(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """Concatenate saved valid ranges (rank order) and check they cover exactly ``numel`` elements."""
+    full = torch.cat([p.reshape(-1).float() for p in pieces]) if pieces else torch.zeros(0)
+    if full.numel() < numel:
+        raise ValueError(f"saved ZeRO shards hold {full.numel()} elements but the group has {numel}")
+    return full[:numel]
+
+
+def _reslice(full: torch.Tensor, layout: GroupLayout, rank: int, like: torch.Tensor) -> torch.Tensor:
+    """This rank's padded partition of the unpadded ``full`` vector, shaped and typed like ``like``."""
+    out = torch.zeros_like(like)
+    valid = layout.valid_range(rank)
+    start = layout.partition(rank).start
+    out[: valid.size].copy_(full[start : start + valid.size])
+    return out
+
+
+def _saved_valid_states(shards: list[dict], group_index: int, key: str) -> list[torch.Tensor]:
+    """Per saved rank: the inner-optimizer state tensor ``key`` of ``group_index``, padding removed."""
+    pieces = []
+    for shard in shards:
+        state = shard[BASE_OPTIMIZER_STATE]["state"][group_index][key]
+        valid = shard[SINGLE_PARTITION_OF_FP32_GROUPS][group_index].numel()
+        pieces.append(state.reshape(-1)[:valid])
+    return pieces
+
+
+def restore_scaler_state(opt: Any, shards: list[dict], stage_name: str) -> None:
+    """Common prologue of ZeRO loads: every shard present, loss scaler and overflow flag from rank 0's."""
+    if any(s is None for s in shards):
+        raise ValueError(f"{stage_name} loading needs every saved rank's optimizer shard")
+    first = shards[0]
+    if first.get("loss_scaler") is not None and opt.loss_scaler is not None:
+        opt.loss_scaler = first["loss_scaler"]
+    opt.overflow = bool(first.get("overflow", False))
+
+
+def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
+    """Restore ``opt`` from every saved rank's shard (any saved world size)."""
+    restore_scaler_state(opt, shards, "ZeRO-1/2")
+    for g, group in enumerate(opt.groups):
+        layout = group.flat.layout
+        if load_from_fp32_weights:
+            mine = _group_shards(group, shards, g)
+            full = _full_vector([s[SINGLE_PARTITION_OF_FP32_GROUPS][g] for s in mine], layout.numel)
+            master = group.master.param.data
+            master.copy_(_reslice(full, layout, group.rank, master).to(master.device))
+        else:
+            group.master.flat.copy_out(group.master.partition, group.master.param.data)
+    if load_optimizer_states:
+        _load_inner_state(opt, shards)
+    opt.publish_weights()
+
+
+def _partition_count(shard: dict, index: int, default: int) -> int:
+    """Saved partition count of group ``index`` (a list per group; an int or nothing in some writers' files)."""
+    count = shard.get("partition_count", default)
+    if isinstance(count, (list, tuple)):
+        return int(count[index]) if index < len(count) else default
+    return int(count)
+
+
+def _group_shards(group: Any, shards: list[dict], index: int) -> list[dict]:
+    """The saved shards that hold pieces of flat group ``index``: all of them for a data-parallel group; for
+    an MoE group partitioned over fewer ranks, those of the live group's members (same world size only)."""
+    counts = {_partition_count(s, index, len(shards)) for s in shards}
+    if counts == {len(shards)}:
+        return shards
+    if len(shards) < max(group.member_ranks, default=0) + 1 or counts != {len(group.member_ranks)}:
+        raise ValueError(
+            f"optimizer group {index} (an MoE expert group) was saved partitioned over {sorted(counts)} ranks of a "
+            f"{len(shards)}-rank run; it can only be resumed with the same world size and expert-parallel size"
+        )
+    return [shards[r] for r in group.member_ranks]
+
+
+def _load_inner_state(opt: Any, shards: list[dict]) -> None:
+    saved = shards[0][BASE_OPTIMIZER_STATE]
+    state: dict[int, dict[str, Any]] = {}
+    for g, group in enumerate(opt.groups):
+        layout = group.flat.layout
+        master = group.master.param.data
+        entry = {}
+        for key, value in saved["state"].get(g, {}).items():
+            if torch.is_tensor(value) and value.dim() == 1:  # partition-shaped (moments); 0-d = step count
+                full = _full_vector(_saved_valid_states(_group_shards(group, shards, g), g, key), layout.numel)
+                entry[key] = _reslice(full, layout, group.rank, master).to(value.dtype)
+            else:
+                entry[key] = value  # scalars such as Adam's step count are identical on every rank
+        state[g] = entry
+    opt.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})

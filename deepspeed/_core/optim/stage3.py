@@ -1,0 +1,468 @@
+"""ZeRO stage 3 optimizer: reduce-scatter gradients into fp32 shards, step on shards, write shards back.
+
+Parameters are partitioned and fetched by :class:`~deepspeed._core.params.manager.ZeroParamManager`. This
+module subscribes to its "gradient ready" seam: each full gradient (available while its parameter is
+still gathered) is copied into a bucket laid out rank-major, ``param.grad`` is dropped at once (lean) and,
+when the bucket is full, one ``reduce_scatter_tensor`` hands every rank the sum of its own slices
+([Note: zero3-grads] below). Reduced slices are added into an accumulator per optimizer group, kept in
+``grad_accum_dtype`` (``data_types.grad_accum_dtype``; the working dtype by default, the ``bg`` of the
+memory floors), in chunks allocated as reductions reach them ([Note: lazy grad shard]). The step reads one
+chunk at a time: in place when it matches the master's dtype and device, else through one converted copy
+([Note: chunked step]).
+
+With ``offload_optimizer`` the master, the optimizer state and the accumulator live in pageable host
+memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
+weights go back to the shards one chunk at a time, so host memory is the master, the moments and the
+accumulator plus a few fixed-size staging buffers.
+
+[Note: zero3-grads] A bucket of parameters p_1..p_k with per-rank shard sizes s_i is a ``(world, S)``
+staging tensor, ``S = sum(s_i)``; row ``r`` holds, for each p_i, the ``r``-th ``s_i`` slice of its
+zero-padded flattened gradient. ``reduce_scatter_tensor`` over the rows leaves rank ``r`` with row ``r``
+summed over ranks: exactly its shards of every p_i, back to back.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed._core.optim.clipping import local_sq_norm
+from deepspeed._core.grads.scaling import ReduceScaling
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
+from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.optim import stage3_state as stage3_checkpoint
+from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
+from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.optim.master import send_through_host
+from deepspeed._core.grads.parked import ParkedGrads, ParkedWindow
+from deepspeed._core.optim.stage3_access import Stage3ParamAccess
+from deepspeed._core.optim.sharded_step import ShardedStepMixin
+from deepspeed._core.optim.stage12 import _package_version
+from deepspeed._core.params.param import ZeroParam, zero_state
+
+
+@dataclass
+class Stage3Group:
+    """One inner-optimizer group: its parameters' states, fp32 master shard and gradient accumulator."""
+
+    states: list[ZeroParam]
+    offsets: list[int]  # start of each state's shard inside the group's flat shard
+    master: torch.nn.Parameter
+    chunk_numel: int
+    accum_dtype: torch.dtype = torch.float32
+    keep_storage: bool = False  # offloaded: the host shard's storage outlives its window ([Note: kept host chunks])
+    pin_memory: bool = False  # offloaded with pin_memory: chunks are page-locked
+    # A region's first fold of a window may be copied straight into its chunk (page-locked host chunks).
+    direct_first_fold: bool = False
+    accumulator: ChunkedGradShard | None = None
+
+    def ensure_accumulator(self) -> ChunkedGradShard:
+        """The gradient shard in ``accum_dtype`` beside the master; its chunks appear as gradients reach them."""
+        if self.accumulator is None:
+            self.accumulator = ChunkedGradShard(self.master.numel(), self.chunk_numel, self.accum_dtype,
+                                                self.master.device, keep_storage=self.keep_storage,
+                                                pin_memory=self.pin_memory)
+        return self.accumulator
+
+    def window_grad(self) -> ChunkedGradShard | None:
+        """The gradient shard if this window has written to it, else ``None``."""
+        acc = self.accumulator
+        return acc if acc is not None and acc.allocated_numel else None
+
+    def end_window(self) -> None:
+        """Drop the window's gradient (kept host storage only turns stale)."""
+        if self.accumulator is not None and self.keep_storage:
+            self.accumulator.reset()
+        else:
+            self.accumulator = None
+
+
+@dataclass
+class _Pending:
+    """A launched bucket: its reduced output, the handle and where each slice goes."""
+
+    output: torch.Tensor
+    handle: Any
+    targets: list[tuple[int, int, int, int]]  # (group index, offset in group shard, offset in output, size)
+
+
+@dataclass
+class _Bucket:
+    entries: list[tuple[torch.Tensor, ZeroParam, int, int]] = field(default_factory=list)  # grad, state, g, off
+    numel: int = 0
+    borrowed: bool = False  # holds a routed use's gradient, which autograd may share with another consumer
+
+
+class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
+    """The ZeRO-3 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer_Stage3``).
+
+    Args:
+        optimizer: inner optimizer built over the model's (partitioned) parameters.
+        plan: run plan.
+        loss_scaler: fp16 loss scaler or ``None``.
+        dp_group: data-parallel group the parameters are partitioned over.
+        manager: the parameter manager that partitioned the model.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any,
+        manager: ZeroParamManager,
+    ) -> None:
+        self.optimizer, self.plan, self.loss_scaler = optimizer, plan, loss_scaler
+        self.dp_group, self.manager = dp_group, manager
+        self.world_size = dist.get_world_size(group=dp_group)
+        self.rank = dist.get_rank(group=dp_group)
+        precision = plan.precision
+        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
+        bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
+        # A step chunk holds at most one reduce bucket's bytes (the transient memory_targets.md allows); the
+        # gradient shard is chunked the same way, so the step reads each of its chunks in place.
+        self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
+        self.groups = [self._build_group(g) for g in optimizer.param_groups]
+        self._where = {s.ds_id: (g, off) for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
+        self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
+        self.bucket = _Bucket()
+        self.pending: list[_Pending] = []
+        self.host = HostTransfers(slot_bytes_for(bucket_bytes))
+        self._state_at = {(g, off): s for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
+        # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
+        # waits for the step in its parameter's shard instead of in host chunks.
+        self.parked = ParkedGrads(lambda g: self.groups[g].master.data, lambda g: self.groups[g].ensure_accumulator(),
+                                  self.host.submit_direct, self.host.drain, precision.grad_accum_dtype)
+        self._park = (plan.zero.lean.grads_in_param_shards and plan.zero.offload_optimizer.enabled
+                      and plan.batch.gradient_accumulation_steps == 1)
+        if self._park:
+            manager.gatherer.on_release.append(self.parked.released)
+        self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, made on first use
+        self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
+        self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
+        self.eager_release = plan.zero.lean.eager_grad_release
+        self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
+        self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
+        self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
+        for grp in self.groups:  # safe_get_full_* find their optimizer through this (upstream attribute)
+            for state in grp.states:
+                if state.param is not None:
+                    state.param._z3_optimizer = self
+
+    def _build_group(self, param_group: dict) -> Stage3Group:
+        states, seen = [], set()
+        for p in param_group["params"]:
+            state = zero_state(p)
+            if state is None:
+                raise ValueError("ZeRO-3 needs every optimized parameter partitioned by the parameter manager")
+            if p.requires_grad and state.ds_id not in seen:
+                seen.add(state.ds_id)
+                states.append(state)
+        offsets, total = [], 0
+        for s in states:
+            offsets.append(total)
+            total += s.layout.partition_numel
+        offload = self.plan.zero.offload_optimizer
+        device = torch.device("cpu") if offload.enabled else (states[0].shard.device if states else "cpu")
+        # Offloaded masters stay pageable even with pin_memory: the CPU optimizer does not need page-locked
+        # memory, and pinning a model-sized tensor costs up to twice its size ([Note: pinned ring]).
+        # pin_memory governs the fixed staging slots and the gradient chunks instead: those are power-of-two
+        # sized (step_chunk_numel), and a reduced gradient's first fold is copied straight into them.
+        pinned = offload.enabled and offload.pin_memory and get_accelerator().device_name() != "cpu"
+        master = torch.empty(total, dtype=self.plan.precision.master_dtype, device=device)
+        for s, off in zip(states, offsets):
+            master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
+        param = torch.nn.Parameter(master, requires_grad=False)
+        param_group["params"] = [param]
+        return Stage3Group(states, offsets, param, self._step_chunk_numel, self.plan.precision.grad_accum_dtype,
+                           keep_storage=offload.enabled,
+                           pin_memory=pinned, direct_first_fold=pinned)
+
+    # --- gradients ----------------------------------------------------------------------------------
+    def prepare_backward(self, kind: MicroStepKind) -> None:
+        """ZeRO-3 reduces every micro-step; nothing to arm."""
+
+    def _on_grad(self, param: torch.nn.Parameter, state: ZeroParam, grad: torch.Tensor | None) -> None:
+        # ``grad`` is param.grad, or one routed use's gradient ([Note: routed grads]); a tied parameter arrives
+        # once per use, and its entries fold into the same accumulator region, adding up.
+        if state is None or state.ds_id not in self._where or grad is None:
+            return
+        g, off = self._where[state.ds_id]
+        self.bucket.entries.append((grad, state, g, off))
+        self.bucket.numel += state.layout.padded_numel
+        self.bucket.borrowed |= grad is not param.grad
+        if self.eager_release:
+            param.grad = None  # the bucket holds the only reference until its staging copy
+        if self.bucket.numel >= self.plan.zero.buckets.reduce_bucket_size:
+            self._launch_bucket()
+
+    def _launch_bucket(self) -> None:
+        bucket, self.bucket = self.bucket, _Bucket()
+        if not bucket.entries:
+            return
+        comm_dtype = self.plan.precision.comm_dtype
+        if self.world_size == 1:
+            self._fold_unreduced(bucket, comm_dtype)
+            return
+        width = sum(state.layout.partition_numel for _, state, _, _ in bucket.entries)
+        staging = self._single_entry_rows(bucket, comm_dtype)
+        targets, col = [], 0
+        if staging is not None:  # the gradient already is the (world, width) layout
+            _, _, g, off = bucket.entries[0]
+            targets.append((g, off, 0, width))
+            bucket.entries.clear()
+        else:
+            staging = torch.empty(self.world_size, width, dtype=comm_dtype, device=bucket.entries[0][0].device)
+        for grad, state, g, off in bucket.entries:
+            size = state.layout.partition_numel
+            flat = grad.reshape(-1).to(comm_dtype)
+            flat = F.pad(flat, (0, state.layout.padded_numel - flat.numel())) if state.layout.padding else flat
+            staging[:, col : col + size].copy_(flat.view(self.world_size, size))
+            if not self.eager_release:
+                grad.zero_()  # upstream-behaviour A/B: the buffer stays allocated until the step ends
+            targets.append((g, off, col, size))
+            col += size
+        bucket.entries.clear()  # drops the last references to the full gradients
+        if self.scaling.pre != 1.0:
+            staging.mul_(self.scaling.pre)
+        output = torch.empty(width, dtype=comm_dtype, device=staging.device)
+        handle = dist.reduce_scatter_tensor(output, staging.view(-1), group=self.dp_group, async_op=True)
+        self.pending.append(_Pending(output, handle, targets))
+        while len(self.pending) > self.max_in_flight - 1:  # room for the bucket that fills next
+            self._finish(self.pending.pop(0))
+
+    def _single_entry_rows(self, bucket: _Bucket, comm_dtype: torch.dtype) -> torch.Tensor | None:
+        """The bucket's one gradient viewed as the ``(world, S)`` staging rows, when no copy is needed.
+
+        A parameter larger than the bucket (a tied embedding) travels alone; with no padding and the wire dtype
+        its flattened gradient's row ``r`` is already rank ``r``'s shard, and a staging copy would hold its
+        bytes twice. Only under eager release, where the bucket owns an accumulated gradient; a routed one is
+        only read (the reduce-scatter leaves its input alone: NCCL's contract, gloo's checked by
+        ``tests/dist/test_comm.py``), so it qualifies unless
+        pre-division would scale it in place.
+        """
+        if len(bucket.entries) != 1 or not self.eager_release:
+            return None
+        if bucket.borrowed and self.scaling.pre != 1.0:
+            return None  # pre-division scales in place; a routed gradient is not ours to change
+        grad, state, _, _ = bucket.entries[0]
+        if grad.dtype != comm_dtype or not grad.is_contiguous() or state.layout.padding:
+            return None
+        return grad.view(self.world_size, state.layout.partition_numel)
+
+    def _fold_unreduced(self, bucket: _Bucket, comm_dtype: torch.dtype) -> None:
+        """One rank: the reduction is the identity, so each gradient folds straight into its accumulator.
+
+        A staging row and an output would cost the bucket's bytes twice more; for the largest parameter
+        (a tied embedding) that was most of ZeRO-3's excess over FSDP2 at world size 1 on the H200.
+        """
+        scale = self.scaling.pre * self.scaling.post
+        for grad, state, g, off in bucket.entries:
+            piece = grad.reshape(-1).to(comm_dtype)
+            if scale != 1.0:
+                piece = piece * scale
+            self._fold(g, off, piece)
+            if not self.eager_release:
+                grad.zero_()
+        bucket.entries.clear()
+
+    def _finish(self, pending: _Pending) -> None:
+        pending.handle.wait()
+        out = pending.output
+        if self.scaling.post != 1.0:
+            out.mul_(self.scaling.post)
+        for g, off, col, size in pending.targets:
+            self._fold(g, off, out[col : col + size])
+
+    def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
+        """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset`` (or park a region's
+        first piece in its parameter's shard: [Note: parked grads])."""
+        if self._park:
+            state = self._state_at[(group_index, offset)]
+            self.parked.evict(state)  # a second fold into a parked region: the accumulator becomes its home
+            if (group_index, offset) not in self._folded and self.parked.can_park(state, piece):
+                self._folded.add((group_index, offset))
+                self.parked.park(state, group_index, offset, piece)
+                return
+        acc = self.groups[group_index].ensure_accumulator()
+        if acc.device == piece.device and self.host.staging is not Staging.ALWAYS:
+            acc.add_(offset, piece)
+            return
+        # Optimizer offload. A region's first fold of the window lands in zeros, so into page-locked chunks it
+        # is a plain asynchronous copy; later folds add through the pinned ring (flush() waits for both).
+        direct = (self.groups[group_index].direct_first_fold and piece.dtype == acc.dtype
+                  and (group_index, offset) not in self._folded)
+        self._folded.add((group_index, offset))
+        for pos, target in acc.pieces(offset, piece.numel()):
+            if direct:
+                self.host.submit_direct(target, piece[pos : pos + target.numel()])
+            else:
+                self.host.submit(target, piece[pos : pos + target.numel()], Fold.ADD)
+
+    def flush(self) -> None:
+        """End of backward: reduce the partial bucket and fold every pending result."""
+        self._launch_bucket()
+        while self.pending:
+            self._finish(self.pending.pop(0))
+        self.parked.settle()
+        self.host.drain()
+
+    def finish_backward(self) -> None:
+        """Nothing left to do: the parameter manager calls :meth:`flush` at the end of each backward."""
+
+    # --- step ---------------------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> bool:
+        """Overflow check and global norm (one all-reduce), unscale and clip, inner step, shards written back."""
+        self.flush()
+        accs = [chunk for grp in self.groups if grp.accumulator is not None for chunk in grp.accumulator.allocated()]
+        # The scalar is reduced on the compute device, where the gathered parameters live.
+        sq = local_sq_norm(accs + self.parked.tensors(), self._step_chunk_numel)
+        sq = sq.to(self.groups[0].states[0].full.device)
+        decision = self._decide_step(sq)
+        self.overflow = decision.overflow
+        if decision.overflow:
+            return self._skip_step()
+        self._global_grad_norm = decision.norm
+        coef = decision.coef
+        for index, grp in enumerate(self.groups):
+            self._step_group(index, grp, coef)
+        self.write_back()
+        self.parked.forget()  # the write-back replaced every parked gradient with the new values
+        self._clear_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True
+
+    def _step_group(self, index: int, grp: Stage3Group, coef: float) -> None:
+        """Update one group's master, one gradient chunk at a time; groups step one at a time so no other
+        master holds a gradient. The shard is dropped after the step, so its chunks are consumed in place."""
+        acc = grp.ensure_accumulator()
+        regions = self.parked.in_group(index)
+        grad: Any = acc
+        if regions:
+            bufs = self._window_buffers
+            if not bufs or bufs[0].dtype != acc.dtype or bufs[0].device != grp.master.device:
+                # Page-locked under pin_memory: the parked shards are read from the device into them chunk by chunk.
+                bufs = self._window_buffers = [
+                    torch.empty(self._step_chunk_numel, dtype=acc.dtype, device=grp.master.device,
+                                pin_memory=grp.pin_memory) for _ in range(2)]
+            grad = ParkedWindow(acc, regions, bufs, self._step_chunk_numel, grp.master.numel())
+        step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef, consume=True)
+
+    def write_back(self) -> None:
+        """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.
+
+        A host master is converted to the working dtype ``_step_chunk_numel`` elements at a time, a whole
+        group in one pipeline (:func:`send_through_host`: the next piece converts while the last one copies),
+        so it never sends fp32 bytes nor allocates a model-sized (or per-chunk) temporary.
+        """
+        with torch.no_grad():
+            for grp in self.groups:
+                if not grp.states:
+                    continue
+                kinds = {(s.shard.dtype, s.shard.device) for s in grp.states}
+                if len(kinds) > 1 or grp.master.device == grp.states[0].shard.device:
+                    for state, off in zip(grp.states, grp.offsets):  # same device: converts in place
+                        dst = state.shard.reshape(-1)
+                        src = grp.master.data[off : off + dst.numel()]
+                        if src.device == dst.device:
+                            dst.copy_(src)
+                        else:
+                            send_through_host(src, dst.dtype, dst.device, self._step_chunk_numel,
+                                              lambda start, piece, dst=dst: dst[start : start + piece.numel()].copy_(
+                                                  piece, non_blocking=True))
+                    continue
+                ((dtype, target),) = kinds
+                send_through_host(grp.master.data, dtype, target, self._step_chunk_numel,
+                                  lambda start, piece, grp=grp: self._scatter_to_shards(grp, start, piece))
+        self.manager.refresh_persistent()
+
+    @staticmethod
+    def _scatter_to_shards(grp: Stage3Group, start: int, piece: torch.Tensor) -> None:
+        """Copy ``piece`` (group shard coordinates ``[start, start + len)``) into the shards it overlaps."""
+        end = start + piece.numel()
+        first = max(0, bisect.bisect_right(grp.offsets, start) - 1)
+        for state, off in zip(grp.states[first:], grp.offsets[first:]):
+            if off >= end:
+                break
+            dst = state.shard.reshape(-1)
+            lo, hi = max(start, off), min(end, off + dst.numel())
+            if lo < hi:
+                dst[lo - off : hi - off].copy_(piece[lo - start : hi - start], non_blocking=True)
+
+    # --- checkpoints (interface: deepspeed._core.checkpoint.save_load.ShardedCheckpointOptimizer) -------
+    def checkpoint_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable parameters per group in flat order (checkpoint ``param_shapes``)."""
+        return [[s.param for s in grp.states] for grp in self.groups]
+
+    def state_dict(self) -> dict:
+        """This rank's shard with upstream's ZeRO-3 keys (``fp32_flat_groups`` ...)."""
+        return stage3_checkpoint.shard_state_dict(self, _package_version())
+
+    def load_state_dict(
+        self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = True
+    ) -> None:
+        """Restore from every saved rank's shard; the saved world size may differ from the live one."""
+        if isinstance(state_dict_list, dict):
+            state_dict_list = [state_dict_list]
+        stage3_checkpoint.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def checkpoint_event_prologue(self) -> None:
+        """Make parameters partitioned and quiescent before a save or load."""
+        self.manager.release_all()
+
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the masters from the parameters' current shards (after a module-only load)."""
+        with torch.no_grad():
+            for grp in self.groups:
+                for state, off in zip(grp.states, grp.offsets):
+                    grp.master.data[off : off + state.layout.partition_numel].copy_(state.shard.reshape(-1))
+
+    def _clear_grads(self) -> None:
+        self.parked.restore_all()  # skip or zero_grad: parked shards get their values back (no-op after a step)
+        self._folded.clear()
+        for grp in self.groups:
+            grp.master.grad = None
+            grp.end_window()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this window's gradient shards and any in-flight bucket."""
+        self.bucket = _Bucket()
+        for pending in self.pending:
+            pending.handle.wait()
+        self.pending.clear()
+        self.host.discard()
+        self._clear_grads()
+        for grp in self.groups:
+            for state in grp.states:
+                p = state.param
+                if p is not None:
+                    p.grad = None
+
+    def destroy(self) -> None:
+        """Unsubscribe from the parameter manager, remove its hooks and drop gradient buffers."""
+        for handle in self._subscriptions:
+            handle.remove()
+        if self.parked.released in self.manager.gatherer.on_release:
+            self.manager.gatherer.on_release.remove(self.parked.released)
+        self.zero_grad()
+        self.host.release()
+        for grp in self.groups:
+            for state in grp.states:
+                if state.param is not None and getattr(state.param, "_z3_optimizer", None) is self:
+                    del state.param._z3_optimizer
+        self.manager.destroy()
+
+    def live_grad_buffers(self) -> dict[str, int]:
+        """Gradient buffers alive now: autograd ``.grad`` of managed params, accumulators, buckets."""
+        params = [s.param for grp in self.groups for s in grp.states]
+        return {
+            "param_grads": sum(p is not None and p.grad is not None for p in params),
+            "accumulators": sum(grp.window_grad() is not None for grp in self.groups),
+            "bucketed_grads": len(self.bucket.entries),
+            "in_flight": len(self.pending),
+            "parked": len(self.parked),
+        }

@@ -1,0 +1,386 @@
+"""One ZeRO-3 parameter: its shard, its gathered storage and its explicit state machine.
+
+A :class:`ZeroParam` is the single source of truth for a partitioned ``nn.Parameter``. Its life is a transition
+table ([Note: zero3-state] in ``docs/design/zero3.md``)::
+
+    SHARDED --mark_gathering--> GATHERING --mark_full--> FULL --mark_sharded--> SHARDED
+
+Each transition asserts the state it starts from, so a wrong-state bug fails where it happens. The upstream
+``ds_*`` attributes that integrations read (``ds_id``, ``ds_status``, ``ds_tensor``, ...) are read-only
+properties of :class:`ZeroParameter`, the class :func:`attach_ds_view` gives the parameter; they all read the one
+state object. Gathering itself is done by whoever built the state (a :class:`ParamGatherer` passed in, so this
+module never depends on the schedule code to its right).
+"""
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from deepspeed import comm as dist
+from deepspeed._core.layout.flat_buffer import free_storage, storage_nbytes
+from deepspeed._core.layout.shards import Range, Stage3ParamLayout
+
+
+class ZeroParamStatus(enum.Enum):
+    """Upstream's public view of a parameter's availability."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class ZeroParamType(enum.Enum):
+    """Upstream's parameter kinds; every parameter converted here is ``PARTITIONED``."""
+
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+class ShardedState(enum.Enum):
+    """Internal state of a :class:`ZeroParam` (the transition table in [Note: zero3-state])."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    FULL = "full"
+
+
+_STATUS_OF = {
+    ShardedState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    ShardedState.GATHERING: ZeroParamStatus.INFLIGHT,
+    ShardedState.FULL: ZeroParamStatus.AVAILABLE,
+}
+
+
+class Persistence(enum.Enum):
+    """``PERSISTENT`` params stay gathered between uses (small ones, ``stage3_param_persistence_threshold``)."""
+
+    PARTITIONED = "partitioned"
+    PERSISTENT = "persistent"
+
+
+class FullStorage(enum.Enum):
+    """Where a parameter's gathered values live.
+
+    ``SEPARATE``: their own storage, allocated at each gather and freed at release. ``SHARD``: one rank, the
+    shard on the compute device already *is* the whole parameter, so the gathered tensor is the shard itself
+    and a gather costs no memory ([Note: zero3-single-rank] in ``docs/design/zero3.md``).
+    """
+
+    SEPARATE = "separate"
+    SHARD = "shard"
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The process group a parameter is sharded over, with this process's rank in it."""
+
+    handle: Any
+    rank: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, handle: Any = None) -> ShardGroup:
+        """The group ``handle`` (``None``: the world); a single-rank group when no process group exists."""
+        if not dist.is_initialized():
+            if handle is not None:
+                raise ValueError("a process group was given but deepspeed.comm is not initialized")
+            return cls(None, 0, 1)
+        return cls(handle, dist.get_rank(group=handle), dist.get_world_size(group=handle))
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of member ``group_rank`` (identity for the world or a single-rank group)."""
+        if self.handle is None:
+            return group_rank
+        return dist.get_global_rank(self.handle, group_rank)
+
+
+class ParamGatherer(Protocol):
+    """What a parameter's user-facing methods (``all_gather``, ``partition``, ``item``) delegate to."""
+
+    def gather(self, states: Sequence[ZeroParam]) -> None:
+        """Bring every state to ``FULL`` (one collective for all that are ``SHARDED``)."""
+
+    def release(self, states: Sequence[ZeroParam]) -> None:
+        """Return every unused, non-persistent ``FULL`` state to ``SHARDED``."""
+
+    def commit(self, states: Sequence[ZeroParam]) -> None:
+        """Write each ``FULL`` state's gathered values back into its local shard."""
+
+    def partition(self, param: nn.Parameter, group: ShardGroup) -> ZeroParam:
+        """Partition a further parameter over ``group`` (``convert_to_zero_parameters``)."""
+
+
+class ZeroParam:
+    """State of one partitioned parameter.
+
+    Attributes:
+        ds_id: process-wide unique id, identical on every rank (shared params share it).
+        layout: the per-parameter split (``ceil(numel / world)`` per rank, trailing ranks zero-padded).
+        shard: the local partition (``ds_tensor``), 1-D, ``layout.partition_numel`` elements.
+        full: 1-D ``layout.padded_numel`` gathered storage; its storage is freed (0 bytes) unless gathered, and
+            the object is reused across gathers so autograd's saved views see the regathered values.
+        grad_shard: the reduced gradient shard the ZeRO-3 optimizer stores (see :meth:`receive_grad_shard`).
+        grad_parked: set while :attr:`shard` holds this window's gradient instead of the values ([Note: parked
+            grads]); calling it with the state puts the values back before anyone reads the shard.
+    """
+
+    def __init__(self, param: nn.Parameter, ds_id: int, group: ShardGroup, shard: torch.Tensor,
+                 shape: Sequence[int], device: torch.device, gatherer: ParamGatherer,
+                 storage: FullStorage = FullStorage.SEPARATE) -> None:
+        """Describe ``param`` (full ``shape``, computed on ``device``) by its local ``shard``.
+
+        The shard may live elsewhere (offloaded); the caller swaps ``param.data`` for a placeholder.
+        ``storage`` ``SHARD`` is honoured only where it can hold (one rank, shard on ``device``, no padding).
+        """
+        self._param = weakref.ref(param)
+        self.ds_id = ds_id
+        self.shape = tuple(int(d) for d in shape)
+        self.layout = Stage3ParamLayout(int(torch.Size(self.shape).numel()), group.world_size)
+        self.group = group
+        self.shard = shard
+        self.storage = storage if (storage is FullStorage.SHARD and group.world_size == 1 and shard.device == device
+                                   and shard.numel() == self.layout.padded_numel) else FullStorage.SEPARATE
+        if self.storage is FullStorage.SHARD:
+            self.full = shard
+        else:
+            self.full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=device)
+            free_storage(self.full)
+        self.gatherer = gatherer
+        self.state = ShardedState.SHARDED
+        self.persistence = Persistence.PARTITIONED
+        self.active_modules: set[int] = set()
+        self.context_holds = 0
+        self.pending: Any = None
+        self.external = False
+        self.grad_shard: torch.Tensor | None = None
+        self.grad_parked: Callable[[ZeroParam], None] | None = None
+
+    # ---------------------------------------------------------------- derived facts
+    @property
+    def param(self) -> nn.Parameter | None:
+        """The parameter this state describes (``None`` once it has been garbage-collected)."""
+        return self._param()
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full (unpartitioned) parameter."""
+        return self.layout.numel
+
+    @property
+    def local_range(self) -> Range:
+        """This rank's real (unpadded) interval of the flattened parameter."""
+        return self.layout.valid_range(self.group.rank)
+
+    @property
+    def status(self) -> ZeroParamStatus:
+        """Upstream's public status for the current state."""
+        return _STATUS_OF[self.state]
+
+    @property
+    def is_persistent(self) -> bool:
+        """True when the parameter stays gathered between uses."""
+        return self.persistence is Persistence.PERSISTENT
+
+    @property
+    def in_use(self) -> bool:
+        """True while a module or a ``GatheredParameters`` context needs the gathered values."""
+        return bool(self.active_modules) or self.context_holds > 0
+
+    @property
+    def holds_memory(self) -> bool:
+        """True when gathered storage of its own is allocated (never when the gathered tensor is the shard)."""
+        return not self.aliases_shard and storage_nbytes(self.full) > 0
+
+    @property
+    def aliases_shard(self) -> bool:
+        """True when the gathered tensor is the shard itself (one rank): gathers and releases move no memory."""
+        return self.storage is FullStorage.SHARD
+
+    def full_view(self) -> torch.Tensor:
+        """The gathered storage shaped like the parameter (valid in ``FULL``)."""
+        return self.full.narrow(0, 0, self.numel).view(self.shape)
+
+    def _assert_state(self, *allowed: ShardedState) -> None:
+        assert self.state in allowed, f"ds_id {self.ds_id}: in state {self.state.name}, expected one of " + \
+            ", ".join(s.name for s in allowed)
+
+    # ---------------------------------------------------------------- transitions
+    def mark_gathering(self, pending: Any) -> None:
+        """SHARDED -> GATHERING: ``pending`` is the in-flight collective that will fill :attr:`full`."""
+        self._assert_state(ShardedState.SHARDED)
+        self.state = ShardedState.GATHERING
+        self.pending = pending
+
+    def mark_full(self) -> None:
+        """GATHERING -> FULL: :attr:`full` holds the values; the parameter now shows them."""
+        self._assert_state(ShardedState.GATHERING)
+        assert self.holds_memory or self.aliases_shard or self.numel == 0, \
+            f"ds_id {self.ds_id}: FULL without gathered storage"
+        self.state = ShardedState.FULL
+        self.pending = None
+        param = self.param
+        if param is not None:
+            param.data = self.full_view()
+
+    def mark_sharded(self) -> None:
+        """FULL -> SHARDED: the parameter shows an empty placeholder; the caller frees :attr:`full`."""
+        self._assert_state(ShardedState.FULL)
+        assert not self.in_use, f"ds_id {self.ds_id}: released while in use by {self.active_modules}"
+        self.state = ShardedState.SHARDED
+        param = self.param
+        if param is not None:
+            param.data = placeholder(self.full)
+
+    # ---------------------------------------------------------------- shard <-> full values
+    def write_shard_from(self, full_values: torch.Tensor) -> None:
+        """Copy this rank's slice of ``full_values`` (any shape with ``numel`` elements) into :attr:`shard`."""
+        if self.grad_parked is not None:
+            self.grad_parked(self)  # the parked gradient moves out first; the write then replaces the values
+        flat = full_values.reshape(-1)
+        if self.aliases_shard and flat.data_ptr() == self.shard.data_ptr():
+            return  # the values already are the shard
+        local = self.local_range
+        self.shard.narrow(0, 0, local.size).copy_(flat[local.as_slice()])  # may be device -> host (offload)
+        if local.size < self.shard.numel():
+            self.shard.narrow(0, local.size, self.shard.numel() - local.size).zero_()
+
+    def receive_grad_shard(self, grad_shard: torch.Tensor) -> None:
+        """Optimizer seam: store the reduced gradient shard (``partition_numel`` elements) for this rank."""
+        if grad_shard.numel() != self.layout.partition_numel:
+            raise ValueError(f"ds_id {self.ds_id}: grad shard has {grad_shard.numel()} elements, "
+                             f"expected {self.layout.partition_numel}")
+        self.grad_shard = grad_shard
+
+    def summary(self) -> dict[str, Any]:
+        """A small dict describing the state (``ds_summary``)."""
+        param = self.param
+        return {"id": self.ds_id, "status": self.status.name, "numel": 0 if param is None else param.numel(),
+                "ds_numel": self.numel, "shape": None if param is None else tuple(param.shape),
+                "ds_shape": self.shape, "requires_grad": None if param is None else param.requires_grad,
+                "persist": self.is_persistent, "active_sub_modules": set(self.active_modules),
+                "ds_tensor.shape": tuple(self.shard.shape)}
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """The 0-element tensor a partitioned parameter shows (upstream's ``param.data`` when not available)."""
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+class _CompletedGather:
+    """Handle returned by ``param.all_gather(...)``: the gather has already completed."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
+def _states(param: ZeroParameter, param_list: Sequence[nn.Parameter] | None) -> list[ZeroParam]:
+    params = [param] if param_list is None else list(param_list)
+    return [p._ds_state for p in params]
+
+
+class ZeroParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose upstream ``ds_*`` attributes are read-only views of its :class:`ZeroParam`.
+
+    Only :func:`attach_ds_view` creates these (by switching the class of an existing parameter), so identities
+    held by modules and optimizers never change.
+    """
+
+    _ds_state: ZeroParam
+
+    ds_id = property(lambda self: self._ds_state.ds_id, doc="Unique id shared by all ranks.")
+    ds_status = property(lambda self: self._ds_state.status, doc="A :class:`ZeroParamStatus`.")
+    ds_shape = property(lambda self: torch.Size(self._ds_state.shape), doc="Full (unpartitioned) shape.")
+    ds_numel = property(lambda self: self._ds_state.numel, doc="Full (unpartitioned) element count.")
+    ds_tensor = property(lambda self: self._ds_state.shard, doc="This rank's 1-D partition.")
+    ds_param_type = property(lambda self: ZeroParamType.PARTITIONED, doc="Always ``PARTITIONED``.")
+    ds_persist = property(lambda self: self._ds_state.is_persistent, doc="Stays gathered between uses.")
+    ds_active_sub_modules = property(lambda self: self._ds_state.active_modules,
+                                     doc="Ids of the modules currently using the gathered values (mutable set).")
+    is_external_param = property(lambda self: self._ds_state.external, doc="Registered as an external param.")
+    ds_process_group = property(lambda self: self._ds_state.group.handle, doc="The sharding process group.")
+    ds_zero_partition_rank = property(lambda self: self._ds_state.group.rank, doc="This rank in the group.")
+    ds_zero_partition_world_size = property(lambda self: self._ds_state.group.world_size, doc="Group size.")
+    ds_secondary_tensor = property(lambda self: None, doc="No secondary (hpZ) partition: always ``None``.")
+    nvme_swapper = property(lambda self: None, doc="No NVMe swapping: always ``None``.")
+
+    def all_gather(self, param_list: Sequence[nn.Parameter] | None = None, async_op: bool = False,
+                   hierarchy: int = 0) -> _CompletedGather:
+        """Gather this parameter (or ``param_list``) so its full value is visible on every rank."""
+        states = _states(self, param_list)
+        states[0].gatherer.gather(states)
+        return _CompletedGather()
+
+    def all_gather_coalesced(self, params: Sequence[nn.Parameter], safe_mode: bool = False,
+                             quantize: bool = False) -> _CompletedGather:
+        """Gather ``params`` with one collective."""
+        return self.all_gather(list(params))
+
+    def partition(self, param_list: Sequence[nn.Parameter] | None = None, hierarchy: int = 0,
+                  has_been_updated: bool = False, free_data: bool = True) -> None:
+        """Return to the partitioned state; with ``has_been_updated`` the gathered values become the shard."""
+        states = _states(self, param_list)
+        if has_been_updated:
+            states[0].gatherer.commit(states)
+        states[0].gatherer.release(states)
+
+    def convert_to_zero_parameters(self, param_list: Sequence[nn.Parameter]) -> None:
+        """Partition ``param_list`` over this parameter's group with the same gatherer."""
+        state = self._ds_state
+        for param in param_list:
+            if zero_state(param) is None:
+                state.gatherer.partition(param, state.group)
+
+    def aligned_size(self) -> int:
+        """Full element count padded to a multiple of the world size."""
+        return self._ds_state.layout.padded_numel
+
+    def padding_size(self) -> int:
+        """Padding elements added to reach :meth:`aligned_size`."""
+        return self._ds_state.layout.padding
+
+    def partition_numel(self) -> int:
+        """Elements each rank stores."""
+        return self._ds_state.layout.partition_numel
+
+    def ds_summary(self) -> dict[str, Any]:
+        """A dict describing this parameter's ZeRO-3 state."""
+        return self._ds_state.summary()
+
+    def item(self) -> Any:
+        """The Python scalar of a one-element parameter, gathering it first when needed."""
+        state = self._ds_state
+        if state.state is ShardedState.FULL:
+            return super().item()
+        state.gatherer.gather([state])
+        try:
+            return super().item()
+        finally:
+            state.gatherer.release([state])
+
+
+def attach_ds_view(param: nn.Parameter, state: ZeroParam) -> ZeroParameter:
+    """Give ``param`` the upstream ``ds_*`` view over ``state`` (the only place these attributes are set)."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"expected an nn.Parameter, got {type(param).__name__}")
+    if type(param) is not nn.Parameter and not isinstance(param, ZeroParameter):
+        raise TypeError(f"cannot partition a parameter subclass {type(param).__name__}")
+    param.__class__ = ZeroParameter
+    param._ds_state = state
+    return param  # type: ignore[return-value]
+
+
+def zero_state(param: torch.Tensor) -> ZeroParam | None:
+    """The :class:`ZeroParam` of ``param``, or ``None`` when it is not partitioned."""
+    return param.__dict__.get("_ds_state") if isinstance(param, ZeroParameter) else None
+
+
+def is_zero_param(param: Any) -> bool:
+    """True for a parameter partitioned by ZeRO-3 (upstream ``is_zero_param``)."""
+    return isinstance(param, ZeroParameter) and "_ds_state" in param.__dict__
