@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -34,6 +35,27 @@ if BENCH_DIR not in sys.path:
 
 GiB = float(1 << 30)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MEMORY_TIMELINE_DIR = os.path.join(os.path.dirname(BENCH_DIR), "deepspeed", "tools", "profiling", "memory_timeline")
+
+
+def load_memory_timeline(name: str = "bench_memory_timeline") -> Any:
+    """This repository's ``memory_timeline`` package loaded by path under ``name`` (never through ``import
+    deepspeed``, which may be upstream's in the worker): standard library only, relative imports resolved through
+    the ``sys.modules`` entry registered here."""
+    if name in sys.modules:
+        return sys.modules[name]
+    init = os.path.join(MEMORY_TIMELINE_DIR, "__init__.py")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[MEMORY_TIMELINE_DIR])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {init}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 # ----------------------------------------------------------------------------------------------- device / memory

@@ -6,14 +6,13 @@
 Runs two warm-up steps, then records PyTorch's allocator history over one step, replays the trace to find the
 moment of peak allocation, and writes ``DIR/<name>.json``: the peak, the live bytes at that moment grouped by the
 innermost frame inside this repository / the model / torch.optim (so a newcomer sees *which line* holds what),
-the largest live blocks with their stacks, and the category totals of ``deepspeed/_core/engine/memory_timeline.py``
-when that module is present. This is a diagnostic for the benchmarks' "where ours is not ahead" notes, not a
+the largest live blocks with their stacks, and the category totals of
+``deepspeed/tools/profiling/memory_timeline`` when that package is present. This is a diagnostic for the benchmarks' "where ours is not ahead" notes, not a
 benchmark: the recorded step runs slower than an untraced one.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -24,7 +23,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
-from _harness import device, init_process_group, make_trainer, warm_up_deepspeed  # noqa: E402
+from _harness import (MEMORY_TIMELINE_DIR, device, init_process_group, load_memory_timeline,  # noqa: E402
+                      make_trainer, warm_up_deepspeed)
 from models import random_batch  # noqa: E402
 
 GiB = float(1 << 30)
@@ -60,13 +60,9 @@ def live_at_peak(trace: list[dict]) -> tuple[int, int, dict[int, tuple[int, list
 
 
 def _timeline_module():
-    path = BENCH.parent / "deepspeed" / "_core" / "engine" / "memory_timeline.py"
-    if not path.exists():
+    if not os.path.exists(os.path.join(MEMORY_TIMELINE_DIR, "__init__.py")):
         return None
-    spec = importlib.util.spec_from_file_location("memory_timeline_standalone", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_memory_timeline("memory_timeline_standalone")
 
 
 def run(spec: dict, out: Path) -> dict:

@@ -418,7 +418,7 @@ def s3_section(records: list[dict]) -> list[str]:
         "gathered layers: a later step with hooks at every module boundary of the decoder "
         "layers (a layer counts when any non-persistent parameter is gathered or in flight; layer-equiv = gathered "
         "elements / one layer's); `from trace` and deferred frees: the same step's CUDA memory-history trace "
-        "(`deepspeed/_core/engine/memory_timeline.py`). `vs upstream` / `vs FSDP2` = peak allocated ratio. "
+        "(`deepspeed/tools/profiling/memory_timeline`). `vs upstream` / `vs FSDP2` = peak allocated ratio. "
         "`ckpt` = the activation-checkpoint form (`torch.utils.checkpoint`'s `use_reentrant`): upstream runs the "
         "reentrant form by default (its ZeRO-3 fails under the non-reentrant one on the H200 image; HF Transformers' "
         "`gradient_checkpointing_enable` also defaults to reentrant), ours and FSDP2 the non-reentrant form; "

@@ -18,8 +18,8 @@ reset, host RSS sampled every 2 ms, nothing else instrumented: its peak is the t
 more plain steps (the table's step time is the median of these and the measured step's) → one
 **instrumented step**: hooks count the decoder layers holding gathered parameters at every module boundary, ours'
 parameter manager records its own boundary samples, and on CUDA a memory-history trace
-(``torch.cuda.memory._record_memory_history``) is taken and analysed by ``deepspeed/_core/engine/memory_timeline.py``
-(loaded by file path, so an upstream worker never imports our package).
+(``torch.cuda.memory._record_memory_history``) is taken and analysed by ``deepspeed/tools/profiling/memory_timeline``
+(loaded by path, ``_harness.load_memory_timeline``, so an upstream worker never imports our package).
 
 "Gathered" per implementation: DeepSpeed (ours and upstream) a parameter is gathered when its ``ds_status`` is not
 ``NOT_AVAILABLE`` (``INFLIGHT`` counts); persistent parameters (``ds_persist``: norms and biases below
@@ -29,7 +29,6 @@ layer counts when its ``fully_shard`` unit is unsharded or has an all-gather pen
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from contextlib import nullcontext
@@ -40,12 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from _harness import (
+    MEMORY_TIMELINE_DIR,
     DeepSpeedTrainer,
     GiB,
     RssSampler,
     default_checkpoint_reentrant,
     device,
     hf_auto_config,
+    load_memory_timeline,
     mem,
     reset_peak,
     sync,
@@ -55,7 +56,7 @@ import models
 from models import MODELS, build_model, decoder_layers, random_batch
 
 REPO = Path(__file__).resolve().parents[2]
-TIMELINE_FILE = REPO / "deepspeed" / "_core" / "engine" / "memory_timeline.py"
+TIMELINE_DIR = Path(MEMORY_TIMELINE_DIR)
 BOUNDARY_LIST_MAX = 160  # per-boundary counts kept in the record (forward and backward each)
 
 
@@ -227,14 +228,8 @@ def _manager_summary(mgr: Any, samples: list, layer_params: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- trace
 def load_timeline() -> Any:
-    """``memory_timeline.py`` loaded by file path (never through ``import deepspeed``, which may be upstream)."""
-    spec = importlib.util.spec_from_file_location("bench_memory_timeline", TIMELINE_FILE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {TIMELINE_FILE}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The ``memory_timeline`` package loaded by path (never through ``import deepspeed``, which may be upstream)."""
+    return load_memory_timeline("bench_memory_timeline")
 
 
 def _png_name(spec: dict) -> str:

@@ -26,6 +26,7 @@ from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_schedul
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.tools.profiling.memory_timeline import TimelineAnalyser
 from deepspeed.utils.logging import log_dist
 
 
@@ -64,7 +65,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._apply_device(args, dont_change_device)
         self._apply_optimizer(optimizer, model_parameters)
         self._apply_scheduler(lr_scheduler)
-        self._loop = TrainingLoop(self.module, self.optimizer, self.lr_scheduler, self.plan)
+        self._loop = TrainingLoop(self.module, self.optimizer, self.lr_scheduler, self.plan, TimelineAnalyser())
         self.training_dataloader = self._build_dataloader(training_data, collate_fn) if training_data else None
         self._loop.memory.report("after initialize")
         log_dist(

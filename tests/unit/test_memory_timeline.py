@@ -1,7 +1,10 @@
-"""memory_timeline: stack classification, per-category replay of an allocator trace, deferred frees, the summary,
-the chart and command line, the config key and the engine wiring (CPU: accepted, nothing recorded)."""
+"""memory_timeline (``deepspeed/tools/profiling/memory_timeline``): stack classification and its rules' paths, the
+per-category replay of an allocator trace, deferred frees, the summary, the chart and command line, the config key,
+and the core recorder handing its snapshot to the tool (CPU: accepted, nothing recorded)."""
 from __future__ import annotations
 
+import ast
+import fnmatch
 import importlib.util
 import json
 import pickle
@@ -11,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed._core.engine import memory_timeline as mt
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from deepspeed.tools.profiling import memory_timeline as mt
 from tests._harness import run_distributed
 
-MODULE_PATH = Path(mt.__file__).resolve()
+PACKAGE_DIR = Path(mt.__file__).resolve().parent
+REPO = PACKAGE_DIR.parents[3]
 SITE = "/usr/lib/python3.11/site-packages/"
 
 
@@ -103,10 +107,44 @@ def test_autograd_allocation_classified_by_free_stack(free_frames: list, expecte
 
 
 def test_rules_are_data() -> None:
-    assert set(mt.CATEGORIES) - {"buffers"} == {r.category for r in mt.ALLOC_RULES}  # buffers: the fallback
+    decided = {r.category for r in mt.ALLOC_RULES} - {mt.HELPER}
+    assert set(mt.CATEGORIES) - {"buffers"} == decided  # buffers: the fallback
     extra = mt.Rule("optimizer state", "my_optim/", ("update*",))
     assert extra.matches(SITE + "my_optim/core.py", "update_moments")
     assert not extra.matches(SITE + "my_optim/core.py", "forward")
+
+
+def test_helper_rule_lets_the_caller_decide() -> None:
+    # ZeroParam's storage helpers allocate for a gather (gathered) as for a partition (parameters).
+    helper = fr("deepspeed/_core/params/param.py", "alloc_full")
+    assert mt.classify([helper, fr("deepspeed/_core/params/gather.py", "_copy_out")]) == "gathered parameters"
+    assert mt.classify([helper, fr("deepspeed/_core/params/gather.py", "partition")]) == "parameters"
+    assert mt.classify([helper, USER]) == "parameters"  # nobody decided: the helper table's category
+
+
+def _defined_names(path: Path) -> set[str]:
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    names: set[str] = set()
+    for file in files:
+        tree = ast.parse(file.read_text(), filename=str(file))
+        names |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        if any(isinstance(n, ast.Lambda) for n in ast.walk(tree)):
+            names.add("<lambda>")
+    return names
+
+
+OUR_RULES = [r for table in (mt.ALLOC_RULES, mt.HELPER_RULES, mt.FREE_RULES, mt.BACKWARD_RULES) for r in table
+             if r.path.startswith(mt.OURS)]
+
+
+@pytest.mark.parametrize("rule", OUR_RULES, ids=lambda r: f"{r.path}:{','.join(r.names) or '*'}")
+def test_rule_names_an_existing_path_and_functions(rule: mt.Rule) -> None:
+    """A rule for this package names a file or room of the tree, and every function it names is defined there."""
+    path = REPO / rule.path
+    assert path.exists(), f"{rule.path} is not in the tree: update the rule"
+    defined = _defined_names(path)
+    missing = [p for p in rule.names if not fnmatch.filter(defined, p)]
+    assert not missing, f"{rule.path} defines no function {missing}: update the rule"
 
 
 # ------------------------------------------------------------------------------------------------ synthetic traces
@@ -312,8 +350,9 @@ def test_cli_on_pickled_snapshot_without_deepspeed_on_path(tmp_path: Path) -> No
     snap = tmp_path / "snap.pickle"
     snap.write_bytes(pickle.dumps(snapshot(step_trace())))
     out = tmp_path / "summary.json"
-    # -I: isolated mode (no PYTHONPATH, no script directory or cwd on sys.path), run from an unrelated directory.
-    proc = subprocess.run([sys.executable, "-I", str(MODULE_PATH), str(snap), "--json", str(out), "--unit-bytes",
+    # -I: isolated mode (no PYTHONPATH, no cwd on sys.path), run from an unrelated directory: the package directory
+    # itself is the program, as where another DeepSpeed is the importable one.
+    proc = subprocess.run([sys.executable, "-I", str(PACKAGE_DIR), str(snap), "--json", str(out), "--unit-bytes",
                            "500"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)
@@ -321,12 +360,24 @@ def test_cli_on_pickled_snapshot_without_deepspeed_on_path(tmp_path: Path) -> No
     assert printed["peak_allocated_bytes"] == 1150 and printed["gathered_layers_alive_max_from_trace"] == 2.0
 
 
+def test_cli_as_module(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.pickle"
+    snap.write_bytes(pickle.dumps(snapshot(step_trace())))
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.tools.profiling.memory_timeline", str(snap)],
+                          check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["peak_allocated_bytes"] == 1150
+
+
 def test_loads_by_file_path_without_torch_or_deepspeed(tmp_path: Path) -> None:
+    init = PACKAGE_DIR / "__init__.py"
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('ds_lean_memory_timeline', {str(MODULE_PATH)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('ds_lean_memory_timeline', {str(init)!r},\n"
+        f"    submodule_search_locations=[{str(PACKAGE_DIR)!r}])\n"
         "mod = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(mod)\n"  # deliberately not registered in sys.modules
+        "sys.modules[spec.name] = mod\n"
+        "spec.loader.exec_module(mod)\n"
         "assert mod.classify([], []) == 'activations'\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'matplotlib'))\n"
         "assert not bad, bad\n"
@@ -394,3 +445,56 @@ def test_engine_on_cpu_accepts_key_and_warns_once(tmp_path: Path) -> None:
     assert result["steps"] == 3
     assert len(result["warnings"]) == 1 and "needs a CUDA device" in result["warnings"][0]
     assert not list(tmp_path.iterdir())  # nothing recorded, nothing written
+
+
+class _RecordingAccelerator:
+    """What the core recorder asks of the accelerator, with a canned snapshot (as a CUDA device would give)."""
+
+    def __init__(self, snap: dict) -> None:
+        self.snap, self.history = snap, []
+
+    def memory_history_supported(self) -> bool:
+        return True
+
+    def record_memory_history(self, enabled: bool, max_entries: int | None = None) -> None:
+        self.history.append(enabled)
+
+    def memory_snapshot(self) -> dict:
+        return dict(self.snap)
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_name(self) -> str:
+        return "fake"
+
+
+@pytest.mark.parametrize("with_analyser", [True, False], ids=["facade-analyser", "snapshot-only"])
+def test_core_recorder_writes_the_snapshot_and_hands_it_to_the_tool(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_analyser: bool) -> None:
+    import torch
+
+    from deepspeed._core.config.plan import MemoryTimelinePolicy
+    from deepspeed._core.engine import memory
+
+    fake = _RecordingAccelerator(snapshot(step_trace()))
+    monkeypatch.setattr(memory, "get_accelerator", lambda: fake)
+    policy = MemoryTimelinePolicy(enabled=True, step=2, path=str(tmp_path / "out" / "mt"))
+    recorder = memory.TimelineRecorder(policy, mt.TimelineAnalyser() if with_analyser else None)
+    recorder.begin(0)
+    assert fake.history == [] and recorder.finish(1, torch.nn.Linear(2, 2), None) is None  # not the step yet
+    recorder.begin(1)
+    recorder.mark("after forward")
+    summary = recorder.finish(2, torch.nn.Linear(2, 2), None)
+    assert fake.history == [True, False]
+    prefix = tmp_path / "out" / "mt_rank0"
+    written = pickle.loads(prefix.with_suffix(".pickle").read_bytes())
+    assert [p["name"] for p in written["recording"]["phases"]] == ["start", "after forward"]
+    if not with_analyser:
+        assert summary is None and recorder.written == [str(prefix.with_suffix(".pickle"))]
+        assert "category_hints" not in written
+        return
+    assert written["category_hints"] == []  # a CPU module: no device addresses
+    assert summary["peak_allocated_bytes"] == 1150
+    assert json.loads(prefix.with_suffix(".json").read_text()) == summary
+    assert recorder.written[:2] == [str(prefix.with_suffix(".pickle")), str(prefix.with_suffix(".json"))]

@@ -9,7 +9,7 @@ Who writes what (``<save_dir>/<tag>/``, tag ``global_step<N>`` by default):
   ``{"optimizer_state_dict": <the wrapped optimizer's state_dict()>, "ds_config", "ds_version"}``;
 * ``<save_dir>/latest`` (the tag) and, for ZeRO, ``<save_dir>/zero_to_fp32.py``: global rank 0, last.
 
-Files are committed atomically (see [Note: atomic checkpoint files] in ``checkpoint_io``), and the
+Files are committed atomically (see [Note: atomic checkpoint files] in ``files.py``), and the
 ranks agree that every file is committed before ``latest`` moves, so a crash mid-save leaves the
 previous tag loadable. Reads are pickle-safe ([Note: safe checkpoint loading]).
 

@@ -6,7 +6,9 @@ that event, and memory is released only on a stream that is already ordered afte
 marked as in use by another stream (the caching allocator's cross-stream recording), which would delay reuse.
 
 The device runtime is reached through a :class:`StreamBackend`, so tests can inject fake streams and events (for
-example events that stay "not complete" for a while, emulating a GPU that lags far behind the CPU).
+example events that stay "not complete" for a while, emulating a GPU that lags far behind the CPU). Code without
+a :class:`StreamSet` (the offload paths' host-side waits) takes its events from :func:`record_current`, so no event
+is created anywhere else in ``deepspeed/_core``.
 """
 from __future__ import annotations
 
@@ -23,11 +25,15 @@ from deepspeed.accelerator import get_accelerator
 
 
 class StreamRole(enum.Enum):
-    """What a stream is for; :class:`StreamSet` holds one stream per role."""
+    """What a stream is for; :class:`StreamSet` holds one stream per role.
+
+    ``COMPUTE`` is the training loop's stream; ``ALL_GATHER`` carries the ZeRO-3 parameter gathers. Gradient
+    reductions are queued on the compute stream (their collectives' work handles order them there), so they
+    have no role of their own.
+    """
 
     COMPUTE = "compute"
     ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
 
 
 class StreamBackend(Protocol):
@@ -83,9 +89,8 @@ class StreamSet:
         """Create the side streams on ``backend`` (default: the accelerator)."""
         self.backend: StreamBackend = backend if backend is not None else AcceleratorStreams()
         compute = self.backend.current_stream()
-        self._streams = {StreamRole.COMPUTE: compute}
-        for role in (StreamRole.ALL_GATHER, StreamRole.REDUCE_SCATTER):
-            self._streams[role] = self.backend.new_stream() if side is SideStreams.SEPARATE else compute
+        gather = self.backend.new_stream() if side is SideStreams.SEPARATE else compute
+        self._streams = {StreamRole.COMPUTE: compute, StreamRole.ALL_GATHER: gather}
 
     def get(self, role: StreamRole) -> Any:
         """The stream playing ``role``."""
@@ -105,6 +110,22 @@ class StreamSet:
         """Make ``role``'s stream wait (on the device, not the host) for ``event``."""
         if event is not None:
             self._streams[role].wait_event(event)
+
+
+_ACCELERATOR_STREAMS = AcceleratorStreams()
+
+
+def record_current(backend: StreamBackend | None = None) -> Any:
+    """Record and return an event on the current stream (default backend: the accelerator).
+
+    It marks "everything queued so far" for code that holds no :class:`StreamSet`: the offload paths record one
+    after each non-blocking copy and the host waits on it (``event.synchronize()``) before reusing the copy's
+    staging buffer or reading its destination (see ``docs/design/streams.md``, "Where the host waits").
+    """
+    backend = backend if backend is not None else _ACCELERATOR_STREAMS
+    event = backend.new_event()
+    event.record(backend.current_stream())
+    return event
 
 
 @dataclass

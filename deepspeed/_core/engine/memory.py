@@ -1,24 +1,28 @@
 """Model-state memory floors, the per-phase memory report (config ``memory_breakdown``) and the one-step
 allocator-history recorder (config ``memory_timeline``).
 
-The floors are the formulas of ``shared/spec/memory_targets.md``: bytes that the parameters, gradients
-and Adam-style optimizer state must occupy per rank for a stage, before activations and transients.
+A floor is the bytes that the parameters, gradients and Adam-style optimizer state must occupy per rank for a
+ZeRO stage, before activations and transients (the ZeRO paper's accounting: 2 + 2 + K bytes per parameter in
+mixed precision, each term divided by the data-parallel size from the stage that partitions it).
+
+The recorder only records: it turns the allocator history on for the configured step, takes the snapshot and
+writes it. What the snapshot means (categories, timeline, chart) is a tool's business
+(``deepspeed/tools/profiling/memory_timeline``), which the engine façade hands in as a :class:`SnapshotAnalyser`;
+this package never imports it.
 """
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.engine import memory_timeline
 from deepspeed._core.config.plan import MemoryTimelinePolicy, RunPlan
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import log_dist, logger
@@ -42,7 +46,7 @@ def model_state_floor(plan: RunPlan, n_params: int, dp_world: int) -> StateFloor
     """Device/host floor for ``n_params`` trainable parameters at ``plan``'s stage and world size."""
     bp = _nbytes(plan.precision.param_dtype)
     bg = _nbytes(plan.precision.grad_accum_dtype)
-    # Adam keeps two fp32 moments; mixed precision adds an fp32 master copy (memory_targets.md: K = 12).
+    # Adam keeps two fp32 moments; mixed precision adds an fp32 master copy (K = 12).
     k = 8 + (4 if plan.precision.param_dtype != torch.float32 else 0)
     p, n, stage = float(n_params), float(max(dp_world, 1)), plan.zero.stage
     optimizer_bytes = k * p / n if stage >= 1 else k * p
@@ -60,13 +64,14 @@ class MemoryReporter:
         plan: run plan (its ``memory_breakdown`` switch turns reports on).
         n_params: trainable parameters of the model.
         dp_world: data-parallel size.
+        analyser: what turns a recorded ``memory_timeline`` snapshot into a report (``None``: snapshot only).
     """
 
-    def __init__(self, plan: RunPlan, n_params: int, dp_world: int) -> None:
+    def __init__(self, plan: RunPlan, n_params: int, dp_world: int, analyser: SnapshotAnalyser | None = None) -> None:
         self.enabled = plan.memory_breakdown
         self.floor = model_state_floor(plan, n_params, dp_world)
         self.records: list[dict[str, float | str]] = []
-        self.timeline = TimelineRecorder(plan.memory_timeline)
+        self.timeline = TimelineRecorder(plan.memory_timeline, analyser)
 
     def report(self, phase: str) -> dict[str, float | str] | None:
         """Record (and log on rank 0) the memory at ``phase``; returns the record when enabled.
@@ -94,6 +99,32 @@ class MemoryReporter:
         return record
 
 
+class SnapshotReport(Protocol):
+    """What a :class:`SnapshotAnalyser` wrote for one snapshot."""
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The summary (``peak_allocated_bytes``, ``peak_by_category``, ...)."""
+
+    @property
+    def files(self) -> list[str]:
+        """The files written."""
+
+    @property
+    def skipped(self) -> list[str]:
+        """Files not written, each with the reason."""
+
+
+class SnapshotAnalyser(Protocol):
+    """Turns an allocator snapshot into a report; the engine façade supplies one (the core defines only this)."""
+
+    def tensor_hints(self, module: torch.nn.Module, optimizer: Any) -> list[dict[str, Any]]:
+        """Addresses and categories of the model state, stored in the snapshot as ``category_hints``."""
+
+    def write_report(self, snapshot: dict[str, Any], device: int, prefix: str, title: str) -> SnapshotReport:
+        """Write the report files of ``snapshot`` on ``device`` next to ``prefix``."""
+
+
 class _Recording(enum.Enum):
     WAITING = "waiting"  # the configured step has not started yet
     ON = "on"
@@ -112,10 +143,13 @@ class TimelineRecorder:
 
     Args:
         policy: the ``memory_timeline`` policy of the run plan.
+        analyser: adds ``category_hints`` to the snapshot and writes the report files; ``None`` writes the
+            snapshot alone.
     """
 
-    def __init__(self, policy: MemoryTimelinePolicy) -> None:
+    def __init__(self, policy: MemoryTimelinePolicy, analyser: SnapshotAnalyser | None = None) -> None:
         self.policy = policy
+        self.analyser = analyser
         self.state = _Recording.WAITING if policy.enabled else _Recording.DONE
         self.phases: list[dict[str, Any]] = []
         self.written: list[str] = []
@@ -146,26 +180,28 @@ class TimelineRecorder:
         acc.record_memory_history(False)
         self.state = _Recording.DONE
         device = acc.current_device()
-        snapshot["category_hints"] = memory_timeline.tensor_hints(module, optimizer)
+        if self.analyser is not None:
+            snapshot["category_hints"] = self.analyser.tensor_hints(module, optimizer)
         snapshot["recording"] = {"step": self.policy.step, "rank": _rank(), "device": device,
                                  "max_entries": self.policy.max_entries, "phases": self.phases}
         return self._write(snapshot, device)
 
-    def _write(self, snapshot: dict[str, Any], device: int) -> dict[str, Any]:
+    def _write(self, snapshot: dict[str, Any], device: int) -> dict[str, Any] | None:
         prefix = Path(f"{self.policy.path}_rank{_rank()}")
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        files = {kind: prefix.with_name(prefix.name + f".{kind}") for kind in ("pickle", "json", "png")}
-        with open(files["pickle"], "wb") as fd:
+        pickle_path = prefix.with_name(prefix.name + ".pickle")
+        with open(pickle_path, "wb") as fd:
             pickle.dump(snapshot, fd)
-        summary = memory_timeline.summarize(snapshot, device)
-        files["json"].write_text(json.dumps(summary, indent=2) + "\n")
-        self.written = [str(files["pickle"]), str(files["json"])]
-        try:
-            memory_timeline.plot_timeline(memory_timeline.build_timeline(snapshot, device), str(files["png"]),
-                                          title=f"step {self.policy.step}, rank {_rank()}, device {device}")
-            self.written.append(str(files["png"]))
-        except memory_timeline.MatplotlibMissingError as err:
-            logger.warning(f"memory_timeline: {files['png']} skipped ({err})")
+        self.written = [str(pickle_path)]
+        if self.analyser is None:
+            logger.info(f"memory_timeline step {self.policy.step}: wrote {self.written}")
+            return None
+        report = self.analyser.write_report(snapshot, device, str(prefix),
+                                            title=f"step {self.policy.step}, rank {_rank()}, device {device}")
+        self.written.extend(report.files)
+        for skipped in report.skipped:
+            logger.warning(f"memory_timeline: skipped {skipped}")
+        summary = report.summary
         peak = summary["peak_by_category"]
         logger.info(f"memory_timeline step {self.policy.step}: peak {summary['peak_allocated_bytes'] / _GIB:.3f} GiB "
                     f"({', '.join(f'{k} {v / _GIB:.3f}' for k, v in peak.items() if v)}); wrote {self.written}")

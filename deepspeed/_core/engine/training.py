@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.engine.accumulation import AccumulationState
-from deepspeed._core.engine.memory import MemoryReporter
+from deepspeed._core.engine.memory import MemoryReporter, SnapshotAnalyser
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.engine.progress import ProgressReporter
@@ -27,10 +27,12 @@ class TrainingLoop:
         optimizer: the wrapped optimizer, or ``None`` for an inference-only engine.
         lr_scheduler: a scheduler stepped after every applied optimizer step, or ``None``.
         plan: the run plan.
+        analyser: turns a recorded ``memory_timeline`` snapshot into its report (given by the engine façade).
     """
 
     def __init__(
-        self, module: torch.nn.Module, optimizer: EngineOptimizer | None, lr_scheduler: Any, plan: RunPlan
+        self, module: torch.nn.Module, optimizer: EngineOptimizer | None, lr_scheduler: Any, plan: RunPlan,
+        analyser: SnapshotAnalyser | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -39,7 +41,7 @@ class TrainingLoop:
         self.accumulation = AccumulationState(plan.batch.gradient_accumulation_steps)
         self.progress = ProgressReporter(plan.steps_per_print, plan.batch.train_batch_size)
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
-        self.memory = MemoryReporter(plan, n_params, plan.batch.dp_world_size)
+        self.memory = MemoryReporter(plan, n_params, plan.batch.dp_world_size, analyser)
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0

@@ -7,9 +7,9 @@ the output projection's gradient, a full vocabulary-sized tensor, therefore wait
 the last. And the embedding's own backward gathers the table although ``F.embedding``'s backward reads only the
 indices and the row count: ``AccumulateGrad`` needs the parameter full-shaped to steal the gradient.
 
-On the H200 (Qwen2-3B shape, simulated N=8) both sat on the step's peak, at the end of the backward: gathered
-table 0.58 GiB + held projection gradient 0.58 GiB + the embedding backward's fp32 table 1.16 GiB
-(``benchmarks/results/gpu_run11.jsonl`` in the git history at f28fd62, trace categories of that row).
+Both land on the ZeRO-3 step's peak, at the end of the backward: the gathered table, the held projection
+gradient (the same size) and the embedding backward's fp32 table (twice that) sit on top of the model states
+(measured in ``docs/benchmarks.md``, S3 notes).
 
 A routed use reads the parameter through :class:`_RoutedUse`: an identity in forward whose backward hands the
 use's gradient to a sink (the manager, then the optimizer's bucket) and returns no gradient to the leaf. So

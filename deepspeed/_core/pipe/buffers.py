@@ -1,8 +1,8 @@
 """Per-micro-batch activation slots of one pipeline stage, and when they are released.
 
-[Note: pipeline activation release] (user report 1 with pipelines). Under the 1F1B schedule stage ``s`` of ``P``
-has at most ``min(P - s, G)`` micro-batches between their forward and their backward, so that is all it has to
-hold. A slot keeps a micro-batch's inputs (received or loaded), its outputs and, on the last stage, its labels and
+How long activations live ([Note: pipeline activation release] in ``docs/design/pipeline_engine.md``): under
+the 1F1B schedule stage ``s`` of ``P`` has at most ``min(P - s, G)`` micro-batches between their forward and their
+backward, so that is all it has to hold. A slot keeps a micro-batch's inputs (received or loaded), its outputs and, on the last stage, its labels and
 loss graph, and is emptied by :meth:`StageBuffers.release` right after that micro-batch's backward has run and its
 input gradients have been sent. ``ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS`` reproduces upstream's behaviour for A/B
 runs: the last stage keeps every micro-batch's outputs until the step ends, so its activation memory grows with

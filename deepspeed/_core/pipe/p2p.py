@@ -1,9 +1,10 @@
 """Point-to-point transfers of activations and gradients between neighbouring pipeline stages.
 
-[Note: pipeline p2p]. A stage's forward output travels to the next stage, and the gradient of that output
-travels back. Both ends must allocate receive buffers of the right shape and dtype, so the first transfer in
-each direction is preceded by one small metadata message (:class:`TensorMeta` per tensor, packed into an int64
-tensor); both ends cache it and every later micro-batch reuses it. Gradients need no metadata of their own:
+A stage's forward output travels to the next stage, and the gradient of that output travels back
+([Note: pipeline p2p] in ``docs/design/pipeline_engine.md``). Both ends must allocate receive buffers of the right
+shape and dtype, so the first transfer in each direction is preceded by one small metadata message
+(:class:`TensorMeta` per tensor, packed into an int64 tensor); both ends cache it and every later micro-batch
+reuses it. Gradients need no metadata of their own:
 they travel for exactly the sent tensors that require a gradient, with the sent shape and dtype.
 
 Sends are issued asynchronously and waited for at the end of each schedule step (:meth:`StageLink.drain`), so
