@@ -29,10 +29,10 @@ from deepspeed.monitor.config import DeepSpeedMonitorConfig
 from deepspeed.runtime.config_batch import check_batch, data_parallel_world_size, resolve_batch
 from deepspeed.runtime.config_input import load_config_dict
 from deepspeed.runtime.config_plan import run_plan
-from deepspeed.runtime.config_schema import (_TOLERATED_TOP_LEVEL_KEYS, AioConfig, CheckpointConfig,
-                                             CheckpointParallelWriteConfig, DeepSpeedFlopsProfilerConfig,
-                                             MemoryTimelineConfig, OptimizerBlockConfig, SchedulerBlockConfig,
-                                             _RootConfig)
+from deepspeed.runtime.config_schema import (_TOLERATED_TOP_LEVEL_KEYS,  # noqa: F401 - importable from here
+                                             AioConfig, CheckpointConfig, CheckpointParallelWriteConfig,
+                                             DeepSpeedFlopsProfilerConfig, MemoryTimelineConfig,
+                                             OptimizerBlockConfig, SchedulerBlockConfig, _RootConfig)
 from deepspeed.runtime.config_surface import enforce_surface
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from deepspeed.runtime.constants import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,

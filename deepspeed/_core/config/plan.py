@@ -224,7 +224,10 @@ class MemoryTimelinePolicy:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The whole validated run configuration, as the engine consumes it."""
+    """The whole validated run configuration, as the engine consumes it.
+
+    ``dataloader_drop_last`` is read by the engine façade when it builds the training data loader.
+    """
 
     batch: BatchPlan
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
