@@ -41,3 +41,12 @@ class DeepSpeedCommsConfig:
     def __init__(self, ds_config: dict) -> None:
         self.comms_logger_enabled = COMMS_LOGGER in ds_config
         self.comms_logger = CommsLoggerConfig(**ds_config.get(COMMS_LOGGER, {}))
+
+    @classmethod
+    def from_block(cls, block: CommsLoggerConfig, present: bool) -> "DeepSpeedCommsConfig":
+        """The holder for an already validated ``comms_logger`` block (``present``: the user's config has it), so
+        that ``DeepSpeedConfig`` does not parse the block a second time."""
+        holder = cls.__new__(cls)
+        holder.comms_logger_enabled = present
+        holder.comms_logger = block
+        return holder

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel
 
-from deepspeed._core.config.surface import RAW_BLOCKS, SURFACE, KeyRule, Status, judge
+from deepspeed._core.config.surface import RAW_BLOCKS, SURFACE, KeyRule, Status, Verdict, judge
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from deepspeed.utils.logging import logger
 
@@ -84,8 +84,25 @@ def enforce_surface(root: BaseModel, param_dict: dict) -> None:
     """
     given = dict(_flatten(root, "", given_only=True))
     given.update(_raw_given(param_dict))
-    defaults = dict(model_keys(type(root)))
-    verdict = judge(given, defaults, dict(_flatten(root, "", given_only=False)))
+    _apply(judge(given, dict(model_keys(type(root))), dict(_flatten(root, "", given_only=False))))
+
+
+def enforce_block_surface(block: BaseModel, prefix: str) -> None:
+    """:func:`enforce_surface` for one validated block built outside a whole config.
+
+    The ZeRO façades that integrations construct without the engine turn their upstream keyword arguments into a
+    ``zero_optimization`` block; this gives those arguments the refusals and no-effect warnings the same keys get in
+    a config.
+
+    Args:
+        block: the validated block model.
+        prefix: its dotted place in a config, with the trailing dot (``"zero_optimization."``).
+    """
+    _apply(judge(dict(_flatten(block, prefix, given_only=True)), dict(model_keys(type(block), prefix)),
+                 dict(_flatten(block, prefix, given_only=False))))
+
+
+def _apply(verdict: Verdict) -> None:
     if verdict.refusals:
         raise DeepSpeedConfigError("; ".join(verdict.refusals))
     for key in verdict.no_effect:

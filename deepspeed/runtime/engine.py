@@ -168,7 +168,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             collate_fn=collate_fn,
             data_parallel_world_size=self.dp_world_size,
             data_parallel_rank=dist.get_rank(group=self.dp_group),
-            dataloader_drop_last=bool(self.config.get("dataloader_drop_last", False)),
+            dataloader_drop_last=self.plan.dataloader_drop_last,
         )
 
     # --- attribute fall-through ------------------------------------------------------------------

@@ -84,7 +84,7 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     "steps_per_print": (5, {}, "plan.steps_per_print"),
     "wall_clock_breakdown": (True, {}, "plan.wall_clock_breakdown"),
     "memory_breakdown": (True, {}, "plan.memory_breakdown"),
-    "dataloader_drop_last": (True, {}, "dataloader_drop_last"),
+    "dataloader_drop_last": (True, {}, "plan.dataloader_drop_last"),
     "gradient_clipping": (0.5, {}, "plan.grads.clip_norm"),
     "prescale_gradients": (True, {}, "plan.grads.prescale"),
     "gradient_predivide_factor": (2.0, {}, "plan.grads.predivide_factor"),

@@ -1,9 +1,13 @@
 """Frozen run plan: the validated config, turned once into small immutable policy objects.
 
 The public pydantic models (``deepspeed.runtime.config`` and friends) keep upstream's JSON keys, aliases
-and deprecations. ``DeepSpeedConfig`` validates them once and builds a :class:`RunPlan`; everything under
-``deepspeed._core`` receives these plan objects and never the pydantic models or the raw dict. That keeps
-flags from being threaded through constructors (see docs/design/conventions.md).
+and deprecations. ``DeepSpeedConfig`` validates them once and ``deepspeed/runtime/config_plan.py`` (the one
+conversion, also used by the façades that build optimizers without the engine) turns them into a :class:`RunPlan`;
+everything under ``deepspeed._core`` receives these plan objects and never the pydantic models or the raw dict.
+That keeps flags from being threaded through constructors (see docs/design/conventions.md).
+
+A config key that changes nothing here has no plan field: what users are told about such keys is the config
+surface (``deepspeed/_core/config/surface.py``).
 
 Nothing here imports a façade module or touches a process group: plans are pure data.
 """
@@ -112,8 +116,6 @@ class BucketPolicy:
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = False
     reduce_scatter: bool = True
-    contiguous_gradients: bool = True
-    use_multi_rank_bucket_allreduce: bool = True
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,6 @@ class OffloadPolicy:
 
     device: OffloadDevice = OffloadDevice.NONE
     pin_memory: bool = True
-    buffer_count: int = 4
-    ratio: float = 1.0
-    nvme_path: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -190,7 +189,6 @@ class Stage3Policy:
     model_persistence_threshold: int = 2**63 - 1
     gather_16bit_weights_on_model_save: bool = False
     module_granularity_threshold: int = 0
-    sub_group_size: int = 1_000_000_000
     leaf_module: LeafModulePolicy = field(default_factory=LeafModulePolicy)
 
 
@@ -204,10 +202,7 @@ class ZeroPlan:
     offload_param: OffloadPolicy = field(default_factory=OffloadPolicy)
     lean: LeanPolicy = field(default_factory=LeanPolicy)
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
-    round_robin_gradients: bool = False
-    ignore_unused_parameters: bool = True
     load_from_fp32_weights: bool = True
-    elastic_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,7 +224,10 @@ class MemoryTimelinePolicy:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The whole validated run configuration, as the engine consumes it."""
+    """The whole validated run configuration, as the engine consumes it.
+
+    ``dataloader_drop_last`` is read by the engine façade when it builds the training data loader.
+    """
 
     batch: BatchPlan
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
@@ -240,5 +238,5 @@ class RunPlan:
     memory_breakdown: bool = False
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
-    managed_gradient_accumulation: bool = True
+    dataloader_drop_last: bool = False
     memory_timeline: MemoryTimelinePolicy = field(default_factory=MemoryTimelinePolicy)

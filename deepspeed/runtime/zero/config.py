@@ -68,7 +68,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """0 = off, 1 = partition optimizer states, 2 = + gradients, 3 = + parameters."""
 
     contiguous_gradients: bool = True
-    """Copy gradients into a contiguous bucket buffer as they are produced (less fragmentation)."""
+    """Upstream: copy gradients into a contiguous buffer as they are produced. No effect here: gradients always
+    go to the flat reduction buckets."""
 
     reduce_scatter: bool = True
     """Reduce gradients with reduce-scatter to their owning rank (otherwise all-reduce)."""
@@ -77,7 +78,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Elements reduced per gradient bucket."""
 
     use_multi_rank_bucket_allreduce: bool = True
-    """Reduce a bucket holding gradients owned by several ranks with one all-reduce."""
+    """Upstream: reduce a bucket holding gradients owned by several ranks with one all-reduce. No effect here:
+    the bucket reduction strategy is fixed."""
 
     allgather_partitions: bool = True
     """ZeRO-1/2: all-gather updated partitions (otherwise broadcast each partition)."""
@@ -92,7 +94,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """On load, restore fp32 masters from the checkpoint's fp32 partitions (not from 16-bit weights)."""
 
     elastic_checkpoint: bool = False
-    """Save ZeRO-1/2 optimizer state in a world-size-independent layout."""
+    """Upstream: save ZeRO-1/2 optimizer state in a world-size-independent layout. No effect here: ZeRO-1/2
+    checkpoints load at any data-parallel size regardless."""
 
     offload_param: DeepSpeedZeroOffloadParamConfig | None = None
     """Parameter offload (ZeRO-3); see ``offload_param`` keys."""
@@ -101,7 +104,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Optimizer-state offload; see ``offload_optimizer`` keys."""
 
     sub_group_size: int = Field(pp_int(1e9), ge=0)
-    """ZeRO-3: elements per optimizer sub-group stepped at a time."""
+    """Upstream: ZeRO-3 elements per optimizer sub-group stepped at a time. No effect here: the ZeRO-3 step is
+    chunked by ``reduce_bucket_size``."""
 
     cpu_offload_param: bool | None = Field(
         None, json_schema_extra={"deprecated": True, "new_param": "offload_param", "new_param_fn": _cpu_offload_param})
@@ -151,13 +155,14 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Deprecated spelling of ``gather_16bit_weights_on_model_save``."""
 
     ignore_unused_parameters: bool = True
-    """Do not fail when some parameters get no gradient in a step."""
+    """Upstream: whether a parameter without a gradient in a step is an error. No effect here: it never is."""
 
     legacy_stage1: bool = False
     """Upstream legacy stage-1 implementation switch (accepted; ignored)."""
 
     round_robin_gradients: bool = False
-    """ZeRO-1/2: order parameters round-robin across ranks for balanced gradient copies."""
+    """Upstream: ZeRO-1/2 gradient copies ordered round-robin across ranks. No effect here: the copy order is
+    fixed (same values)."""
 
     zero_hpz_partition_size: int = Field(1, ge=0)
     """ZeRO++ hierarchical partitioning group size (1 = off)."""

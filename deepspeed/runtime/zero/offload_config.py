@@ -37,10 +37,10 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
 
     nvme_path: Path | None = None
-    """Directory for NVMe swap files (``device: nvme`` only)."""
+    """Upstream: directory for NVMe swap files. No effect here: NVMe offload is refused."""
 
     buffer_count: int = Field(5, ge=0)
-    """Number of staging buffers used to swap parameters from NVMe."""
+    """Upstream: staging buffers for swapping parameters from NVMe. No effect here: NVMe offload is refused."""
 
     buffer_size: int = Field(pp_int(1e8), ge=0)
     """Size in elements of each NVMe staging buffer."""
@@ -61,10 +61,11 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
 
     nvme_path: Path | None = None
-    """Directory for NVMe swap files (``device: nvme`` only)."""
+    """Upstream: directory for NVMe swap files. No effect here: NVMe offload is refused."""
 
     buffer_count: int = Field(4, ge=0)
-    """Number of staging buffers for optimizer-state swapping (NVMe)."""
+    """Upstream: staging buffers for swapping optimizer state from NVMe. No effect here: NVMe offload is
+    refused."""
 
     pin_memory: bool = True
     """Use page-locked host buffers. Default true since upstream v0.19.5."""
@@ -79,7 +80,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """Initialise NVMe-offloaded optimizer state without a round-trip through swap files."""
 
     ratio: float = Field(1.0, ge=0.0, le=1.0)
-    """Fraction of optimizer state to offload; values below 1.0 are supported by ZeRO-3 only."""
+    """Upstream: fraction of optimizer state to offload (below 1.0 with ZeRO-3 only, still checked). No effect
+    here: all of it is offloaded."""
 
     super_offload: bool = False
     """Upstream SuperOffload mode (accepted; not implemented by deepspeed-lean)."""

@@ -1,7 +1,8 @@
 """Upstream ``DeepSpeedZeRoOffload``: the ZeRO-3 parameter side as integrations (TRL) see it.
 
 A façade over :class:`deepspeed._core.params.manager.ZeroParamManager`: the constructor turns upstream's keyword
-arguments into a ``Stage3Policy`` / ``LeanPolicy`` once and delegates.
+arguments into the validated stage-3 ``zero_optimization`` block they stand for, converts it with the one
+config-to-plan conversion (``deepspeed/runtime/config_plan.py``) and delegates.
 """
 from __future__ import annotations
 
@@ -10,22 +11,15 @@ from typing import Any
 
 from torch import nn
 
-from deepspeed._core.config.plan import LeafModulePolicy, LeanPolicy, OffloadDevice, OffloadPolicy, Stage3Policy
+from deepspeed._core.config.plan import LeanPolicy
 from deepspeed._core.params.manager import ZeroParamManager
 from deepspeed._core.params.param import ShardGroup
 from deepspeed._core.comm.streams import SideStreams, StreamSet
+from deepspeed.runtime.config_plan import offload_policy, stage3_policy
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.partitioned_param_coordinator import (
     PartitionedParameterCoordinator,
 )
-
-
-def _offload_policy(offload_param_config: Any) -> OffloadPolicy:
-    """Accept the pydantic ``offload_param`` model (or ``None``) and turn it into an ``OffloadPolicy``."""
-    if offload_param_config is None:
-        return OffloadPolicy()
-    device = getattr(offload_param_config, "device", "none")
-    return OffloadPolicy(device=OffloadDevice(getattr(device, "value", device)),
-                         pin_memory=bool(getattr(offload_param_config, "pin_memory", True)))
 
 
 def _lean_policy(ds_config: Any) -> LeanPolicy:
@@ -33,10 +27,12 @@ def _lean_policy(ds_config: Any) -> LeanPolicy:
     return plan.zero.lean if plan is not None else LeanPolicy()
 
 
-def _leaf_policy(ds_config: Any) -> LeafModulePolicy:
-    """``zero_optimization.leaf_module`` of ``ds_config`` (a ``DeepSpeedConfig``), else the defaults."""
-    plan = getattr(ds_config, "plan", None)
-    return plan.zero.stage3.leaf_module if plan is not None else LeafModulePolicy()
+def _stage3_block(ds_config: Any, offload_param_config: Any, **knobs: int) -> DeepSpeedZeroConfig:
+    """The upstream keywords as the validated stage-3 ``zero_optimization`` block they stand for; the leaf-module
+    selection comes from ``ds_config`` (a ``DeepSpeedConfig``) when given, as the keywords have none."""
+    zero_config = getattr(ds_config, "zero_config", None)
+    extra = {"leaf_module": zero_config.leaf_module} if zero_config is not None else {}
+    return DeepSpeedZeroConfig(stage=3, offload_param=offload_param_config, **knobs, **extra)
 
 
 class DeepSpeedZeRoOffload:
@@ -55,18 +51,16 @@ class DeepSpeedZeRoOffload:
                  zero_quantized_nontrainable_weights: bool = False, zero_module_granularity_threshold: int = 0,
                  log_trace_cache_warnings: bool = False) -> None:
         """Build the policies from upstream's arguments and start a :class:`ZeroParamManager`."""
-        stage3 = Stage3Policy(prefetch_bucket_size=int(prefetch_bucket_size),
-                              max_live_parameters=int(max_live_parameters),
-                              max_reuse_distance=int(max_reuse_distance),
-                              param_persistence_threshold=int(param_persistence_threshold),
-                              model_persistence_threshold=int(model_persistence_threshold),
-                              module_granularity_threshold=int(zero_module_granularity_threshold),
-                              leaf_module=_leaf_policy(ds_config))
+        zero = _stage3_block(ds_config, offload_param_config, prefetch_bucket_size=int(prefetch_bucket_size),
+                             max_live_parameters=int(max_live_parameters), max_reuse_distance=int(max_reuse_distance),
+                             param_persistence_threshold=int(param_persistence_threshold),
+                             model_persistence_threshold=int(model_persistence_threshold),
+                             module_granularity_threshold=int(zero_module_granularity_threshold))
         group = ShardGroup.resolve(zero_param_parallel_group if zero_param_parallel_group is not None
                                    else dp_process_group)
         streams = StreamSet(side=SideStreams.SEPARATE if overlap_comm else SideStreams.SHARED)
-        self.manager = ZeroParamManager(module, group, stage3, _lean_policy(ds_config), streams,
-                                        offload_param=_offload_policy(offload_param_config))
+        self.manager = ZeroParamManager(module, group, stage3_policy(zero), _lean_policy(ds_config), streams,
+                                        offload_param=offload_policy(zero.offload_param))
         self.module = module
         self.dp_process_group = dp_process_group
         self.timers = timers

@@ -2,9 +2,10 @@
 
 The engine builds the core optimizer (:class:`deepspeed._core.optim.stage12.ZeroOptimizer`) straight
 from its run plan. This façade exists for code that constructs the optimizer itself with upstream's
-keyword list: the keywords are converted once into a frozen :class:`~deepspeed._core.config.plan.RunPlan`
-(by the small ``_*_policy`` helpers below) and everything else is the core class. Stage 1 is
-``partition_grads=False``, stage 2 ``partition_grads=True``, as upstream.
+keyword list: the ZeRO keywords become the validated ``zero_optimization`` block they stand for, and that block,
+the working dtype and the gradient keywords go through the one config-to-plan conversion
+(``deepspeed/runtime/config_plan.py``) into a frozen :class:`~deepspeed._core.config.plan.RunPlan`; everything else
+is the core class. Stage 1 is ``partition_grads=False``, stage 2 ``partition_grads=True``, as upstream.
 """
 from __future__ import annotations
 
@@ -19,21 +20,13 @@ from deepspeed._core.optim.loss_scaling import (
     LossScalerBase,
     from_policy,
 )
-from deepspeed._core.config.plan import (
-    BatchPlan,
-    BucketPolicy,
-    GradPolicy,
-    LossScalePolicy,
-    OffloadDevice,
-    OffloadPolicy,
-    PrecisionPolicy,
-    ReduceOp,
-    RunPlan,
-    ZeroPlan,
-)
+from deepspeed._core.config.plan import BatchPlan, LossScalePolicy, OffloadDevice, PrecisionPolicy, ReduceOp, RunPlan
 from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups, is_moe_param_group
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping
 from deepspeed._core.optim.stage12 import ZeroOptimizer
+from deepspeed.runtime.config_plan import grad_policy, precision_policy, zero_plan
+from deepspeed.runtime.config_surface import enforce_block_surface
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 __all__ = ["DeepSpeedZeroOptimizer"]
 
@@ -50,18 +43,6 @@ def _working_dtype(optimizer: torch.optim.Optimizer) -> torch.dtype:
     raise ValueError("DeepSpeedZeroOptimizer(init_optimizer=...) has no parameters")
 
 
-def _offload_policy(config: Any) -> OffloadPolicy:
-    """``offload_optimizer_config`` (pydantic model, dict or None) -> :class:`OffloadPolicy`."""
-    if config is None:
-        return OffloadPolicy()
-    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
-    device = OffloadDevice(str(getattr(get("device", "none"), "value", get("device", "none"))))
-    if device is OffloadDevice.NVME:
-        raise _unsupported("offload_optimizer_config", "device=nvme", "ZeRO-1/2 offloads optimizer state to cpu only")
-    return OffloadPolicy(device=device, pin_memory=bool(get("pin_memory", True)),
-                         buffer_count=int(get("buffer_count", 4)), ratio=float(get("ratio", 1.0)))
-
-
 def _loss_scaler(dtype: torch.dtype, static_loss_scale: float, dynamic_loss_scale: bool,
                  dynamic_loss_args: Mapping[str, Any] | None) -> LossScalerBase | None:
     """The fp16 loss scaler (None for bf16/fp32, which the core runs unscaled)."""
@@ -72,35 +53,33 @@ def _loss_scaler(dtype: torch.dtype, static_loss_scale: float, dynamic_loss_scal
     return CreateLossScaler(dtype, static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
 
 
-def _precision_policy(dtype: torch.dtype, kw: Mapping[str, Any], scaler: LossScalerBase | None) -> PrecisionPolicy:
-    low_master = (dtype == torch.float16 and kw["fp16_master_weights_and_gradients"]) or (
-        dtype == torch.bfloat16 and kw["bf16_master_weights_and_gradients"])
+def _precision(dtype: torch.dtype, kw: Mapping[str, Any], scaler: LossScalerBase | None) -> PrecisionPolicy:
     scale = None
     if scaler is not None:
         scale = LossScalePolicy(dynamic=bool(getattr(scaler, "dynamic", False)), static_scale=float(scaler.cur_scale))
-    return PrecisionPolicy(param_dtype=dtype, grad_accum_dtype=kw["gradient_accumulation_dtype"] or dtype,
-                           comm_dtype=kw["communication_data_type"] or dtype, loss_scale=scale,
-                           master_dtype=dtype if low_master else torch.float32,
-                           check_grad_overflow=bool(kw["check_grad_overflow"]))
+    return precision_policy(dtype, grad_accum_dtype=kw["gradient_accumulation_dtype"],
+                            comm_dtype=kw["communication_data_type"], loss_scale=scale,
+                            fp16_master_weights_and_grads=bool(kw["fp16_master_weights_and_gradients"]),
+                            bf16_master_weights_and_grads=bool(kw["bf16_master_weights_and_gradients"]),
+                            check_grad_overflow=bool(kw["check_grad_overflow"]))
 
 
-def _grad_policy(kw: Mapping[str, Any]) -> GradPolicy:
-    return GradPolicy(clip_norm=float(kw["clip_grad"]), prescale=not kw["postscale_gradients"],
-                      predivide_factor=float(kw["gradient_predivide_factor"]),
-                      reduce_op=ReduceOp.MEAN if kw["gradient_average"] else ReduceOp.SUM)
-
-
-def _zero_plan(kw: Mapping[str, Any]) -> ZeroPlan:
-    buckets = BucketPolicy(reduce_bucket_size=int(kw["reduce_bucket_size"]),
-                           allgather_bucket_size=int(kw["allgather_bucket_size"]),
-                           overlap_comm=bool(kw["overlap_comm"]), reduce_scatter=bool(kw["reduce_scatter"]),
-                           contiguous_gradients=bool(kw["contiguous_gradients"]),
-                           use_multi_rank_bucket_allreduce=bool(kw["use_multi_rank_bucket_allreduce"]))
-    return ZeroPlan(stage=2 if kw["partition_grads"] else 1, buckets=buckets,
-                    offload_optimizer=_offload_policy(kw["offload_optimizer_config"]),
-                    round_robin_gradients=bool(kw["round_robin_gradients"]),
-                    ignore_unused_parameters=bool(kw["ignore_unused_parameters"]),
-                    elastic_checkpoint=bool(kw["elastic_checkpoint"]))
+def _zero_block(kw: Mapping[str, Any]) -> DeepSpeedZeroConfig:
+    """The upstream keywords as the validated ``zero_optimization`` block they stand for (same checks and
+    no-effect warnings as in a config)."""
+    block = DeepSpeedZeroConfig(
+        stage=2 if kw["partition_grads"] else 1, reduce_bucket_size=int(kw["reduce_bucket_size"]),
+        allgather_bucket_size=int(kw["allgather_bucket_size"]), overlap_comm=bool(kw["overlap_comm"]),
+        reduce_scatter=bool(kw["reduce_scatter"]), contiguous_gradients=bool(kw["contiguous_gradients"]),
+        use_multi_rank_bucket_allreduce=bool(kw["use_multi_rank_bucket_allreduce"]),
+        round_robin_gradients=bool(kw["round_robin_gradients"]),
+        ignore_unused_parameters=bool(kw["ignore_unused_parameters"]),
+        elastic_checkpoint=bool(kw["elastic_checkpoint"]), offload_optimizer=kw["offload_optimizer_config"])
+    offload = block.offload_optimizer
+    if offload is not None and OffloadDevice(offload.device) is OffloadDevice.NVME:
+        raise _unsupported("offload_optimizer_config", "device=nvme", "ZeRO-1/2 offloads optimizer state to cpu only")
+    enforce_block_surface(block, "zero_optimization.")
+    return block
 
 
 def _check_supported(kw: Mapping[str, Any]) -> None:
@@ -144,8 +123,11 @@ def build_plan(init_optimizer: torch.optim.Optimizer, dp_group: Any, kw: Mapping
     scaler = _loss_scaler(dtype, kw["static_loss_scale"], kw["dynamic_loss_scale"], kw["dynamic_loss_args"])
     world = dist.get_world_size(group=dp_group)
     gas = int(kw["gradient_accumulation_steps"])
-    plan = RunPlan(batch=BatchPlan(gas * world, 1, gas, world), precision=_precision_policy(dtype, kw, scaler),
-                   grads=_grad_policy(kw), zero=_zero_plan(kw))
+    grads = grad_policy(clip_norm=kw["clip_grad"], prescale=not kw["postscale_gradients"],
+                        predivide_factor=kw["gradient_predivide_factor"],
+                        reduce_op=ReduceOp.MEAN if kw["gradient_average"] else ReduceOp.SUM)
+    plan = RunPlan(batch=BatchPlan(gas * world, 1, gas, world), precision=_precision(dtype, kw, scaler),
+                   grads=grads, zero=zero_plan(_zero_block(kw)))
     return plan, scaler
 
 

@@ -84,24 +84,58 @@ def test_overlap_comm_explicit_wins(stage: int) -> None:
 
 def test_zero_plan_fields() -> None:
     zero = _plan(zero_optimization={
-        "stage": 3, "reduce_bucket_size": 1e7, "allgather_bucket_size": 2e7, "contiguous_gradients": False,
-        "reduce_scatter": False, "stage3_prefetch_bucket_size": 3e6, "stage3_max_live_parameters": 4e8,
-        "stage3_max_reuse_distance": 5e8, "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e8,
-        "stage3_gather_16bit_weights_on_model_save": True, "round_robin_gradients": True,
-        "offload_optimizer": {"device": "cpu", "pin_memory": False, "ratio": 0.3},
-        "offload_param": {"device": "cpu", "nvme_path": "/local_nvme", "buffer_count": 6}}).zero
-    assert zero.stage == 3 and zero.round_robin_gradients
+        "stage": 3, "reduce_bucket_size": 1e7, "allgather_bucket_size": 2e7, "reduce_scatter": False,
+        "stage3_prefetch_bucket_size": 3e6, "stage3_max_live_parameters": 4e8, "stage3_max_reuse_distance": 5e8,
+        "stage3_param_persistence_threshold": 1e4, "stage3_gather_16bit_weights_on_model_save": True,
+        "load_from_fp32_weights": False, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        "offload_param": {"device": "cpu"}}).zero
+    assert zero.stage == 3 and not zero.load_from_fp32_weights
     assert (zero.buckets.reduce_bucket_size, zero.buckets.allgather_bucket_size) == (10_000_000, 20_000_000)
-    assert not zero.buckets.contiguous_gradients and not zero.buckets.reduce_scatter
+    assert not zero.buckets.reduce_scatter
     s3 = zero.stage3
     assert (s3.prefetch_bucket_size, s3.max_live_parameters, s3.max_reuse_distance) == (3_000_000, 400_000_000,
                                                                                       500_000_000)
-    assert s3.param_persistence_threshold == 10_000 and s3.sub_group_size == 100_000_000
-    assert s3.gather_16bit_weights_on_model_save
+    assert s3.param_persistence_threshold == 10_000 and s3.gather_16bit_weights_on_model_save
     assert zero.offload_optimizer.device == OffloadDevice.CPU and zero.offload_optimizer.enabled
-    assert zero.offload_optimizer.pin_memory is False and zero.offload_optimizer.ratio == 0.3
-    assert zero.offload_param.device == OffloadDevice.CPU and zero.offload_param.nvme_path == "/local_nvme"
-    assert zero.offload_param.buffer_count == 6
+    assert zero.offload_optimizer.pin_memory is False and zero.offload_param.pin_memory is True
+    assert zero.offload_param.device == OffloadDevice.CPU
+
+
+# Keys accepted for upstream configs that change nothing here: parsed and validated, but absent from the plan (the
+# config surface warns about them), so no core code can start reading a value that does nothing.
+NO_PLAN_FIELD = {"contiguous_gradients": False, "use_multi_rank_bucket_allreduce": False, "round_robin_gradients": True,
+                 "ignore_unused_parameters": False, "elastic_checkpoint": True, "sub_group_size": 1000,
+                 "offload_optimizer": {"device": "cpu", "buffer_count": 2, "ratio": 0.5, "nvme_path": "/nvme"},
+                 "offload_param": {"device": "cpu", "buffer_count": 2, "nvme_path": "/nvme"}}
+
+
+def _plan_field_names(obj: object) -> set[str]:
+    names = set()
+    for f in dataclasses.fields(obj):
+        names.add(f.name)
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            names |= _plan_field_names(value)
+    return names
+
+
+def test_no_effect_keys_are_parsed_but_not_planned() -> None:
+    cfg = DeepSpeedConfig({"train_batch_size": 8, "managed_gradient_accumulation": True,
+                           "zero_optimization": {"stage": 3, **NO_PLAN_FIELD}})
+    zero = cfg.zero_config
+    assert (zero.contiguous_gradients, zero.round_robin_gradients, zero.sub_group_size) == (False, True, 1000)
+    assert zero.offload_optimizer.ratio == 0.5 and str(zero.offload_param.nvme_path) == "/nvme"
+    names = _plan_field_names(cfg.plan)
+    dead = {"managed_gradient_accumulation", "buffer_count", "ratio", "nvme_path"} | set(NO_PLAN_FIELD) - {
+        "offload_optimizer", "offload_param"}
+    assert not names & dead, names & dead
+    # Same plan as without those keys: they change nothing.
+    assert cfg.plan.zero == _plan(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                     "offload_param": {"device": "cpu"}}).zero
+
+
+def test_dataloader_drop_last_is_planned() -> None:
+    assert _plan(dataloader_drop_last=True).dataloader_drop_last and not _plan().dataloader_drop_last
 
 
 def test_no_offload_by_default() -> None:
