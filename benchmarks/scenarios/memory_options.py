@@ -67,7 +67,10 @@ def _trainer(spec: dict) -> tuple[DeepSpeedTrainer, Any, int]:
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     trainer = DeepSpeedTrainer(model, spec, config=ds)
     if spec.get("compiled"):
-        trainer.engine.compile(backend=spec.get("backend"))  # None: the accelerator's default (inductor)
+        backend = spec.get("backend")
+        # Unset: each engine's own default (inductor on CUDA). Upstream's compile() hands its backend argument
+        # straight to torch.compile, where an explicit None is not a backend, so it is left out.
+        trainer.engine.compile(**({"backend": backend} if backend else {}))
     return trainer, cfg, n
 
 
