@@ -306,22 +306,6 @@ class DeepSpeedTrainer(Trainer):
         return out
 
 
-def make_trainer(model_name: str, spec: dict) -> tuple[Trainer, Any, int]:
-    """Build the model on the device and wrap it; returns (trainer, model config, parameter count)."""
-    from models import MODELS, build_model
-
-    dev = device()
-    if spec["impl"] == "fsdp2":
-        from baselines.fsdp2 import FSDP2Trainer
-
-        model = build_model(model_name, dev, torch.float32)  # FSDP2 keeps fp32 params; bf16 compute
-        n = sum(p.numel() for p in model.parameters())
-        return FSDP2Trainer(model, spec), MODELS[model_name], n
-    model = build_model(model_name, dev, DTYPES[spec.get("dtype", "bf16")])
-    n = sum(p.numel() for p in model.parameters())
-    return DeepSpeedTrainer(model, spec), MODELS[model_name], n
-
-
 # ----------------------------------------------------------------------------------------------- worker main
 def default_checkpoint_reentrant(spec: dict) -> bool:
     """Activation-checkpoint form when a spec does not say (``spec["checkpoint_reentrant"]`` wins): reentrant for

@@ -24,7 +24,8 @@ sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
 from _harness import (MEMORY_TIMELINE_DIR, device, init_process_group, load_memory_timeline,  # noqa: E402
-                      make_trainer, warm_up_deepspeed)
+                      warm_up_deepspeed)
+from trainers import make_trainer  # noqa: E402
 from models import random_batch  # noqa: E402
 
 GiB = float(1 << 30)

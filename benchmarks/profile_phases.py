@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import models  # noqa: E402
-from _harness import default_checkpoint_reentrant, device, init_process_group, make_trainer, sync  # noqa: E402
+from _harness import default_checkpoint_reentrant, device, init_process_group, sync  # noqa: E402
+from trainers import make_trainer  # noqa: E402
 from models import random_batch  # noqa: E402
 
 

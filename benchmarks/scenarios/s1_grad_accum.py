@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import device, make_trainer, mem, reset_peak, sync, worker_main
+from _harness import device, mem, reset_peak, sync, worker_main
+from trainers import make_trainer
 from models import random_batch
 
 

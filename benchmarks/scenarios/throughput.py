@@ -16,13 +16,13 @@ import models
 from _harness import (
     default_checkpoint_reentrant,
     device,
-    make_trainer,
     mem,
     reset_peak,
     sync,
     worker_main,
 )
 from models import random_batch
+from trainers import make_trainer
 
 
 def run(spec: dict) -> dict:
