@@ -1,14 +1,16 @@
 """Turn benchmark JSON lines into the markdown report (docs/benchmarks.md) and, with matplotlib, one PNG of plots.
 
     python benchmarks/report.py benchmarks/results/*.jsonl --md docs/benchmarks.md --plots-dir benchmarks/results \
-        --command "<the command that produced the JSON lines>" [--notes benchmarks/results/NOTES.md]
+        --command "<the command that produced the JSON lines>" [--notes benchmarks/results/NOTES.md] \
+        [--summary benchmarks/results/summary.json]
 
 Several files may be given; a later record of the same configuration (scenario, impl, stage, dtype, GAS, world
 size) replaces an earlier one, so a re-run of a few failed configurations can be layered over a full run. Every
 number in the tables is read from those files; floors are the model-state formulas of ZeRO:
 stage 0 16P; ZeRO-1 (bp+bg)P + 12P/N; ZeRO-2 bp·P + (bg+12)P/N; ZeRO-3 16P/N; FSDP2 (all sharded) 16P/N, with
 bp = bg = 2 bytes (bf16/fp16 parameters and gradients, fp32 Adam state K = 12). S3 records carry their own floors
-(``scenarios/s3_zero3.floors``: the offloaded variants too) and are keyed also by model and offload.
+(``scenarios/s3_zero3.floors``: the offloaded variants too) and are keyed also by model and offload. With
+``--summary`` the page ends with every row of that ``summary.json`` (``summary.py``), one table per run.
 """
 from __future__ import annotations
 
@@ -429,6 +431,33 @@ def s3_section(records: list[dict]) -> list[str]:
             *s3_targets(records), ""]
 
 
+# ------------------------------------------------------------------------------------------------ summary rows
+SUMMARY_TITLE = "## Every run: one row per scenario and engine (`summary.json`)"
+
+
+def summary_section(rows: list[dict]) -> list[str]:
+    """The page's last section: every row of ``summary.json`` (``benchmarks/summary.py``), one table per run."""
+    out = [SUMMARY_TITLE, "",
+           ("Generated from `benchmarks/results/summary.json`, which `benchmarks/summary.py` writes from the raw "
+           "records of every committed run (the command is in `benchmarks/results/COMMANDS.txt`). The scenario "
+           "names are explained in `benchmarks/README.md`; the engines measured on one configuration share its "
+           "name. Peaks: over one optimizer step (S2 and init: over `initialize`); step: the record's (median) "
+           "step time; tokens/s: the record's, else tokens per step / step. — = not measured or not run; each "
+           "run's own notes above say how it was run (alone or beside other workers, real or fake group)."), ""]
+    runs: dict[str, list[dict]] = {}
+    for row in rows:
+        runs.setdefault(row["run"], []).append(row)
+    for run, run_rows in runs.items():
+        out += [f"### `{run}`", "",
+                ("| scenario | engine | step s | tokens/s | peak alloc GiB | peak reserved GiB | alloc after init GiB "
+                 "| reserved after init GiB |"), "|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r['scenario']} | {r['engine']} | {_f(r['step_s'], 3)} | {_f(r['tokens_per_s'], 0)} | "
+                f"{_f(r['peak_alloc_gib'])} | {_f(r['peak_reserved_gib'])} | {_f(r['alloc_after_init_gib'])} | "
+                f"{_f(r['reserved_after_init_gib'])} |" for r in run_rows]
+        out.append("")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ plots
 def _s3_panel(ax: object, s3: list[dict]) -> None:
     """S3 bars: peak allocated (and reserved behind it) per configuration."""
@@ -496,24 +525,34 @@ def plots(records: list[dict], out_dir: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ report
+def _draw_plots(records: list[dict], plots_dir: Path | None, plot_link: str | None) -> str | None:
+    """The PNG the page links: drawn into ``plots_dir`` (or one found there); without ``plots_dir``, ``plot_link``
+    as it is (a PNG drawn earlier from the same records)."""
+    if plots_dir is None:
+        return plot_link
+    plot = None
+    Path(plots_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        plot = plots(records, Path(plots_dir))
+    except Exception as exc:  # noqa: BLE001 -- a plotting problem must never cost the tables
+        print(f"plots failed: {type(exc).__name__}: {exc}")
+    if plot is None and (Path(plots_dir) / "plots.png").exists():
+        plot = "plots.png"  # made where matplotlib was available (the GPU machine) from the same records
+    return plot
+
+
 def write_report(paths: list[Path], md_path: Path, command: str, plots_dir: Path | None = None,
-                 notes: Path | None = None, plot_link: str | None = None) -> None:
-    """Write the markdown report of the records in ``paths``."""
+                 notes: Path | None = None, plot_link: str | None = None, summary: Path | None = None) -> None:
+    """Write the markdown report of the records in ``paths``; with ``summary`` (a ``summary.json``) the page ends
+    with its rows. Without ``plots_dir`` a ``plot_link`` is linked as it is (a PNG drawn earlier from the same
+    records), so the page can be regenerated without redrawing."""
     records = load(paths)
     env = next((r for r in records if r.get("status") == "ok"), {})
-    plot = None
-    if plots_dir is not None:
-        Path(plots_dir).mkdir(parents=True, exist_ok=True)
-        try:
-            plot = plots(records, Path(plots_dir))
-        except Exception as exc:  # noqa: BLE001 -- a plotting problem must never cost the tables
-            plot_error = f"{type(exc).__name__}: {exc}"
-            print(f"plots failed: {plot_error}")
-    if plot is None and plots_dir is not None and (Path(plots_dir) / "plots.png").exists():
-        plot = "plots.png"  # made where matplotlib was available (the GPU machine) from the same records
+    plot = _draw_plots(records, plots_dir, plot_link)
     ref = next((r for r in records if r.get("scenario") == "s1" and r.get("params")), None)
     lines = ["# Benchmarks: deepspeed-lean vs upstream DeepSpeed vs FSDP2", "",
-             "Generated by `benchmarks/report.py` from " + ", ".join(f"`{Path(p).name}`" for p in paths) + ".",
+             "Generated by `benchmarks/report.py` from " + ", ".join(f"`{Path(p).name}`" for p in paths)
+             + (f" and `{Path(summary).name}` (the last section)" if summary is not None else "") + ".",
              "", "Command that produced the numbers:", "", "```", command, "```", "",
              f"Device: {env.get('device_name', '?')}, torch {env.get('torch', '?')}. Memory figures are the CUDA caching "
              "allocator's per-process counters (GiB = 2^30 bytes), each configuration in its own process. "
@@ -550,6 +589,9 @@ def write_report(paths: list[Path], md_path: Path, command: str, plots_dir: Path
     lines += ["", "## Configurations without a number", ""] + failures(records)
     if notes is not None and Path(notes).exists():
         lines += ["", Path(notes).read_text().rstrip()]
+    if summary is not None:
+        lines += ["", *summary_section(json.loads(Path(summary).read_text()))]
+        lines = lines[:-1] if lines[-1] == "" else lines
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(lines) + "\n")
 
@@ -563,8 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot-link", default=None, help="path of the PNG as linked from the markdown")
     ap.add_argument("--command", required=True)
     ap.add_argument("--notes", type=Path, default=None)
+    ap.add_argument("--summary", type=Path, default=None, help="summary.json whose rows end the page")
     a = ap.parse_args(argv)
-    write_report(a.jsonl, a.md, a.command, a.plots_dir, a.notes, a.plot_link)
+    write_report(a.jsonl, a.md, a.command, a.plots_dir, a.notes, a.plot_link, a.summary)
     print(short_table(load(a.jsonl)))
     return 0
 

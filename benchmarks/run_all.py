@@ -68,7 +68,8 @@ phase at ~455 s; the last two one-call runs, with one timed S3 step, took 383 s 
 (gpu_run10/11), so the estimates run long. One call's wall time: ``device_run.sh`` ~20 s (wheel installs, environment lines),
 run_all ≤ ``--deadline-s`` + 20 s (kill grace) + ~5 s (report) = 555 s < the 600 s limit of one command.
 
-Outputs: ``DIR/results.jsonl``, ``DIR/run_log.txt`` (each worker's output tail), ``DIR/benchmarks.md``
+Outputs: ``DIR/results.jsonl``, ``DIR/summary.json`` (one row per scenario and engine, ``summary.py``; its run
+is ``--run-name``, default the folder's name), ``DIR/run_log.txt`` (each worker's output tail), ``DIR/benchmarks.md``
 (+ ``DIR/plots.png`` when matplotlib is there, + one memory-timeline PNG per implementation named in
 ``--trace-png``: the device returns at most 8 files), and a short table on stdout.
 """
@@ -747,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sum of the running jobs' host-memory estimates (the GPU machine has 128 GiB)")
     ap.add_argument("--deadline-s", type=float, default=510.0)
     ap.add_argument("--job-timeout-s", type=float, default=300.0)
-    ap.add_argument("--trace-png", default="ours,upstream",
+    # One PNG: with env/stdout.txt, results/summary/run_log/benchmarks/plots that is the 8 files a device call returns
+    ap.add_argument("--trace-png", default="ours",
                     help="implementations whose S3 qwen2-3b N=1 job writes its memory-timeline PNG into --out")
     ap.add_argument("--s3-extra", default="", help='JSON merged into every S3 spec, e.g. '
                     '\'{"checkpoint_early_stop": false}\' or \'{"trace": false}\' (A/B runs: use another --out)')
@@ -758,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun", default="", help="comma list of results.jsonl: run only their configurations "
                     "that have no number (error / not_run)")
     ap.add_argument("--command-line", default="", help="command recorded in the report (default: this one)")
+    ap.add_argument("--run-name", default="", help="the run's name in summary.json (default: the --out folder's name)")
     ap.add_argument("--calibrate", default="", help="comma list of results.jsonl: write benchmarks/calibration.json "
                     "(largest measured peak reserved per configuration, used for the device-memory estimates) and exit")
     args = ap.parse_args(argv)
@@ -781,9 +784,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(out / "results.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     import report
+    import summary
 
+    summary_path = summary.write_run(records, out / "summary.json", args.run_name or out.resolve().name)
     command = args.command_line or "python benchmarks/run_all.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    report.write_report([out / "results.jsonl"], out / "benchmarks.md", command=command, plots_dir=out)
+    report.write_report([out / "results.jsonl"], out / "benchmarks.md", command=command, plots_dir=out,
+                        summary=summary_path)
     print(report.short_table(records), flush=True)
     return 0
 
