@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import models  # noqa: E402
-from _harness import default_checkpoint_reentrant, device, init_process_group, make_trainer, sync  # noqa: E402
-from models import random_batch  # noqa: E402
+import models
+from _harness import default_checkpoint_reentrant, device, init_process_group, make_trainer, sync
+from models import random_batch
 
 
 def _top(events: list, key: str, n: int = 12) -> list[dict]:

@@ -8,13 +8,13 @@ import os as _os
 # Importing must never create a CUDA context (NVML answers device queries instead).
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-import importlib as _importlib  # noqa: E402
-from typing import Any  # noqa: E402
+import importlib as _importlib
+from typing import Any
 
-from packaging import version as _pkg_version  # noqa: E402
+from packaging import version as _pkg_version
 
-from deepspeed.git_version_info import git_branch, git_hash, version  # noqa: E402
-from deepspeed.utils.logging import log_dist, logger  # noqa: E402
+from deepspeed.git_version_info import git_branch, git_hash, version
+from deepspeed.utils.logging import log_dist, logger
 
 # Heavy names resolve on first access (PEP 562), so `import deepspeed` stays cheap for the launcher,
 # whose processes never need torch. Each entry: public name -> (module, attribute or None for the module).

@@ -80,7 +80,7 @@ def op_rows() -> list[tuple[str, str, str, str]]:
 def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
         sys.stdout.write(" | ".join([*cells, str(row[-1])]) + "\n")
 
 

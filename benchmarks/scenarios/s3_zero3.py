@@ -39,6 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+import models
 from _harness import (
     DeepSpeedTrainer,
     GiB,
@@ -51,7 +53,6 @@ from _harness import (
     sync,
     worker_main,
 )
-import models
 from models import MODELS, build_model, decoder_layers, random_batch
 
 REPO = Path(__file__).resolve().parents[2]

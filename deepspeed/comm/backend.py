@@ -14,7 +14,6 @@ Portability rules kept here so callers can use one verb on any backend:
 from __future__ import annotations
 
 import atexit
-
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -359,7 +358,10 @@ class TorchBackend:
     def all_gather_coalesced(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
                              group: ProcessGroup | None = None, async_op: bool = False) -> Any:
         """``all_gather_into_tensor`` for each (output, input) pair, completed by one handle."""
-        works = [self.all_gather_into_tensor(o, i, group, async_op=True) for o, i in zip(output_tensors, input_tensors)]
+        works = [
+            self.all_gather_into_tensor(o, i, group, async_op=True)
+            for o, i in zip(output_tensors, input_tensors, strict=True)
+        ]
         return _finish(works, async_op)
 
     def all_gather_object(self, object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:

@@ -25,9 +25,15 @@ from deepspeed.comm import backend as _backend
 from deepspeed.comm.backend import FAKE_BACKEND, ProcessGroup, TorchBackend
 from deepspeed.comm.logging import CommsLogger
 from deepspeed.comm.reduce_op import ReduceOp
-from deepspeed.comm.utils import (TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout, get_caller_func,
-                                  get_debug_log_name, get_default_args, get_local_rank_from_launcher,
-                                  get_msg_size_from_args)
+from deepspeed.comm.utils import (
+    TORCH_DISTRIBUTED_DEFAULT_PORT,
+    default_pg_timeout,
+    get_caller_func,
+    get_debug_log_name,
+    get_default_args,
+    get_local_rank_from_launcher,
+    get_msg_size_from_args,
+)
 from deepspeed.utils.logging import logger
 
 # The current deepspeed.comm backend; upstream callers read ``deepspeed.comm.comm.cdb`` directly.

@@ -64,8 +64,8 @@ class StatefulOptimizer(torch.optim.Optimizer):
         if not self.fp32_optimizer_states:
             return
         index_to_param = {}
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            index_to_param.update(zip(saved_group["params"], group["params"]))
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            index_to_param.update(zip(saved_group["params"], group["params"], strict=True))
         for index, values in saved.items():
             p = index_to_param.get(index)
             if p is None:

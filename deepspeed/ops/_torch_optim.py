@@ -71,7 +71,7 @@ def adam_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
 
 
 def _write_back(params: Sequence[torch.Tensor], work: Sequence[torch.Tensor]) -> None:
-    changed = [(p, w) for p, w in zip(params, work) if p is not w]
+    changed = [(p, w) for p, w in zip(params, work, strict=True) if p is not w]
     if changed:
         torch._foreach_copy_([p for p, _ in changed], [w for _, w in changed])
 

@@ -20,8 +20,8 @@ from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 from deepspeed.git_version_info import version as _DS_VERSION
 from deepspeed.moe._setup import moe_checkpoint_layout
 from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 from deepspeed.utils.logging import logger
+from deepspeed.utils.tensor_fragment import fragment_address
 
 # ZeRO optimizer shards pickle ``zero_stage`` as this enum (ours and upstream's).
 checkpoint_io.register_safe_globals([ZeroStageEnum, fragment_address])

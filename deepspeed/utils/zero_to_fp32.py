@@ -511,7 +511,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         try:
             importlib.import_module("safetensors.torch")
         except ImportError as err:
-            raise ImportError("safe_serialization=True needs the 'safetensors' package: pip install safetensors") from err
+            raise ImportError(
+                "safe_serialization=True needs the 'safetensors' package: pip install safetensors"
+            ) from err
     state = get_fp32_state_dict_from_zero_checkpoint(
         checkpoint_dir, tag, exclude_frozen_parameters=exclude_frozen_parameters, lazy_mode=True
     )
@@ -519,7 +521,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     names, index_name = _shard_names(len(groups), safe_serialization)
     os.makedirs(output_dir, exist_ok=True)
     weight_map: dict[str, str] = {}
-    for file_name, keys in zip(names, groups):
+    for file_name, keys in zip(names, groups, strict=True):
         # One shard at a time is materialized, so peak memory is about one shard.
         tensors = _materialize(OrderedDict((k, state[k]) for k in keys))
         _save_shard(tensors, os.path.join(output_dir, file_name), safe_serialization)

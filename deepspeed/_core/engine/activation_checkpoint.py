@@ -475,7 +475,9 @@ class CheckpointFunction(torch.autograd.Function):
         with _timed(state, "recompute"), replay_rng(ctx.rng, state.tracker), torch.enable_grad():
             outputs = ctx.run_function(*inputs)
         tensors = [leaf for leaf in _tensor_leaves(outputs)[0] if torch.is_tensor(leaf)]
-        pairs = [(out, grad) for out, grad in zip(tensors, grads) if out.requires_grad and grad is not None]
+        pairs = [
+            (out, grad) for out, grad in zip(tensors, grads, strict=True) if out.requires_grad and grad is not None
+        ]
         if not pairs:
             raise RuntimeError("none of the checkpointed function's outputs requires grad; checkpoint() is not "
                                "needed around this function")
@@ -498,7 +500,7 @@ class _KeywordCall:
 
     def __call__(self, *values: Any) -> Any:
         head, tail = values[: self.n_positional], values[self.n_positional:]
-        return self.function(*head, **dict(zip(self.names, tail)))
+        return self.function(*head, **dict(zip(self.names, tail, strict=True)))
 
 
 def checkpoint(function: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.engine.accumulation import AccumulationState
 from deepspeed._core.engine.memory import MemoryReporter
-from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.engine.progress import ProgressReporter
-from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 
 
 class TrainingLoop:

@@ -65,7 +65,7 @@ class Experts(torch.nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs`` is ``(P, L, C, M)``; expert ``i`` sees ``inputs[:, i]``."""
         outputs = []
-        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
+        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts, strict=True):
             out = expert(chunk)
             outputs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outputs, dim=1)

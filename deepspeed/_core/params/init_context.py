@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from deepspeed._core.comm.collectives import broadcast_from
-from deepspeed._core.params.placement import ShardPlacement
-from deepspeed._core.params.param import ShardGroup, zero_state
-from deepspeed._core.params.gather import Gatherer
 from deepspeed._core.comm.streams import StreamSet
+from deepspeed._core.params.gather import Gatherer
+from deepspeed._core.params.param import ShardGroup, zero_state
+from deepspeed._core.params.placement import ShardPlacement
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class PipeExecutor:
             scaled = slot.loss * (opt.cur_scale / run.micro_batches)
             scaled.backward()
         else:
-            pairs = [(t, g) for t, g in zip(as_tensors(slot.outputs), slot.grads) if g is not None]
+            pairs = [(t, g) for t, g in zip(as_tensors(slot.outputs), slot.grads, strict=True) if g is not None]
             if pairs:  # an output outside any graph (every layer so far frozen) has nothing to backpropagate
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         opt.finish_backward()
@@ -243,7 +243,7 @@ class PipeExecutor:
         if not self.tied:
             return
         weights = [w for w, _ in self.tied]
-        for grad, (_, group) in zip(self.optimizer.window_grads(weights), self.tied):
+        for grad, (_, group) in zip(self.optimizer.window_grads(weights), self.tied, strict=True):
             dist.all_reduce(grad, group=group)
 
     def _reduce_grads(self, cmd: Any, run: _Run) -> None:
