@@ -9,6 +9,7 @@ import os as _os
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import importlib as _importlib
+from collections.abc import Callable as _Callable
 from typing import Any
 
 from packaging import version as _pkg_version
@@ -55,7 +56,7 @@ def __getattr__(name: str) -> Any:
     module_name, attr = _LAZY[name]
     module = _importlib.import_module(module_name)
     if attr == "__package__":  # `deepspeed.runtime` with lr_schedules already imported, as accelerate expects
-        value = _importlib.import_module(module.__package__)
+        value = _importlib.import_module(module_name.rpartition(".")[0])
     else:
         value = module if attr is None else getattr(module, attr)
     globals()[name] = value
@@ -159,7 +160,8 @@ def initialize(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
-    engine_class = DeepSpeedEngine
+    # PipelineEngine takes its own leading argument, so the two classes share a call, not a constructor type.
+    engine_class: _Callable[..., DeepSpeedEngine] = DeepSpeedEngine
     from deepspeed.runtime.pipe.module import PipelineModule
 
     if isinstance(model, PipelineModule):  # upstream's dispatch: the model's own grid is the mpu

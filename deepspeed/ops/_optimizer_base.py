@@ -63,7 +63,7 @@ class StatefulOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         if not self.fp32_optimizer_states:
             return
-        index_to_param = {}
+        index_to_param: dict[int, torch.Tensor] = {}
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
             index_to_param.update(zip(saved_group["params"], group["params"], strict=True))
         for index, values in saved.items():

@@ -520,8 +520,9 @@ class OneCycle(_BatchSchedule):
     def step(self, batch_iteration: int | None = None) -> None:
         """Move to batch ``batch_iteration`` (default: the next one); apply its lr and momentum."""
         self._advance(batch_iteration)
-        if self.cycle_momentum:
-            self._apply_momentum(self.get_mom())
+        betas = self.get_mom()  # None when momentum is not cycled
+        if betas is not None:
+            self._apply_momentum(betas)
 
 
 class WarmupLR(_BatchSchedule):

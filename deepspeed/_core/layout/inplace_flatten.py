@@ -114,8 +114,8 @@ def _storage_key(tensor: torch.Tensor) -> _StorageKey:
 
 
 def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
-    start = tensor.storage_offset() * tensor.element_size()
-    return start, start + tensor.numel() * tensor.element_size()
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    return start, start + int(tensor.numel()) * tensor.element_size()
 
 
 def _covers(extents: list[tuple[int, int]], nbytes: int) -> bool:

@@ -18,6 +18,11 @@ from typing import Any
 from deepspeed import comm as dist
 
 
+def _coord_type(axes: list[str]) -> Any:
+    # The fields are the axis names, known only at run time (so the type checker sees Any).
+    return namedtuple("ProcessCoord", axes)
+
+
 class ProcessTopology:
     """A Cartesian arrangement of ranks over named axes; the last axis varies fastest."""
 
@@ -32,7 +37,7 @@ class ProcessTopology:
         self.axes = list(axes)
         self.dims = list(dims)
         # Named tuple type so coordinates read as coord.pipe, coord.data.
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)
+        self.ProcessCoord = _coord_type(self.axes)
         self.mapping: dict[Any, int] = {}
         for rank, values in enumerate(itertools.product(*[range(d) for d in self.dims])):
             self.mapping[self.ProcessCoord(*values)] = rank

@@ -107,7 +107,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
         ValueError: contiguous checkpointing without ``partition_activations`` or without ``num_checkpoints``.
     """
     policy = _policy_from_block(_activation_block(deepspeed_config, mpu_))
-    overrides = {
+    overrides: dict[str, Any] = {
         "partition_activations": partition_activations,
         "contiguous_checkpointing": contiguous_checkpointing,
         "num_checkpoints": num_checkpoints,
