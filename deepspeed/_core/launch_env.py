@@ -149,7 +149,7 @@ def _read(launcher: LauncherVars, environ: Mapping[str, str]) -> LaunchEnv | Non
         missing.append(" or ".join(launcher.world_size))
     if launcher.local_rank_required and launcher.local_rank not in environ:
         missing.append(launcher.local_rank)
-    if missing or size_name is None:  # (size_name is None only when missing says so)
+    if missing or size_name is None:  # size_name is None only when missing already names it
         present = sorted(n for n in (launcher.rank, *launcher.world_size, launcher.local_rank) if n in environ)
         raise LaunchEnvError(
             f"incomplete {launcher.name} environment: {', '.join(present)} set but {', '.join(missing)} missing. "
