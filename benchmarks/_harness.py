@@ -7,7 +7,8 @@ worker writes exactly one JSON object to ``--result``: the measurements, or ``{"
 Implementations (``spec["impl"]``):
 * ``ours``         deepspeed-lean from this repository, lean switches on (the default);
 * ``ours_leanoff`` deepspeed-lean with ``lean_inplace_flatten`` / ``lean_eager_grad_release`` /
-                   ``lean_stream_ordered_release`` / ``lean_grads_in_param_shards`` false (upstream behaviour of each mechanism, for A/B);
+                   ``lean_stream_ordered_release`` / ``lean_grads_in_param_shards`` false (upstream behaviour of
+                   each mechanism, for A/B);
 * ``upstream``     upstream DeepSpeed, imported from a separate target directory (see baselines/upstream.py);
 * ``fsdp2``        PyTorch ``fully_shard`` per block (see baselines/fsdp2.py).
 The DeepSpeed API is the same for ``ours`` and ``upstream``: which package is imported is decided by PYTHONPATH,

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deepspeed._core.optim.chunked_step import step_in_chunks  # noqa: E402
-from deepspeed.ops.adam import FusedAdam  # noqa: E402
+from deepspeed._core.optim.chunked_step import step_in_chunks
+from deepspeed.ops.adam import FusedAdam
 
 
-def _time(fn, reps: int) -> float:  # noqa: ANN001
+def _time(fn, reps: int) -> float:
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,7 +56,10 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         ms = _time(fn, args.reps)
-        rows[name] = {"ms": round(ms, 2), "peak_over_base_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)}
+        rows[name] = {
+            "ms": round(ms, 2),
+            "peak_over_base_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2),
+        }
     print(json.dumps({"numel": args.numel, "chunk": args.chunk, **rows}))
 
 

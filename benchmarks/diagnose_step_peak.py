@@ -106,7 +106,9 @@ def run(spec: dict, out: Path) -> dict:
         "peak_from_trace_gib": (baseline + peak_rel) / GiB,
         "peak_entry": peak_at,
         "trace_entries": len(trace),
-        "new_bytes_at_peak_by_site_gib": {k: round(v / GiB, 4) for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])},
+        "new_bytes_at_peak_by_site_gib": {
+            k: round(v / GiB, 4) for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])
+        },
         "largest_new_blocks_at_peak": [
             {"gib": round(size / GiB, 4), "stack": [_site([f]) for f in frames[:12] if f.get("filename")][:8]}
             for size, frames in largest

@@ -184,7 +184,9 @@ class GPT(nn.Module):
         with torch.no_grad():  # small init keeps fp16 activations and losses finite
             for name, p in self.named_parameters():
                 if p.dim() == 2:
-                    p.normal_(0.0, 0.02 / (math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "fc2.weight")) else 1))
+                    p.normal_(
+                        0.0, 0.02 / (math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "fc2.weight")) else 1)
+                    )
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction (computed in fp32)."""
@@ -342,7 +344,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.layers)
 
 
-def random_batch(cfg: ModelConfig, micro_batch: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(
+    cfg: ModelConfig, micro_batch: int, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids and their next-token labels for one micro-batch."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq + 1), generator=gen)

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deepspeed._core.optim.chunked_step import step_in_chunks  # noqa: E402
-from deepspeed._core.grads.accumulator import ChunkedGradShard  # noqa: E402
-from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
+from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.optim.chunked_step import step_in_chunks
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 
 def main() -> None:
@@ -140,13 +140,20 @@ def main() -> None:
                 chunked_step_mod._convert_scaled(out_chunk[: e - s], window.window(s, e), 0.5)
         return time.perf_counter() - t
 
-    cases = {"parked_copy_convert": lambda: parked(False), "parked_convert_into": lambda: parked(True),
-             "plain": plain, "chunked": chunked, "norm_fresh": lambda: norm(False), "norm_reused": lambda: norm(True),
-             "convert_scale_whole": lambda: convert_scale(1 << 62),
-             "convert_scale_blocked": lambda: convert_scale(chunked_step_mod.CONVERT_BLOCK_NUMEL), "convert_fresh": lambda: convert(False),
-             "convert_reused": lambda: convert(True),
-             "fill_fresh": lambda: fill(ChunkedGradShard(n, ch, torch.bfloat16, "cpu")),
-             "fill_kept": lambda: fill(kept)}
+    cases = {
+        "parked_copy_convert": lambda: parked(False),
+        "parked_convert_into": lambda: parked(True),
+        "plain": plain,
+        "chunked": chunked,
+        "norm_fresh": lambda: norm(False),
+        "norm_reused": lambda: norm(True),
+        "convert_scale_whole": lambda: convert_scale(1 << 62),
+        "convert_scale_blocked": lambda: convert_scale(chunked_step_mod.CONVERT_BLOCK_NUMEL),
+        "convert_fresh": lambda: convert(False),
+        "convert_reused": lambda: convert(True),
+        "fill_fresh": lambda: fill(ChunkedGradShard(n, ch, torch.bfloat16, "cpu")),
+        "fill_kept": lambda: fill(kept),
+    }
     out = {"numel": n, "chunk": ch, "threads": torch.get_num_threads(), "torch": torch.__version__}
     for name, fn in cases.items():
         fn()

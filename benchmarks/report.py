@@ -103,9 +103,12 @@ def s1_table(records: list[dict]) -> list[str]:
     """Peak over one step per configuration, with ratios to upstream, FSDP2 and the floor."""
     rows = sorted({(r["world_size"], r["dtype"], r["gas"]) for r in records if r.get("scenario") == "s1"},
                   key=lambda t: (t[0], t[1] != "bf16", t[2]))
-    out = ["| N | dtype | GAS | stage | floor GiB | ours peak alloc / reserved | lean-off | upstream | FSDP2 (bf16, sharded) |"
-           " ours/upstream | ours/FSDP2 | ours/floor | lean-off/floor | upstream/floor |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| N | dtype | GAS | stage | floor GiB | ours peak alloc / reserved | lean-off | upstream "
+        "| FSDP2 (bf16, sharded) |"
+        " ours/upstream | ours/FSDP2 | ours/floor | lean-off/floor | upstream/floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for ws, dtype, gas in rows:
         fsdp = _find(records, scenario="s1", impl="fsdp2", world_size=ws, dtype=dtype, gas=gas)
         for stage in (1, 2):
@@ -122,18 +125,22 @@ def s1_table(records: list[dict]) -> list[str]:
                                                else f"**{fsdp.get('status')}**")
             ref = next((r for r in records if r.get("scenario") == "s1" and r.get("params")), None)
             floor = state_floor_gib(stage, ws, ref["params"]) if ref else None
-            out.append(f"| {ws} | {dtype} | {gas} | {stage} | {_f(floor)} | {cells['ours']} | {cells['ours_leanoff']} | "
-                       f"{cells['upstream']} | {fcell} | {_ratio(peaks['ours'], peaks['upstream'])} | "
-                       f"{_ratio(peaks['ours'], fa)} | {_ratio(peaks['ours'], floor)} | "
-                       f"{_ratio(peaks['ours_leanoff'], floor)} | {_ratio(peaks['upstream'], floor)} |")
+            out.append(
+                f"| {ws} | {dtype} | {gas} | {stage} | {_f(floor)} | {cells['ours']} | {cells['ours_leanoff']} | "
+                f"{cells['upstream']} | {fcell} | {_ratio(peaks['ours'], peaks['upstream'])} | "
+                f"{_ratio(peaks['ours'], fa)} | {_ratio(peaks['ours'], floor)} | "
+                f"{_ratio(peaks['ours_leanoff'], floor)} | {_ratio(peaks['upstream'], floor)} |"
+            )
     return out
 
 
 def s1_gas_growth(records: list[dict]) -> list[str]:
     """peak(GAS=max) − peak(GAS=1) per implementation, against one (double-buffered) reduce bucket."""
-    out = [f"| N | dtype | stage | impl | peak GAS=1 | peak GAS=max | growth GiB | ≤ one bucket ({bucket_gib():.2f} GiB, "
-           "double-buffered)? | max alloc between micro-steps | steady drift (step k+1 − k) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"| N | dtype | stage | impl | peak GAS=1 | peak GAS=max | growth GiB | ≤ one bucket ({bucket_gib():.2f} GiB, "
+        "double-buffered)? | max alloc between micro-steps | steady drift (step k+1 − k) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     combos = sorted({(r["world_size"], r["dtype"], r.get("stage"), r["impl"]) for r in records
                      if r.get("scenario") == "s1"}, key=lambda t: (t[0], t[1] != "bf16", str(t[2]), IMPLS.index(t[3])))
     for ws, dtype, stage, impl in combos:
@@ -144,9 +151,11 @@ def s1_gas_growth(records: list[dict]) -> list[str]:
         gmax = max(runs)
         g = runs[gmax]["peak_alloc_gib"] - runs[1]["peak_alloc_gib"]
         between = runs[gmax].get("alloc_between_micro_max_gib")
-        out.append(f"| {ws} | {dtype} | {stage if stage is not None else 'FSDP2'} | {impl} | "
-                   f"{runs[1]['peak_alloc_gib']:.2f} | {runs[gmax]['peak_alloc_gib']:.2f} (G={gmax}) | {g:+.2f} | "
-                   f"{'yes' if g <= bucket_gib() else 'NO'} | {_f(between)} | {runs[gmax].get('steady_drift_gib', 0):+.3f} |")
+        out.append(
+            f"| {ws} | {dtype} | {stage if stage is not None else 'FSDP2'} | {impl} | "
+            f"{runs[1]['peak_alloc_gib']:.2f} | {runs[gmax]['peak_alloc_gib']:.2f} (G={gmax}) | {g:+.2f} | "
+            f"{'yes' if g <= bucket_gib() else 'NO'} | {_f(between)} | {runs[gmax].get('steady_drift_gib', 0):+.3f} |"
+        )
     return out
 
 
@@ -167,11 +176,13 @@ def s2_table(records: list[dict]) -> list[str]:
         pbytes = r["params"] * r.get("param_dtype_bytes", 2) / GiB
         floor = init_floor_gib(st, r["world_size"], r["params"])
         slack = r["reserved_minus_alloc_after_init_gib"]
-        out.append(f"| {r['world_size']} | {st if st is not None else 'FSDP2'} | {r['impl']} | {r['params'] / 1e9:.2f} | "
-                   f"{r['init_peak_alloc_gib']:.2f} ({r['init_peak_alloc_gib'] / pbytes:.2f}×) | {floor:.2f} | "
-                   f"{r['init_peak_alloc_gib'] / floor:.2f} | {slack:.2f} ({100 * slack / pbytes:.1f}%) | "
-                   f"{r['host_rss_peak_growth_gib']:.2f} / {r['host_rss_growth_gib']:.2f} | {r['init_wall_s']:.2f} | "
-                   f"{r['first_step_peak_alloc_gib']:.2f} | ok |")
+        out.append(
+            f"| {r['world_size']} | {st if st is not None else 'FSDP2'} | {r['impl']} | {r['params'] / 1e9:.2f} | "
+            f"{r['init_peak_alloc_gib']:.2f} ({r['init_peak_alloc_gib'] / pbytes:.2f}×) | {floor:.2f} | "
+            f"{r['init_peak_alloc_gib'] / floor:.2f} | {slack:.2f} ({100 * slack / pbytes:.1f}%) | "
+            f"{r['host_rss_peak_growth_gib']:.2f} / {r['host_rss_growth_gib']:.2f} | {r['init_wall_s']:.2f} | "
+            f"{r['first_step_peak_alloc_gib']:.2f} | ok |"
+        )
     return out
 
 
@@ -280,10 +291,12 @@ def s3_table(records: list[dict]) -> list[str]:
         out.append(
             head + f" {_f(peak)} / {_f(r.get('peak_reserved_gib'))} | {_f(r.get('floor_gib'))} | "
             f"{_f(r.get('peak_over_floor'))} | {_f(r.get('reserved_over_alloc'))} | "
-            f"{_i(r.get('gathered_layers_fwd_max'))} / {_i(r.get('gathered_layers_bwd_max'))} of {_i(r.get('layers'))} | "
+            f"{_i(r.get('gathered_layers_fwd_max'))} / {_i(r.get('gathered_layers_bwd_max'))} "
+            f"of {_i(r.get('layers'))} | "
             f"{_f(r.get('gathered_layer_equiv_fwd_max'))} / {_f(r.get('gathered_layer_equiv_bwd_max'))} | "
             f"{from_trace} | {frees} | {_f(host_bytes_per_owned_param(r), 1)} | {_f(r.get('step_time_s'))} | "
-            f"{_i(r.get('alloc_retries'))} | {_s3_ratio(r, up)} | {_s3_ratio(r, fs)} |")
+            f"{_i(r.get('alloc_retries'))} | {_s3_ratio(r, up)} | {_s3_ratio(r, fs)} |"
+        )
     return out
 
 
@@ -388,12 +401,17 @@ def short_table(records: list[dict]) -> str:
         elif r["scenario"] == "throughput":
             fig = f"{r['tokens_per_s']:.0f} tok/s peak {r['peak_alloc_gib']:.2f}"
         elif r["scenario"] == "s3":
-            fig = (f"{r.get('model')}{' off' if r.get('offload') else ''}{'+p' if r.get('offload_param') else ''} "
-                   f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} "
-                   f"gathered {r.get('gathered_layers_fwd_max')}/{r.get('gathered_layers_bwd_max')} "
-                   f"host {r.get('host_bytes_per_param', 0):.1f}B/p step {r.get('step_time_s', 0):.2f}s")
+            fig = (
+                f"{r.get('model')}{' off' if r.get('offload') else ''}{'+p' if r.get('offload_param') else ''} "
+                f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} "
+                f"gathered {r.get('gathered_layers_fwd_max')}/{r.get('gathered_layers_bwd_max')} "
+                f"host {r.get('host_bytes_per_param', 0):.1f}B/p step {r.get('step_time_s', 0):.2f}s"
+            )
         else:
-            fig = f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} step {r.get('step_time_s', 0):.2f}s"
+            fig = (
+                f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} "
+                f"step {r.get('step_time_s', 0):.2f}s"
+            )
         lines.append(f"{r.get('scenario', ''):<10} {r.get('impl', ''):<13} {r.get('stage')!s:<2} "
                      f"{r.get('dtype')!s:<5} {r.get('gas', '-')!s:<3} {r.get('world_size')!s:<3} "
                      f"{r.get('status', ''):<7} {fig}")
@@ -503,10 +521,17 @@ def plots(records: list[dict], out_dir: Path) -> str | None:
     ax.legend(fontsize=7)
     ax = axes[1]
     s2 = [r for r in records if r.get("scenario") == "s2" and r.get("status") == "ok" and r["world_size"] == 1]
-    ax.bar([f"{r['impl']}\nz{r.get('stage') or '-'}" for r in s2], [r["init_peak_alloc_gib"] for r in s2],
-           label="peak alloc")
-    ax.bar([f"{r['impl']}\nz{r.get('stage') or '-'}" for r in s2], [r["reserved_minus_alloc_after_init_gib"] for r in s2],
-           label="reserved − alloc after", alpha=0.7)
+    ax.bar(
+        [f"{r['impl']}\nz{r.get('stage') or '-'}" for r in s2],
+        [r["init_peak_alloc_gib"] for r in s2],
+        label="peak alloc",
+    )
+    ax.bar(
+        [f"{r['impl']}\nz{r.get('stage') or '-'}" for r in s2],
+        [r["reserved_minus_alloc_after_init_gib"] for r in s2],
+        label="reserved − alloc after",
+        alpha=0.7,
+    )
     ax.set_ylabel("GiB")
     ax.set_title("S2: initialise (N=1)")
     ax.tick_params(axis="x", labelsize=7)

@@ -58,14 +58,14 @@ carries ``checkpoint_reentrant``.
 Arithmetic. Seconds: cold job walls (process start to exit) calibrated on the measured ``job_wall_s`` of the
 one-call suite run that followed gpu_run7 (--jobs 5, 3 threads per worker, 529 s: 13 rows not_run by the
 deadline, every upstream S3 row failed for want of reentrant checkpointing); the formulas are 3-6 % above those
-walls per scenario. Offload rows and throughput rows recalibrated on gpu_run10/11 (S3 rows now add two plain
-timed steps, see ``_s3_estimate``); upstream's reentrant S3 rows from gpu_run4/6/7. A prelaunched
+walls per scenario. Offload rows and throughput rows recalibrated on two later suite runs (S3 rows now add two
+plain timed steps, see ``_s3_estimate``); upstream's reentrant S3 rows from earlier runs. A prelaunched
 worker's estimate is ``STARTUP_S`` (4 s) shorter. Device GiB: the largest measured peak reserved of the
 configuration (``calibration.json``, ``--calibrate``) + 1 GiB (the CUDA context, outside the allocator's counters,
 and slack), else the formulas. With the defaults (``--jobs 6 --mem-budget-gib 125 --deadline-s 510``) ``--plan``
 predicts that every job but the three 7.6B N=1 offload rows runs, the shared phase ending at ~337 s and the solo
-phase at ~455 s; the last two one-call runs, with one timed S3 step, took 383 s and 303 s of device wall time
-(gpu_run10/11), so the estimates run long. One call's wall time: ``device_run.sh`` ~20 s (wheel installs, environment lines),
+phase at ~455 s; the last two one-call runs, with one timed S3 step, took 383 s and 303 s of device wall time,
+so the estimates run long. One call's wall time: ``device_run.sh`` ~20 s (wheel installs, environment lines),
 run_all ≤ ``--deadline-s`` + 20 s (kill grace) + ~5 s (report) = 555 s < the 600 s limit of one command.
 
 Outputs: ``DIR/results.jsonl``, ``DIR/summary.json`` (one row per scenario and engine, ``summary.py``; its run
@@ -90,8 +90,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from _harness import default_checkpoint_reentrant
-from models import MODELS
+from _harness import default_checkpoint_reentrant  # noqa: E402 - importable once BENCH is on sys.path
+from models import MODELS  # noqa: E402
 
 SCRIPTS = {
     "s1": BENCH / "scenarios" / "s1_grad_accum.py",
@@ -482,8 +482,12 @@ def _collect(job: Job, killed: str | None, shared: bool, prelaunched_s: float) -
 
 # ----------------------------------------------------------------------------------------------- scheduling
 def _not_run(job: Job, why: str) -> dict:
-    job.record = {**job.spec, "status": "not_run", "error": why,
-                  "est": {"s": round(job.est_s, 1), "gib": round(job.est_gib, 1), "host_gib": round(job.est_host_gib, 1)}}
+    job.record = {
+        **job.spec,
+        "status": "not_run",
+        "error": why,
+        "est": {"s": round(job.est_s, 1), "gib": round(job.est_gib, 1), "host_gib": round(job.est_host_gib, 1)},
+    }
     return job.record
 
 
@@ -650,7 +654,7 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace, log_path: Path) -> list[
     records: list[dict] = []
     counter = iter(range(1, 10**6))
     warm: dict[int, float] = {}  # id -> run-clock launch time of the processes started (prelaunched or cold)
-    log = open(log_path, "w")  # noqa: SIM115 -- closed at the end of run_jobs
+    log = open(log_path, "w")  # closed at the end of run_jobs
     phases = [[j for j in jobs if not j.solo], [j for j in jobs if j.solo]]
 
     def clock() -> float:
@@ -773,7 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rerun:
         import report
 
-        redo = {report._key(r) for r in report.load([Path(p) for p in args.rerun.split(",")]) if r.get("status") != "ok"}
+        redo = {
+            report._key(r) for r in report.load([Path(p) for p in args.rerun.split(",")]) if r.get("status") != "ok"
+        }
         jobs = [j for j in jobs if report._key(j.spec) in redo]
     if args.plan:
         print_plan(jobs, args)

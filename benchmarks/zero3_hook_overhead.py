@@ -17,11 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29912")
 
-import torch  # noqa: E402
+import torch
 
-import _harness  # noqa: E402
-from models import MODELS, build_model, random_batch  # noqa: E402
-
+import _harness
+from models import MODELS, build_model, random_batch
 
 STEPS = 15  # a small shared CPU is noisy: the minimum is the steadier figure of the two
 

@@ -8,13 +8,14 @@ import os as _os
 # Importing must never create a CUDA context (NVML answers device queries instead).
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-import importlib as _importlib  # noqa: E402
-from typing import Any  # noqa: E402
+import importlib as _importlib
+from collections.abc import Callable as _Callable
+from typing import Any
 
-from packaging import version as _pkg_version  # noqa: E402
+from packaging import version as _pkg_version
 
-from deepspeed.git_version_info import git_branch, git_hash, version  # noqa: E402
-from deepspeed.utils.logging import log_dist, logger  # noqa: E402
+from deepspeed.git_version_info import git_branch, git_hash, version
+from deepspeed.utils.logging import log_dist, logger
 
 # Heavy names resolve on first access (PEP 562), so `import deepspeed` stays cheap for the launcher,
 # whose processes never need torch. Each entry: public name -> (module, attribute or None for the module).
@@ -55,7 +56,7 @@ def __getattr__(name: str) -> Any:
     module_name, attr = _LAZY[name]
     module = _importlib.import_module(module_name)
     if attr == "__package__":  # `deepspeed.runtime` with lr_schedules already imported, as accelerate expects
-        value = _importlib.import_module(module.__package__)
+        value = _importlib.import_module(module_name.rpartition(".")[0])
     else:
         value = module if attr is None else getattr(module, attr)
     globals()[name] = value
@@ -159,7 +160,8 @@ def initialize(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
-    engine_class = DeepSpeedEngine
+    # PipelineEngine takes its own leading argument, so the two classes share a call, not a constructor type.
+    engine_class: _Callable[..., DeepSpeedEngine] = DeepSpeedEngine
     from deepspeed.runtime.pipe.module import PipelineModule
 
     if isinstance(model, PipelineModule):  # upstream's dispatch: the model's own grid is the mpu

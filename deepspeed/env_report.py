@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -77,10 +78,10 @@ def op_rows() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
+def _print_table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
         sys.stdout.write(" | ".join([*cells, str(row[-1])]) + "\n")
 
 

@@ -24,13 +24,15 @@ def default_inference_config() -> NoReturn:
     _refuse("default_inference_config", "the inference engine")
 
 
-def tp_model_init(model: Any = None, tp_size: int = 1, dtype: Any = None, config: Any = None, **kwargs: Any) -> NoReturn:
+def tp_model_init(
+    model: Any = None, tp_size: int = 1, dtype: Any = None, config: Any = None, **kwargs: Any
+) -> NoReturn:
     """Upstream's AutoTP model initialisation: not implemented."""
     _refuse("tp_model_init", "tensor parallelism (AutoTP)")
 
 
 def _refusing_class(name: str, what: str) -> type:
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         _refuse(name, what)
 
     return type(name, (), {"__init__": __init__, "__doc__": f"Upstream's ``{name}``: not implemented ({what})."})

@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-from deepspeed.accelerator import get_accelerator  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     HfArgumentParser,
@@ -37,6 +36,8 @@ from transformers import (  # noqa: E402
     TrainerCallback,
     TrainingArguments,
 )
+
+from deepspeed.accelerator import get_accelerator
 
 
 @dataclass
@@ -75,13 +76,13 @@ class LossRecorder(TrainerCallback):
         self.losses: list[tuple[int, float]] = []
         self.start_step: int | None = None
 
-    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 (HF callback signature)
+    def on_step_begin(self, args, state, control, **kwargs):  # HF callback signature
         """Note the step training really starts from (after a resume it is the checkpoint's step)."""
         if self.start_step is None:
             self.start_step = state.global_step
         return control
 
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201 (HF callback signature)
+    def on_log(self, args, state, control, logs=None, **kwargs):  # HF callback signature
         """Record ``loss`` entries (evaluation and summary logs carry other keys)."""
         if logs and "loss" in logs:
             self.losses.append((state.global_step, float(logs["loss"])))

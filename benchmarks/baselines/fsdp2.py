@@ -7,8 +7,9 @@ reduced every micro-step, as FSDP2 does unless ``set_requires_gradient_sync(Fals
 therefore the stage-0 one, 16 B/param, divided by the world size for everything (ZeRO-3-like).
 fp16 is not run under FSDP2 (it would need a sharded grad scaler; not comparable to DeepSpeed's loss scaler).
 ``spec["offload"]`` passes ``CPUOffloadPolicy(pin_memory=True)`` (unpinned on a CPU-only machine) to every
-``fully_shard`` call (sharded fp32 parameters, gradients and the AdamW step on the CPU). A model built on the meta device (S3 at N > 1, so the full
-model never exists on the rank) is materialised after sharding with ``to_empty`` and a random normal fill.
+``fully_shard`` call (sharded fp32 parameters, gradients and the AdamW step on the CPU). A model built on the meta
+device (S3 at N > 1, so the full model never exists on the rank) is materialised after sharding with ``to_empty``
+and a random normal fill.
 :func:`layer_unsharded` is the S3 probe: does an FSDP2 unit hold unsharded (gathered) parameters right now?
 """
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from _harness import Trainer, device, make_optimizer
 from torch import nn
+
+from _harness import Trainer, device, make_optimizer
 
 
 def _materialise(model: nn.Module, where: torch.device) -> None:

@@ -39,7 +39,7 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
 
 
-def _lightning():  # noqa: ANN202 - a module object
+def _lightning():  # returns a module object
     try:
         import lightning.pytorch as pl
     except ImportError:
@@ -47,26 +47,26 @@ def _lightning():  # noqa: ANN202 - a module object
     return pl
 
 
-def _module_class(pl):  # noqa: ANN001, ANN202
+def _module_class(pl):
     class Regression(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = _net()
             self.losses: list[float] = []
 
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        def training_step(self, batch, batch_idx):
             x, y = batch
             loss = nn.functional.mse_loss(self.net(x).float(), y.float())  # bf16-mixed casts the batch, targets too
             self.losses.append(loss.item())
             return loss
 
-        def configure_optimizers(self):  # noqa: ANN201
+        def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     return Regression
 
 
-def _trainer(pl, strategy: str, steps: int, root: Path):  # noqa: ANN001, ANN202
+def _trainer(pl, strategy: str, steps: int, root: Path):
     return pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, precision="bf16-mixed",
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root)
 
@@ -103,7 +103,7 @@ def run_strategy(strategy: str, workdir: Path) -> dict:
     return record
 
 
-def _full_state(engine, module) -> dict:  # noqa: ANN001
+def _full_state(engine, module) -> dict:
     """The module's full weights (gathered under ZeRO-3) as fp32 CPU tensors."""
     import deepspeed
 

@@ -149,7 +149,7 @@ def bench_flatten(modules: dict, copy_gbs: float, args: argparse.Namespace, dtyp
         nxt += (n + 7) // 8 * 8 if aligned else n
     out = torch.empty(nxt, dtype=dtype, device="cuda")
     moved = 2 * sum(sizes) * out.element_size()
-    views = [out.narrow(0, o, n) for o, n in zip(offsets, sizes)]
+    views = [out.narrow(0, o, n) for o, n in zip(offsets, sizes, strict=True)]
     tag = f"{str(dtype).split('.')[-1]}_{'aligned16' if aligned else 'packed'}"
     candidates = {
         "ours_flatten_into": lambda: utils.flatten_into(tensors, out, offsets),
@@ -169,7 +169,7 @@ def bench_flatten(modules: dict, copy_gbs: float, args: argparse.Namespace, dtyp
 def _adam_setup(dtype: torch.dtype, sizes: list[int]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     ours = [torch.nn.Parameter(torch.randn(n, device="cuda").to(dtype)) for n in sizes]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         a.grad = torch.randn_like(a)
         b.grad = a.grad.clone()
     return ours, ref
@@ -250,9 +250,11 @@ def write_reports(out_dir: Path) -> str:
     for r in RESULTS:
         if r["kind"] == "check" and r.get("ok"):
             continue
-        lines.append(f"| {r['kind']} | {r['name']} | {r.get('ms', '')} | {r.get('ms_single_call', '')} | {r.get('gb_s', '')} | "
-                     f"{r.get('frac_copy_bw', '')} | {r.get('speedup_vs_torch_default', '')} | "
-                     f"{r.get('ok', '')}{' ' + r['error'][:120] if r.get('error') else ''} |")
+        lines.append(
+            f"| {r['kind']} | {r['name']} | {r.get('ms', '')} | {r.get('ms_single_call', '')} | {r.get('gb_s', '')} | "
+            f"{r.get('frac_copy_bw', '')} | {r.get('speedup_vs_torch_default', '')} | "
+            f"{r.get('ok', '')}{' ' + r['error'][:120] if r.get('error') else ''} |"
+        )
     passed = sum(1 for r in RESULTS if r["kind"] == "check" and r.get("ok"))
     total = sum(1 for r in RESULTS if r["kind"] == "check")
     table = f"CUDA checks passed: {passed}/{total}\n\n" + "\n".join(lines) + "\n"

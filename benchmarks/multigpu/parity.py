@@ -24,8 +24,8 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.reference.models import make_model, micro_batch  # noqa: E402
-from tests.reference.zero_oracle import engine_micro_index, reference_train  # noqa: E402
+from tests.reference.models import make_model, micro_batch
+from tests.reference.zero_oracle import engine_micro_index, reference_train
 
 STEPS, GAS, LR = 8, 2, 1e-2
 CASES = [(stage, prec) for stage in (0, 1, 2, 3) for prec in ("fp32", "bf16")]
@@ -116,8 +116,17 @@ def main() -> None:
         tol = 3e-2 if prec.startswith("bf16") else 1e-5
         ok = worst < tol
         failures += not ok
-        row = dict(stage=stage, precision=prec, world_size=world, reference_device=get_accelerator().device_name(), backend=dist.get_backend() if hasattr(
-            dist, "get_backend") else "", worst_rel_err=worst, tol=tol, ok=ok, seconds=round(time.time() - start, 2))
+        row = dict(
+            stage=stage,
+            precision=prec,
+            world_size=world,
+            reference_device=get_accelerator().device_name(),
+            backend=dist.get_backend() if hasattr(dist, "get_backend") else "",
+            worst_rel_err=worst,
+            tol=tol,
+            ok=ok,
+            seconds=round(time.time() - start, 2),
+        )
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -41,8 +41,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import models
-from _harness import (DeepSpeedTrainer, GiB, default_checkpoint_reentrant, device, ds_config, hf_auto_config, mem,
-                      reset_peak, single_worker_env, sync, worker_main)
+from _harness import (
+    DeepSpeedTrainer,
+    GiB,
+    default_checkpoint_reentrant,
+    device,
+    ds_config,
+    hf_auto_config,
+    mem,
+    reset_peak,
+    single_worker_env,
+    sync,
+    worker_main,
+)
 from models import MODELS, build_model, random_batch
 
 REPO = Path(__file__).resolve().parents[2]

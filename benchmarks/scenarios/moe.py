@@ -109,7 +109,9 @@ def run(spec: dict) -> dict:
     dev = device()
     torch.manual_seed(0)
     model = MoEGPT(cfg, ep_size).to(device=dev, dtype=DTYPES[spec["dtype"]])
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "params"})
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "params"}
+    )
     engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(groups), config=_config(cfg, spec["dtype"]))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab"], (cfg["micro_batch"], cfg["seq"]), generator=g).to(dev)

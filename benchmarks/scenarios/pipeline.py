@@ -185,17 +185,22 @@ def _precision(dtype: str) -> dict:
 
 def _build_engine(spec: dict) -> Any:
     import deepspeed
+    from _harness import make_optimizer
     from deepspeed.pipe import PipelineModule
     from pipeline_gpt import gpt_neox_layers, lm_loss
-
-    from _harness import make_optimizer
 
     m = spec["model"]
     layers = gpt_neox_layers(m["vocab"], m["hidden"], m["heads"], m["layers"], m["seq"])
     # checkpointable_layers: upstream cannot checkpoint the embedding chunk (its input needs no grad), so both
     # implementations checkpoint the transformer layers only, as GPT-NeoX does.
-    module = PipelineModule(layers, num_stages=m["stages"], loss_fn=lm_loss, partition_method="type:TransformerLayerPipe",
-                            activation_checkpoint_interval=1, checkpointable_layers=["TransformerLayerPipe"])
+    module = PipelineModule(
+        layers,
+        num_stages=m["stages"],
+        loss_fn=lm_loss,
+        partition_method="type:TransformerLayerPipe",
+        activation_checkpoint_interval=1,
+        checkpointable_layers=["TransformerLayerPipe"],
+    )
     config = ds_config(spec)
     deepspeed.checkpointing.configure(None, deepspeed_config=config)
     if torch.cuda.is_available():
@@ -281,14 +286,20 @@ def run_stage(spec: dict, emit: Any) -> None:
             if gas != int(engine.gradient_accumulation_steps()):
                 _set_gas(engine, gas)
             record.update(measure(engine, spec, gas), status="ok")
-        except Exception as exc:  # noqa: BLE001 - recorded; the peer stalls on its store read and is killed
-            record.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
-                          traceback=traceback.format_exc()[-4000:])
+        except Exception as exc:  # recorded; the peer stalls on its store read and is killed
+            record.update(
+                status="error", error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-4000:]
+            )
             emit(record)
             raise
-        record.update(layers=[int(x) for x in module.parts], stage_layers=_stage_layers(module), p2p_messages=wire.messages,
-                      p2p_small_messages=wire.small_messages, deepspeed_file=deepspeed.__file__,
-                      deepspeed_version=deepspeed.__version__)
+        record.update(
+            layers=[int(x) for x in module.parts],
+            stage_layers=_stage_layers(module),
+            p2p_messages=wire.messages,
+            p2p_small_messages=wire.small_messages,
+            deepspeed_file=deepspeed.__file__,
+            deepspeed_version=deepspeed.__version__,
+        )
         emit(record)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
 from _harness import (
     DTYPES,
     DeepSpeedTrainer,

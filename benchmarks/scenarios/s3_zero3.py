@@ -38,6 +38,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+import models
 from _harness import (
     MEMORY_TIMELINE_DIR,
     DeepSpeedTrainer,
@@ -52,7 +54,6 @@ from _harness import (
     sync,
     worker_main,
 )
-import models
 from models import MODELS, build_model, decoder_layers, random_batch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -91,7 +91,9 @@ def expand_hostlist(spec: str) -> list[str]:
 
 
 def _split_top_level(spec: str) -> list[str]:
-    items, depth, current = [], 0, []
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in spec.strip():
         depth += {"[": 1, "]": -1}.get(char, 0)
         if depth not in (0, 1):
@@ -112,7 +114,7 @@ def _expand_one(name: str, spec: str) -> list[str]:
     if match is None:
         return [name]
     head, tail = name[: match.start()], name[match.end():]
-    expanded = []
+    expanded: list[str] = []
     for part in match.group(1).split(","):
         bounds = part.strip().split("-")
         if len(bounds) == 1 and bounds[0].isdigit():
@@ -147,7 +149,7 @@ def _read(launcher: LauncherVars, environ: Mapping[str, str]) -> LaunchEnv | Non
         missing.append(" or ".join(launcher.world_size))
     if launcher.local_rank_required and launcher.local_rank not in environ:
         missing.append(launcher.local_rank)
-    if missing:
+    if missing or size_name is None:  # size_name is None only when missing already names it
         present = sorted(n for n in (launcher.rank, *launcher.world_size, launcher.local_rank) if n in environ)
         raise LaunchEnvError(
             f"incomplete {launcher.name} environment: {', '.join(present)} set but {', '.join(missing)} missing. "

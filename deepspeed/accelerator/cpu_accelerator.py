@@ -106,7 +106,7 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     def __init__(self) -> None:
         super().__init__()
         self._name = "cpu"
-        self._communication_backend_name = "gloo"
+        self._communication_backend_name: str = "gloo"
         self._peak_rss = 0
 
     def is_synchronized_device(self) -> bool:

@@ -28,7 +28,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
     def __init__(self) -> None:
         super().__init__()
         self._name = "cuda"
-        self._communication_backend_name = "nccl"
+        self._communication_backend_name: str = "nccl"
 
     def is_synchronized_device(self) -> bool:
         """CUDA kernels run asynchronously on streams."""

@@ -25,7 +25,7 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device(
     if isinstance(item, tuple):
         return tuple(clone_tensors_for_torch_save(v, device) for v in item)
     if isinstance(item, dict):
-        copy = type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
+        copy: Any = type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
         # Module state dicts carry per-module version info here; loading old layouts depends on it.
         if hasattr(item, "_metadata"):
             copy._metadata = item._metadata

@@ -14,7 +14,6 @@ Portability rules kept here so callers can use one verb on any backend:
 from __future__ import annotations
 
 import atexit
-
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -38,7 +37,8 @@ _UNSUPPORTED_MARKERS = ("does not support", "not supported", "not implemented", 
 _all_gather_flat = getattr(_td, "all_gather_single", None) or _td.all_gather_into_tensor
 _reduce_scatter_flat = getattr(_td, "reduce_scatter_single", None) or _td.reduce_scatter_tensor
 
-Post = Callable[[], None]
+# Run once a collective's work completes (copy-outs, host-side averaging); what it returns is ignored.
+Post = Callable[[], object]
 
 
 def is_available() -> bool:
@@ -218,7 +218,10 @@ class TorchBackend:
 
     def get_world_group(self) -> ProcessGroup:
         """The default (world) process group."""
-        return _td.group.WORLD
+        world = _td.group.WORLD
+        if world is None:  # this backend exists only after init_process_group, so this means it was destroyed
+            raise RuntimeError("the default process group is not initialised (or was destroyed)")
+        return world
 
     def init_device_mesh(self, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> Any:
         """A torch ``DeviceMesh`` over the accelerator's device type."""
@@ -359,7 +362,10 @@ class TorchBackend:
     def all_gather_coalesced(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
                              group: ProcessGroup | None = None, async_op: bool = False) -> Any:
         """``all_gather_into_tensor`` for each (output, input) pair, completed by one handle."""
-        works = [self.all_gather_into_tensor(o, i, group, async_op=True) for o, i in zip(output_tensors, input_tensors)]
+        works = [
+            self.all_gather_into_tensor(o, i, group, async_op=True)
+            for o, i in zip(output_tensors, input_tensors, strict=True)
+        ]
         return _finish(works, async_op)
 
     def all_gather_object(self, object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:

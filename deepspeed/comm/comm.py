@@ -25,9 +25,15 @@ from deepspeed.comm import backend as _backend
 from deepspeed.comm.backend import FAKE_BACKEND, ProcessGroup, TorchBackend
 from deepspeed.comm.logging import CommsLogger
 from deepspeed.comm.reduce_op import ReduceOp
-from deepspeed.comm.utils import (TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout, get_caller_func,
-                                  get_debug_log_name, get_default_args, get_local_rank_from_launcher,
-                                  get_msg_size_from_args)
+from deepspeed.comm.utils import (
+    TORCH_DISTRIBUTED_DEFAULT_PORT,
+    default_pg_timeout,
+    get_caller_func,
+    get_debug_log_name,
+    get_default_args,
+    get_local_rank_from_launcher,
+    get_msg_size_from_args,
+)
 from deepspeed.utils.logging import logger
 
 # The current deepspeed.comm backend; upstream callers read ``deepspeed.comm.comm.cdb`` directly.
@@ -449,9 +455,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     elif not is_initialized():
         _initialize_backend(dist_backend, auto_mpi_discovery, int(distributed_port), verbose, timeout, init_method,
                             rank, world_size)
-    elif verbose and cdb.get_rank() == 0:
+    elif verbose and _assert_initialized().get_rank() == 0:
         logger.info("Distributed backend already initialized")
-    comms_logger.rank, comms_logger.world_size = cdb.get_rank(), cdb.get_world_size()
+    backend = _assert_initialized()
+    comms_logger.rank, comms_logger.world_size = backend.get_rank(), backend.get_world_size()
 
 
 def _initialize_backend(dist_backend: str | None, auto_mpi_discovery: bool, distributed_port: int, verbose: bool,
@@ -486,6 +493,7 @@ def _fill_launcher_env(distributed_port: int, verbose: bool) -> None:
         if verbose:
             logger.info("No launcher or MPI environment found; initialising a single-process group")
         found = launch_env.detect({"RANK": "0", "WORLD_SIZE": "1"})
+        assert found is not None  # RANK and WORLD_SIZE are torch's variables, so detection finds torch's launcher
     if found.master_addr is None:
         raise launch_env.LaunchEnvError(
             f"{found.launcher.name}: rank {found.rank} of {found.world_size} does not know where rank 0 runs; "
@@ -558,5 +566,6 @@ def mpi_discovery(distributed_port: int | str = TORCH_DISTRIBUTED_DEFAULT_PORT, 
                     f"world_size={layout['world_size']}, master_addr={master}, "
                     f"master_port={os.environ['MASTER_PORT']}")
     if is_initialized():
-        assert cdb.get_rank() == layout["rank"], f"MPI rank {layout['rank']} != torch rank {cdb.get_rank()}"
-        assert cdb.get_world_size() == layout["world_size"], "MPI world size does not match torch world size"
+        backend = _assert_initialized()
+        assert backend.get_rank() == layout["rank"], f"MPI rank {layout['rank']} != torch rank {backend.get_rank()}"
+        assert backend.get_world_size() == layout["world_size"], "MPI world size does not match torch world size"

@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 
-# deepspeed/constants.py owns these upstream; fall back to the documented defaults while it is absent.
-try:
-    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
-except ImportError:  # pragma: no cover - depends on which modules have landed
-    TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
-    default_pg_timeout = timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
+# Upstream keeps these two in deepspeed/constants.py; here they are the comm package's own defaults (the launcher's
+# port is the same number: deepspeed/launcher/constants.py).
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+default_pg_timeout = timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
+
 
 def _first_int_env(names: tuple[str, ...], default: int) -> int:
     for name in names:

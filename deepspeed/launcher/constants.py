@@ -24,8 +24,8 @@ MVAPICH_TMP_HOSTFILE = "/tmp/deepspeed_mvapich_hostfile"
 
 ELASTIC_TRAINING_ID_DEFAULT = "123456789"
 
-# Same value as deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT; repeated here so the launcher
-# does not depend on a module another engineer owns.
+# Same value as deepspeed.comm.utils.TORCH_DISTRIBUTED_DEFAULT_PORT; repeated here so that the launcher does not
+# import the comm package (and torch with it) to read a number.
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 # `--save_pid` writes `<PID_FILE_BASEPATH>/<runner pid>.deepspeed` holding the per-node launcher's pid.

@@ -140,6 +140,7 @@ def decode_world_info(world_info_base64: str) -> OrderedDict[str, list[int]]:
         decoded = json.loads(base64.urlsafe_b64decode(world_info_base64), object_pairs_hook=OrderedDict)
     except (ValueError, TypeError) as err:
         raise ValueError(f"--world_info is not valid base64-encoded JSON: {err}") from None
-    if not isinstance(decoded, dict) or not all(isinstance(v, list) for v in decoded.values()):
+    # object_pairs_hook turns every JSON object into an OrderedDict; anything else is not a mapping.
+    if not isinstance(decoded, OrderedDict) or not all(isinstance(v, list) for v in decoded.values()):
         raise ValueError("--world_info must encode a {host: [slot ids]} mapping")
     return decoded

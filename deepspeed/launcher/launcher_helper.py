@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from deepspeed._core import launch_env
 
+
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the helper's command line (the user's arguments are kept verbatim)."""
     parser = argparse.ArgumentParser(description="DeepSpeed per-rank shim for MPI/SLURM launches")

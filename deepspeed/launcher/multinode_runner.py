@@ -332,6 +332,6 @@ class SlurmRunner(MultiNodeRunner):
 
 
 RUNNERS: dict[str, type[MultiNodeRunner]] = {
-    runner.name: runner  # type: ignore[misc]
+    runner.name: runner
     for runner in (PDSHRunner, OpenMPIRunner, MPICHRunner, IMPIRunner, MVAPICHRunner, SlurmRunner)
 }

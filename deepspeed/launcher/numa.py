@@ -48,7 +48,7 @@ def format_core_list(cores: list[int]) -> str:
     """Compress ``[0, 1, 2, 5]`` into numactl's ``"0-2,5"``."""
     spans: list[str] = []
     run_start = prev = cores[0]
-    for core in cores[1:] + [None]:  # type: ignore[list-item]
+    for core in [*cores[1:], None]:
         if core is not None and core == prev + 1:
             prev = core
             continue

@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from deepspeed.launcher.multinode_runner import RUNNERS, launch_flags
 from deepspeed.launcher.constants import SLURM_LAUNCHER
 from deepspeed.launcher.hostfile import encode_world_info, fetch_hostfile, parse_inclusion_exclusion
 from deepspeed.launcher.local_accelerator import (
@@ -27,6 +26,7 @@ from deepspeed.launcher.local_accelerator import (
     accelerator_export_envs,
     visible_devices_env,
 )
+from deepspeed.launcher.multinode_runner import RUNNERS, launch_flags
 from deepspeed.launcher.numa import parse_core_list, require_numactl
 
 DLTS_HOSTFILE = "/job/hostfile"

@@ -93,7 +93,7 @@ class Supervisor:
         If starting fails, the children started so far are stopped before the error propagates.
         """
         # Not a `with`: the file must stay open for the child's lifetime; _close_logs closes it.
-        log_file = open(log_path, "wb") if log_path else None  # noqa: SIM115
+        log_file = open(log_path, "wb") if log_path else None
         try:
             process = subprocess.Popen(
                 list(argv),

@@ -107,7 +107,7 @@ class DeepSpeedMonitorConfig(DeepSpeedConfigModel):
     """Comet monitor settings."""
 
     @model_validator(mode="after")
-    def _any_enabled(self) -> "DeepSpeedMonitorConfig":
+    def _any_enabled(self) -> DeepSpeedMonitorConfig:
         # Derived, not a JSON key: stored outside the field set so it never round-trips into a config dump.
         self.__dict__["enabled"] = any(block.enabled for block in (self.tensorboard, self.wandb, self.csv_monitor,
                                                                    self.comet))

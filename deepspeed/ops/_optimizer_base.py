@@ -63,9 +63,9 @@ class StatefulOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         if not self.fp32_optimizer_states:
             return
-        index_to_param = {}
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            index_to_param.update(zip(saved_group["params"], group["params"]))
+        index_to_param: dict[int, torch.Tensor] = {}
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            index_to_param.update(zip(saved_group["params"], group["params"], strict=True))
         for index, values in saved.items():
             p = index_to_param.get(index)
             if p is None:

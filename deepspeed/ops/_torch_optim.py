@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
 
 import torch
+
+# What the ``torch._foreach_*`` ops accept (their stubs take lists or tuples, not any sequence).
+TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
 class AdamMode(enum.Enum):
@@ -45,12 +47,12 @@ class AdamStep:
         return math.sqrt(1.0 - self.beta2**self.step) if self.bias_correction else 1.0
 
 
-def _as_state_dtype(tensors: Sequence[torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
+def _as_state_dtype(tensors: TensorList, like: torch.Tensor) -> TensorList:
     return [t if t.dtype == like.dtype else t.to(like.dtype) for t in tensors]
 
 
-def adam_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                exp_avg_sqs: Sequence[torch.Tensor], hp: AdamStep) -> None:
+def adam_update(params: TensorList, grads: TensorList, exp_avgs: TensorList,
+                exp_avg_sqs: TensorList, hp: AdamStep) -> None:
     """One Adam/AdamW step over same-dtype lists, in place."""
     if not params:
         return
@@ -70,13 +72,13 @@ def adam_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
     _write_back(params, work)
 
 
-def _write_back(params: Sequence[torch.Tensor], work: Sequence[torch.Tensor]) -> None:
-    changed = [(p, w) for p, w in zip(params, work) if p is not w]
+def _write_back(params: TensorList, work: TensorList) -> None:
+    changed = [(p, w) for p, w in zip(params, work, strict=True) if p is not w]
     if changed:
         torch._foreach_copy_([p for p, _ in changed], [w for _, w in changed])
 
 
-def adagrad_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sums: Sequence[torch.Tensor],
+def adagrad_update(params: TensorList, grads: TensorList, sums: TensorList,
                    lr: float, eps: float, weight_decay: float) -> None:
     """One Adagrad step (no lr decay), in place, matching ``torch.optim.Adagrad``."""
     if not params:
@@ -92,7 +94,7 @@ def adagrad_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     _write_back(params, work)
 
 
-def lion_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+def lion_update(params: TensorList, grads: TensorList, exp_avgs: TensorList,
                 lr: float, beta1: float, beta2: float, weight_decay: float) -> None:
     """One Lion step, in place: ``p -= lr * (sign(lerp(m, g, 1 - beta1)) + wd * p)``; ``m = lerp(m, g, 1 - beta2)``."""
     if not params:

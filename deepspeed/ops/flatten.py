@@ -58,9 +58,11 @@ def _validate(op: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, offs
     if len(offsets) != len(tensors):
         raise ValueError(f"{op}: got {len(offsets)} offsets for {len(tensors)} tensors")
     capacity = flat.numel()
-    for i, (t, off) in enumerate(zip(tensors, offsets)):
+    for i, (t, off) in enumerate(zip(tensors, offsets, strict=True)):
         if t.device != flat.device:
-            raise ValueError(f"{op}: tensor {i} is on {t.device} but the flat buffer is on {flat.device} (mixed devices)")
+            raise ValueError(
+                f"{op}: tensor {i} is on {t.device} but the flat buffer is on {flat.device} (mixed devices)"
+            )
         if t.dtype != flat.dtype:
             raise ValueError(f"{op}: tensor {i} has dtype {t.dtype} but the flat buffer has {flat.dtype}")
         if not t.is_contiguous():
@@ -73,7 +75,9 @@ def _validate(op: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, offs
 def _slices(tensors: Sequence[torch.Tensor], flat: torch.Tensor,
             offsets: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     flat1d = flat.view(-1)
-    pairs = [(flat1d.narrow(0, off, t.numel()), t.view(-1)) for t, off in zip(tensors, offsets) if t.numel() > 0]
+    pairs = [
+        (flat1d.narrow(0, off, t.numel()), t.view(-1)) for t, off in zip(tensors, offsets, strict=True) if t.numel() > 0
+    ]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 

@@ -10,18 +10,22 @@ trusted legacy checkpoint whose client state holds other objects, set ``DS_CHECK
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.checkpoint import files as checkpoint_io
 from deepspeed._core.checkpoint import save_load as ckpt
+from deepspeed._core.config.plan import RunPlan
 from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 from deepspeed.git_version_info import version as _DS_VERSION
 from deepspeed.moe._setup import moe_checkpoint_layout
 from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 from deepspeed.utils.logging import logger
+from deepspeed.utils.tensor_fragment import fragment_address
 
 # ZeRO optimizer shards pickle ``zero_stage`` as this enum (ours and upstream's).
 checkpoint_io.register_safe_globals([ZeroStageEnum, fragment_address])
@@ -36,6 +40,26 @@ class EngineCheckpointMixin:
     ``dp_world_size``, ``mp_world_size``, ``global_rank``, ``local_rank``, ``config``, ``_config``, the
     counters ``global_steps`` / ``global_samples`` / ``skipped_steps`` and the config getters.
     """
+
+    if TYPE_CHECKING:
+        # What DeepSpeedEngine, the one class this is mixed into, provides; declared for the type checker only.
+        module: torch.nn.Module
+        optimizer: Any
+        lr_scheduler: Any
+        mpu: Any
+        dp_group: Any
+        dp_world_size: int
+        mp_world_size: int
+        local_rank: int
+        config: dict
+        _config: Any
+        plan: RunPlan
+        zero_optimization_stage: Callable[[], int]
+        bfloat16_enabled: Callable[[], bool]
+        train_batch_size: Callable[[], int]
+        zero_gather_16bit_weights_on_model_save: Callable[[], bool]
+        _zero3_consolidated_16bit_state_dict: Callable[..., dict | None]
+        module_state_dict: Callable[..., dict]
 
     # --- upstream-named helpers ------------------------------------------------------------------
     def _checkpoint_topology(self) -> ckpt.CheckpointTopology:

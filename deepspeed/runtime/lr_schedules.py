@@ -218,7 +218,8 @@ def update_lr(param_groups: list[dict], lrs: Sequence[Any]) -> list[Any]:
     A group whose lr is a tensor (capturable/compiled optimizers) is updated in place, keeping its
     dtype, device and shape; the returned list holds a copy so it does not change on later steps.
     """
-    for group, lr in zip(param_groups, lrs):
+    # A group added to the optimizer after the scheduler was built keeps its own lr, as upstream's does.
+    for group, lr in zip(param_groups, lrs, strict=False):
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(float(lr))
         else:
@@ -432,7 +433,7 @@ class OneCycle(_BatchSchedule):
         if last_batch_iteration == -1:
             # Starting values go in directly: upstream leaves get_last_lr() unset until the first step,
             # and starts momentum at cycle_min_mom (not at the cycle formula's value); both kept.
-            for group, lr in zip(self.optimizer.param_groups, self.min_lrs):
+            for group, lr in zip(self.optimizer.param_groups, self.min_lrs, strict=True):
                 group["lr"] = lr
             if self.cycle_momentum:
                 self._apply_momentum(self.min_moms)
@@ -491,7 +492,7 @@ class OneCycle(_BatchSchedule):
     def _compute_lr(self) -> list[float]:
         if self._in_cycle():
             height = self._cycle_position()
-            return [lo + (hi - lo) * height for lo, hi in zip(self.min_lrs, self.max_lrs)]
+            return [lo + (hi - lo) * height for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
         if self.skip_lr_decay:
             return list(self.min_lrs)
         factor = 1 + self.decay_lr_rate * self._decay_intervals()
@@ -503,21 +504,25 @@ class OneCycle(_BatchSchedule):
             return None
         if self._in_cycle():
             height = self._cycle_position()
-            return [(hi[0] - (hi[0] - lo[0]) * height, lo[1]) for lo, hi in zip(self.min_moms, self.max_moms)]
+            return [
+                (hi[0] - (hi[0] - lo[0]) * height, lo[1]) for lo, hi in zip(self.min_moms, self.max_moms, strict=True)
+            ]
         if self.skip_mom_decay:
             return list(self.max_moms)
         factor = 1 + self.decay_mom_rate * self._decay_intervals()
         return [(hi[0] * factor, hi[1]) for hi in self.max_moms]
 
     def _apply_momentum(self, betas: list[tuple[float, float]]) -> None:
-        for group, value in zip(self.optimizer.param_groups, betas):
+        # As update_lr: a group added after construction keeps its own betas.
+        for group, value in zip(self.optimizer.param_groups, betas, strict=False):
             group["betas"] = value
 
     def step(self, batch_iteration: int | None = None) -> None:
         """Move to batch ``batch_iteration`` (default: the next one); apply its lr and momentum."""
         self._advance(batch_iteration)
-        if self.cycle_momentum:
-            self._apply_momentum(self.get_mom())
+        betas = self.get_mom()  # None when momentum is not cycled
+        if betas is not None:
+            self._apply_momentum(betas)
 
 
 class WarmupLR(_BatchSchedule):
@@ -548,7 +553,7 @@ class WarmupLR(_BatchSchedule):
             warmup_max_lr = _snapshot(self.optimizer.param_groups[0]["lr"])
         self.min_lrs = _per_group(self.optimizer, warmup_min_lr, WARMUP_MIN_LR)
         self.max_lrs = _per_group(self.optimizer, warmup_max_lr, WARMUP_MAX_LR)
-        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
+        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs, strict=True)]
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = _check_warmup_type(warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
@@ -562,7 +567,7 @@ class WarmupLR(_BatchSchedule):
         if self.last_batch_iteration < 0:
             return list(self.min_lrs)
         gamma = self._gamma()
-        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
+        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs, strict=True)]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         """Move to batch ``last_batch_iteration`` (default: the next one) and apply its lr."""

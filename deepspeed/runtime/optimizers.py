@@ -67,8 +67,10 @@ def _from_config(name: str, params_cfg: dict, params: list, offload: bool) -> to
 
         return (DeepSpeedCPULion if offload else FusedLion)(params, **params_cfg)
     if lower in UNSUPPORTED_DS_OPTIMIZERS:
-        raise ValueError(f"optimizer.type {name!r} is not implemented in deepspeed-lean; use adam, adamw, adagrad, lion "
-                         "or a torch.optim class name")
+        raise ValueError(
+            f"optimizer.type {name!r} is not implemented in deepspeed-lean; use adam, adamw, adagrad, lion "
+            "or a torch.optim class name"
+        )
     if not hasattr(torch.optim, name):
         raise ValueError(
             f"optimizer.type {name!r} is unknown: valid are adam, adamw, adagrad, lion or a torch.optim class "
@@ -98,10 +100,14 @@ def _check_zero_compatible(optimizer: Any, config: Any, client_given: bool) -> N
     cls = type(optimizer).__name__
     if cls not in ZERO_SUPPORTED_OPTIMIZERS and not config.zero_allow_untested_optimizer:
         raise ValueError(
-            f"{cls} has not been tested with ZeRO; set \"zero_allow_untested_optimizer\": true to use it "
+            f'{cls} has not been tested with ZeRO; set "zero_allow_untested_optimizer": true to use it '
             f"(tested: {', '.join(ZERO_SUPPORTED_OPTIMIZERS)})"
         )
-    if _offloading(config) and config.zero_force_ds_cpu_optimizer and cls not in ("DeepSpeedCPUAdam", "DeepSpeedCPULion"):
+    if (
+        _offloading(config)
+        and config.zero_force_ds_cpu_optimizer
+        and cls not in ("DeepSpeedCPUAdam", "DeepSpeedCPULion")
+    ):
         raise ValueError(
             f"optimizer offload needs DeepSpeedCPUAdam or DeepSpeedCPULion, got {cls}; pass one of those or set "
             "\"zero_force_ds_cpu_optimizer\": false"

@@ -221,8 +221,8 @@ def _get_sequence_parallel_group() -> Any:
     raise KeyError("No sequence parallel group found")
 
 
-def _get_sequence_data_parallel_world_size() -> int:
-    """Size of the combined sequence x data parallel group ZeRO shards over."""
+def _get_sequence_data_parallel_world_size() -> int | None:
+    """Size of the combined sequence x data parallel group ZeRO shards over (``None`` as for the DP size)."""
     if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_world_size"):
         return mpu.get_sequence_data_parallel_world_size()
     return _get_data_parallel_world_size()

@@ -59,6 +59,8 @@ def print_json_dist(message: dict, ranks: Iterable[int] | None = None, path: str
     """Write ``message`` as JSON to ``path`` on the selected ranks (upstream helper name)."""
     import json
 
+    if path is None:
+        raise ValueError("print_json_dist: path is required (the file the JSON is written to)")
     wanted = list(ranks) if ranks is not None else [0]
     if -1 in wanted or _current_rank() in wanted:
         message = dict(message, rank=_current_rank())

@@ -22,6 +22,7 @@ parameter fails an assertion.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -46,12 +47,14 @@ __all__ = [
 _LOCAL_ONLY_Z3 = "the safe_*_local_* helpers are defined for ZeRO-3 partitioned parameters only"
 
 
-def _z3(param: torch.nn.Parameter) -> object | None:
+# _z3 and _mapping return duck-typed objects (the ZeRO-3 optimizer, a stage-1/2 fragment mapping) or None; this
+# façade only calls their upstream-named methods, so Any says no more than it knows.
+def _z3(param: torch.nn.Parameter) -> Any:
     """The ZeRO-3 optimizer managing ``param`` (None when it is not a ZeRO-3 parameter or has none)."""
     return getattr(param, "_z3_optimizer", None) if hasattr(param, "ds_id") else None
 
 
-def _mapping(param: torch.nn.Parameter) -> object | None:
+def _mapping(param: torch.nn.Parameter) -> Any:
     """The live ``_hp_mapping`` of ``param`` (None when unmanaged or its optimizer has been released)."""
     mapping = getattr(param, "_hp_mapping", None)
     return mapping if mapping is not None and getattr(mapping, "alive", True) else None
@@ -122,7 +125,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         _mapping(param).set_full_hp_grad(value)
 
 
-def _local_z3(param: torch.nn.Parameter) -> object | None:
+def _local_z3(param: torch.nn.Parameter) -> Any:
     assert hasattr(param, "ds_id"), _LOCAL_ONLY_Z3
     return _z3(param)
 

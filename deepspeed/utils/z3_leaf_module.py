@@ -68,7 +68,8 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | s
     """Mark every module of the given classes as a leaf; return them.
 
     A class object also matches its subclasses; a string matches the exact class by bare or fully qualified name.
-    The config key ``zero_optimization.leaf_module.classes`` matches strings the same way (``_core/params/leaf_policy``).
+    The config key ``zero_optimization.leaf_module.classes`` matches strings the same way
+    (``_core/params/leaf_policy``).
     """
     return _mark(model, _class_matcher(leaf_module_classes), True, str(list(leaf_module_classes)),
                  raise_if_not_found)

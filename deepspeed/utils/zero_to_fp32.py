@@ -69,7 +69,7 @@ _SAFE_CLASSES = {
 
 # --- file access --------------------------------------------------------------------------------
 def _allowed_classes() -> list[Any]:
-    found = []
+    found: list[Any] = []
     for module_name, names in _SAFE_CLASSES.items():
         try:
             module = importlib.import_module(module_name)
@@ -224,6 +224,7 @@ def _parse_optim_files(paths: list[str]) -> ZeroShards:
     world = max(count) if isinstance(count, (list, tuple)) else int(count)
     if world != len(paths):
         raise ValueError(f"expected {world} optimizer files (partition_count) but found {len(paths)}: {paths}")
+    groups: list[list[torch.Tensor]] | list[torch.Tensor]
     if stage <= 2:
         groups = [list(s[SINGLE_PARTITION_OF_FP32_GROUPS]) for s in states]
     else:
@@ -359,12 +360,14 @@ def _truncate(pieces: list[tuple[torch.Tensor, int, int]], numel: int) -> list[t
 def _frozen_params(models: list[ZeroModelState], stage: int) -> OrderedDict:
     out: OrderedDict = OrderedDict()
     shapes = models[0].frozen_param_shapes or {}
+    # A file that lists frozen shapes also holds their fragments (both are written or neither is).
+    fragments = [m.frozen_param_fragments or {} for m in models]
     for name, shape in shapes.items():
         if stage <= 2:
-            out[name] = models[0].frozen_param_fragments[name]
+            out[name] = fragments[0][name]
         else:
             numel = math.prod(shape)
-            pieces = [(m.frozen_param_fragments[name], 0, m.frozen_param_fragments[name].numel()) for m in models]
+            pieces = [(f[name], 0, f[name].numel()) for f in fragments]
             out[name] = GatheredTensor(_truncate(pieces, numel), shape)
     return out
 
@@ -511,7 +514,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         try:
             importlib.import_module("safetensors.torch")
         except ImportError as err:
-            raise ImportError("safe_serialization=True needs the 'safetensors' package: pip install safetensors") from err
+            raise ImportError(
+                "safe_serialization=True needs the 'safetensors' package: pip install safetensors"
+            ) from err
     state = get_fp32_state_dict_from_zero_checkpoint(
         checkpoint_dir, tag, exclude_frozen_parameters=exclude_frozen_parameters, lazy_mode=True
     )
@@ -519,7 +524,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     names, index_name = _shard_names(len(groups), safe_serialization)
     os.makedirs(output_dir, exist_ok=True)
     weight_map: dict[str, str] = {}
-    for file_name, keys in zip(names, groups):
+    for file_name, keys in zip(names, groups, strict=True):
         # One shard at a time is materialized, so peak memory is about one shard.
         tensors = _materialize(OrderedDict((k, state[k]) for k in keys))
         _save_shard(tensors, os.path.join(output_dir, file_name), safe_serialization)

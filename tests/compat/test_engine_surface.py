@@ -88,7 +88,7 @@ def _signature_problem(member: object, expected: tuple) -> str | None:
     params = [p for p in inspect.signature(member).parameters.values() if p.name != "self"]
     if len(params) != len(expected):
         return f"{len(params)} parameters {[p.name for p in params]}, expected {len(expected)}"
-    for param, want in zip(params, expected):
+    for param, want in zip(params, expected, strict=True):
         if want[0] in (VAR_POS, VAR_KW):
             kind = inspect.Parameter.VAR_POSITIONAL if want[0] == VAR_POS else inspect.Parameter.VAR_KEYWORD
             if param.kind is not kind:
@@ -161,7 +161,7 @@ def _exercise_engine() -> dict:
     loss = torch.nn.functional.mse_loss(engine(x), y)
     engine.backward(loss)
     engine.step()
-    out["changed"] = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    out["changed"] = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
     out["applied"] = engine.was_step_applied()
     out["norm"] = float(engine.get_global_grad_norm())
     engine.zero_grad()
@@ -206,7 +206,7 @@ def _exercise_facade() -> dict:
     opt.step()
     reference(x).square().mean().backward()
     ref_opt.step()
-    for p, r in zip(model.parameters(), reference.parameters()):
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.data, r.data)
     return {"stage": opt.plan.zero.stage, "is_zero": isinstance(opt, ZeROOptimizer),
             "mapped": all(hasattr(p, "_hp_mapping") for p in model.parameters()),

@@ -98,7 +98,7 @@ def test_save_state_layout(runs: dict) -> None:
 
 def test_load_state_resumes_exactly(runs: dict) -> None:
     """A fresh run that ``load_state``s the step-3 checkpoint continues at step 4 and reproduces steps 4-6."""
-    for first, second in zip(runs["first"], runs["second"]):
+    for first, second in zip(runs["first"], runs["second"], strict=True):
         assert second["loaded_steps"] == SAVE_AT
         assert second["global_steps"] == list(range(SAVE_AT + 1, STEPS + 1))
         assert second["loss"] == pytest.approx(first["loss"][SAVE_AT:], rel=1e-5, abs=1e-6)

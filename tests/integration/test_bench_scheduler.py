@@ -25,7 +25,7 @@ BENCH = REPO / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import run_all
+import run_all  # noqa: E402 - importable once BENCH is on sys.path
 
 
 def _default_jobs(extra: list[str] | None = None) -> tuple[list, argparse.Namespace]:
@@ -76,7 +76,11 @@ def test_checkpoint_form_defaults_and_override() -> None:
     jobs, _ = _default_jobs()
     s3 = [j.spec for j in jobs if j.spec["scenario"] == "s3"]
     assert all(s["checkpoint_reentrant"] is (s["impl"] == "upstream") for s in s3)
-    tp = {(j.spec["impl"], j.spec["stage"]): j.spec["checkpoint_reentrant"] for j in jobs if j.spec["scenario"] == "throughput"}
+    tp = {
+        (j.spec["impl"], j.spec["stage"]): j.spec["checkpoint_reentrant"]
+        for j in jobs
+        if j.spec["scenario"] == "throughput"
+    }
     assert tp[("upstream", 3)] is True and sum(tp.values()) == 1
     for value in (False, True):
         jobs, _ = _default_jobs(["--s3-extra", json.dumps({"checkpoint_reentrant": value})])

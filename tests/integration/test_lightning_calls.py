@@ -77,7 +77,7 @@ def _reference(steps: int) -> TinyMLP:
 
 
 def _assert_matches(engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module) -> None:
-    for param, want in zip(engine.module.parameters(), reference.parameters()):
+    for param, want in zip(engine.module.parameters(), reference.parameters(), strict=True):
         got = safe_get_full_fp32_param(param).reshape(want.shape)
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
 
@@ -99,8 +99,11 @@ def test_lightning_strategy_calls(stage: int, tmp_path: Path) -> None:
     assert client_state["epoch"] == 4 and client_state["global_step"] == 1
     _assert_matches(resumed, _reference(1))
 
-    from deepspeed.utils.zero_to_fp32 import (get_fp32_state_dict_from_zero_checkpoint, get_model_state_file,
-                                              get_optim_files)
+    from deepspeed.utils.zero_to_fp32 import (
+        get_fp32_state_dict_from_zero_checkpoint,
+        get_model_state_file,
+        get_optim_files,
+    )
 
     tag_dir = os.path.join(ckpt, "checkpoint")
     assert len(get_optim_files(tag_dir)) == 2

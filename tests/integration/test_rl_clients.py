@@ -167,7 +167,7 @@ def test_openrlhf_weight_sync_one_parameter_at_a_time() -> None:
     assert _gathered_numel(engine.module) == 0
     expected = _train_reference(1, dist.get_world_size())
     if receiver is not None:
-        for (name, got), want in zip(receiver.named_parameters(), expected.parameters()):
+        for (name, got), want in zip(receiver.named_parameters(), expected.parameters(), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
 
     engine.offload_states()  # generation phase: the optimizer's memory is not needed
@@ -175,7 +175,7 @@ def test_openrlhf_weight_sync_one_parameter_at_a_time() -> None:
     _engine_step(engine, 1)
     expected = _train_reference(2, dist.get_world_size())
     with deepspeed.zero.GatheredParameters(engine.module.parameters()):
-        for got, want in zip(engine.module.parameters(), expected.parameters()):
+        for got, want in zip(engine.module.parameters(), expected.parameters(), strict=True):
             torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-7)
     engine.destroy()
 
@@ -192,6 +192,6 @@ def test_zero12_optimizer_is_the_public_class(stage: int) -> None:
     _engine_step(engine, 0)
     from deepspeed.utils import safe_get_full_fp32_param
 
-    for param, want in zip(engine.module.parameters(), _train_reference(1, 2).parameters()):
+    for param, want in zip(engine.module.parameters(), _train_reference(1, 2).parameters(), strict=True):
         torch.testing.assert_close(safe_get_full_fp32_param(param).reshape(want.shape), want, rtol=1e-6, atol=1e-7)
     engine.destroy()

@@ -37,7 +37,7 @@ def _poisoned(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
 
 def _expected_flat(tensors: list[torch.Tensor], offsets: list[int], out: torch.Tensor) -> torch.Tensor:
     expected = out.clone()
-    for t, off in zip(tensors, offsets):
+    for t, off in zip(tensors, offsets, strict=True):
         expected[off:off + t.numel()] = t.reshape(-1)
     return expected
 
@@ -63,7 +63,7 @@ def _roundtrip(sizes: list[int], dtype: torch.dtype, device: str, gap: Callable[
     targets = [_poisoned(t.numel(), dtype, device) for t in tensors]
     m.unflatten_from(out, targets, offsets)
     torch.cuda.synchronize()
-    for i, (t, back) in enumerate(zip(tensors, targets)):
+    for i, (t, back) in enumerate(zip(tensors, targets, strict=True)):
         assert _same_bits(t, back), f"unflatten_from mismatch at tensor {i} ({dtype})"
 
 
@@ -102,7 +102,7 @@ def check_compat_flatten(device: str = "cuda") -> None:
     flat = m.flatten(tensors)
     assert torch.equal(flat, torch._utils._flatten_dense_tensors(tensors))
     views = m.unflatten(flat, tensors)
-    assert all(torch.equal(a, b) for a, b in zip(views, tensors))
+    assert all(torch.equal(a, b) for a, b in zip(views, tensors, strict=True))
 
 
 def _expect_value_error(fn: Callable[[], object], needle: str) -> None:
@@ -127,7 +127,9 @@ def check_errors(device: str = "cuda") -> None:
     out = torch.zeros(100, device=device)
     _expect_value_error(lambda: front.flatten_into([torch.randn(4, 4, device=device).t()], out, [0]), "not contiguous")
     _expect_value_error(lambda: front.flatten_into([torch.randn(4)], out, [0]), "mixed devices")
-    _expect_value_error(lambda: front.flatten_into([torch.randn(4, device=device, dtype=torch.half)], out, [0]), "dtype")
+    _expect_value_error(
+        lambda: front.flatten_into([torch.randn(4, device=device, dtype=torch.half)], out, [0]), "dtype"
+    )
     _expect_value_error(lambda: front.flatten_into([torch.randn(4, device=device)], out, [97]), "does not fit")
     _expect_value_error(lambda: front.unflatten_from(out[::2], [torch.randn(4, device=device)], [0]), "contiguous")
 
@@ -145,7 +147,7 @@ def check_front_end(device: str = "cuda") -> None:
     assert _same_bits(out, expected)
     back = [torch.empty_like(t) for t in tensors]
     front.unflatten_from(out, back, offsets)
-    assert all(_same_bits(a, b) for a, b in zip(tensors, back))
+    assert all(_same_bits(a, b) for a, b in zip(tensors, back, strict=True))
 
 
 def _reference_lowp_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
@@ -180,18 +182,18 @@ def _check_adam_case(dtype: torch.dtype, adam_w_mode: bool, wd: float, device: s
         moments = [(torch.zeros_like(r), torch.zeros_like(r)) for r in ref]
     for step in range(1, 51):
         grads = [torch.randn(p.shape, device=device).to(dtype) for p in ours]
-        for p, g in zip(ours, grads):
+        for p, g in zip(ours, grads, strict=True):
             p.grad = g
         opt.step()
         if dtype == torch.float32:
-            for r, g in zip(ref, grads):
+            for r, g in zip(ref, grads, strict=True):
                 r.grad = g.clone()
             ref_opt.step()
         else:
-            for r, g, (m, v) in zip(ref, grads, moments):
+            for r, g, (m, v) in zip(ref, grads, moments, strict=True):
                 _reference_lowp_step(r, g, m, v, step, adam_w_mode, wd)
     return max(((p.detach().float() - r.detach().float()).abs().max() / r.detach().float().abs().max()).item()
-               for p, r in zip(ours, ref))
+               for p, r in zip(ours, ref, strict=True))
 
 
 def check_fused_adam(device: str = "cuda") -> None:

@@ -20,7 +20,11 @@ def _reference_fp64(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
     """Textbook Adam/AdamW in float64 (used where torch has no switch, e.g. bias_correction=False)."""
     out = []
     for i, p0 in enumerate(params):
-        p, m, v = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64), torch.zeros_like(p0, dtype=torch.float64)
+        p, m, v = (
+            p0.double().clone(),
+            torch.zeros_like(p0, dtype=torch.float64),
+            torch.zeros_like(p0, dtype=torch.float64),
+        )
         for t, step_grads in enumerate(grads, start=1):
             g = step_grads[i].double()
             if not adamw:
@@ -36,13 +40,15 @@ def _reference_fp64(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
     return out
 
 
-def _run_ours(params: list[torch.Tensor], grads: list[list[torch.Tensor]], native: bool, **kw: object) -> list[torch.Tensor]:
+def _run_ours(
+    params: list[torch.Tensor], grads: list[list[torch.Tensor]], native: bool, **kw: object
+) -> list[torch.Tensor]:
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = DeepSpeedCPUAdam(ps, **kw)
     if not native:
         opt.ds_opt_adam = None
     for step_grads in grads:
-        for p, g in zip(ps, step_grads):
+        for p, g in zip(ps, step_grads, strict=True):
             p.grad = g.clone()
         opt.step()
     return [p.detach() for p in ps]
@@ -53,7 +59,7 @@ def _run_torch(params: list[torch.Tensor], grads: list[list[torch.Tensor]], adam
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(ps, lr=lr, weight_decay=wd, foreach=False)
     for step_grads in grads:
-        for p, g in zip(ps, step_grads):
+        for p, g in zip(ps, step_grads, strict=True):
             p.grad = g.clone()
         opt.step()
     return [p.detach() for p in ps]
@@ -67,7 +73,7 @@ def _data(seed: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
 
 
 def _assert_rel(ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: float) -> None:
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         b = b.to(a.dtype)
         err = ((a - b).abs().max() / b.abs().max()).item()
         assert err <= rtol, f"relative error {err:.3g} > {rtol}"
@@ -106,7 +112,9 @@ def test_cpu_adam_low_precision_params(cpu_adam_op: object, dtype: torch.dtype, 
     fallback = _run_ours(params, grads, False, **kw)
     assert all(p.dtype == dtype for p in native)
     _assert_rel(native, fallback, 2e-2 if dtype == torch.bfloat16 else 2e-3)
-    ref = _reference_fp64([p.float() for p in params], [[g.float() for g in gs] for gs in grads], 1e-3, 0.01, True, True)
+    ref = _reference_fp64(
+        [p.float() for p in params], [[g.float() for g in gs] for gs in grads], 1e-3, 0.01, True, True
+    )
     _assert_rel(native, ref, 3e-2 if dtype == torch.bfloat16 else 5e-3)
 
 

@@ -46,19 +46,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _roundtrip(impl: _Impl, sizes: list[int], dtype: torch.dtype, gaps: list[int], misalign: int = 0) -> None:
     tensors = [torch.randn(n + misalign).to(dtype)[misalign:] for n in sizes]
     offsets, nxt = [], 0
-    for t, gap in zip(tensors, gaps):
+    for t, gap in zip(tensors, gaps, strict=True):
         nxt += gap
         offsets.append(nxt)
         nxt += t.numel()
     out = _poisoned(nxt + 3, dtype)
     expected = out.clone()
-    for t, off in zip(tensors, offsets):
+    for t, off in zip(tensors, offsets, strict=True):
         expected[off:off + t.numel()] = t
     impl.flatten_into(tensors, out, offsets)
     assert torch.equal(_bits(out), _bits(expected)), "flatten_into wrote the wrong bytes (or touched the gaps)"
     back = [_poisoned(t.numel(), dtype) for t in tensors]
     impl.unflatten_from(out, back, offsets)
-    for i, (t, b) in enumerate(zip(tensors, back)):
+    for i, (t, b) in enumerate(zip(tensors, back, strict=True)):
         assert torch.equal(_bits(t), _bits(b)), f"unflatten_from mismatch at tensor {i}"
 
 
@@ -111,7 +111,7 @@ def test_compat_flatten_unflatten(utils_op: ModuleType) -> None:
     assert torch.equal(flat, torch._utils._flatten_dense_tensors(tensors))
     views = utils_op.unflatten(flat, tensors)
     assert [v.shape for v in views] == [t.shape for t in tensors]
-    assert all(torch.equal(v, t) for v, t in zip(views, tensors))
+    assert all(torch.equal(v, t) for v, t in zip(views, tensors, strict=True))
     assert not utils_op.has_cuda_kernel() or torch.version.cuda is not None
 
 

@@ -27,8 +27,12 @@ def _nvcc() -> str:
 
 
 def _cuda_include(nvcc: str) -> Path:
-    candidates = [Path(nvcc).resolve().parent.parent / "include", Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "include",
-                  Path("/usr/local/cuda/include"), *sorted(Path("/usr/local").glob("cuda-*/include"), reverse=True)]
+    candidates = [
+        Path(nvcc).resolve().parent.parent / "include",
+        Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "include",
+        Path("/usr/local/cuda/include"),
+        *sorted(Path("/usr/local").glob("cuda-*/include"), reverse=True),
+    ]
     for candidate in candidates:
         if (candidate / "cuda_runtime_api.h").is_file():
             return candidate

@@ -21,14 +21,16 @@ def _run(opt_factory: object, params: list[torch.Tensor], grads: list[list[torch
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = opt_factory(ps)  # type: ignore[operator]
     for step_grads in grads:
-        for p, g in zip(ps, step_grads):
+        for p, g in zip(ps, step_grads, strict=True):
             p.grad = g.clone()
         opt.step()
     return [p.detach() for p in ps]
 
 
 def _max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(((x.double() - y.double()).abs().max() / y.double().abs().max()).item() for x, y in zip(a, b))
+    return max(
+        ((x.double() - y.double()).abs().max() / y.double().abs().max()).item() for x, y in zip(a, b, strict=True)
+    )
 
 
 @pytest.mark.parametrize("adam_w_mode", [True, False])

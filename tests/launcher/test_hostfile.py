@@ -48,7 +48,7 @@ def test_parse_rejects_zero_slots_and_empty_file() -> None:
         _parse_hostfile(["# nothing here", ""])
 
 
-def test_fetch_hostfile_missing_is_none_and_errors_name_the_file(tmp_path) -> None:  # noqa: ANN001
+def test_fetch_hostfile_missing_is_none_and_errors_name_the_file(tmp_path) -> None:
     assert fetch_hostfile(str(tmp_path / "absent")) is None
     path = tmp_path / "hosts"
     path.write_text("a slots=2\nb slots\n")

@@ -36,7 +36,9 @@ def make_model(seed: int = 0, **kwargs: object) -> TinyMLP:
     return TinyMLP(**kwargs)  # type: ignore[arg-type]
 
 
-def micro_batch(step: int, index: int, micro: int = 3, seq: int = 5, vocab: int = 37) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch(
+    step: int, index: int, micro: int = 3, seq: int = 5, vocab: int = 37
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``index``-th micro-batch of optimizer step ``step``: same on every rank that asks for it."""
     g = torch.Generator().manual_seed(1000 * step + index)
     tokens = torch.randint(0, vocab, (micro, seq), generator=g)

@@ -105,7 +105,7 @@ def moe_forward(params: dict, experts: list[dict], h: torch.Tensor, k: int,
         total = sum(gates) if k == 2 else 1.0
         if k == 2:
             total = torch.clamp(total, min=torch.finfo(probs.dtype).eps)
-        rows.append(sum(g / total * expert_forward(experts[e], h[s]) for g, (e, _) in zip(gates, pairs)))
+        rows.append(sum(g / total * expert_forward(experts[e], h[s]) for g, (e, _) in zip(gates, pairs, strict=True)))
     chosen = torch.zeros(NUM_EXPERTS)
     for s in range(num_tokens):
         chosen[int(torch.argmax(probs[s].detach()))] += 1.0

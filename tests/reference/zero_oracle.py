@@ -36,7 +36,9 @@ def reference_train(
     results are compared with a reference on the same kind of device, since CPU and GPU bf16 kernels round
     differently.
     """
-    model.to(device=device, dtype=working_dtype)  # masters start from the rounded weights, as in any engine that casts first
+    model.to(
+        device=device, dtype=working_dtype
+    )  # masters start from the rounded weights, as in any engine that casts first
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     optimizer = make_optimizer(masters)
@@ -51,13 +53,13 @@ def reference_train(
             loss = model(*(t.to(device) for t in micro_batch(step, index))) / n
             loss.backward()
             total += float(loss.detach())
-        for p, m in zip(params, masters):
+        for p, m in zip(params, masters, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(masters, clip)
         optimizer.step()
         with torch.no_grad():
-            for p, m in zip(params, masters):
+            for p, m in zip(params, masters, strict=True):
                 p.copy_(m)
         if scheduler is not None:
             scheduler.step()

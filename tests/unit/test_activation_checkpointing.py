@@ -60,7 +60,7 @@ def _run_twice(step: Callable[[bool], Any], leaves: list[torch.Tensor]) -> tuple
 
 def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y), (x, y)
 
 

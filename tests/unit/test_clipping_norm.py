@@ -9,7 +9,7 @@ from deepspeed._core.optim.clipping import local_sq_norm
 
 
 @pytest.mark.parametrize("chunk", [None, 5, 64, 1000])
-def test_matches_a_float64_reference_across_dtypes_and_blocks(chunk: int | None, monkeypatch) -> None:  # noqa: ANN001
+def test_matches_a_float64_reference_across_dtypes_and_blocks(chunk: int | None, monkeypatch) -> None:
     monkeypatch.setattr(clipping, "HOST_NORM_BLOCK_NUMEL", 7)  # many blocks, ragged ends
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(n, generator=gen).to(dtype) for n, dtype in
@@ -29,7 +29,7 @@ def test_empty_and_nonfinite() -> None:
     assert torch.isnan(local_sq_norm([torch.ones(2), g]))
 
 
-def test_one_upcast_buffer_for_every_piece(monkeypatch) -> None:  # noqa: ANN001
+def test_one_upcast_buffer_for_every_piece(monkeypatch) -> None:
     """No fresh host tensor per piece: every narrow piece is copied into the same scratch storage."""
     monkeypatch.setattr(clipping, "HOST_NORM_BLOCK_NUMEL", 4)
     seen: set[int] = set()
@@ -46,7 +46,7 @@ def test_one_upcast_buffer_for_every_piece(monkeypatch) -> None:  # noqa: ANN001
 
 
 @pytest.mark.gpu
-def test_gradients_on_two_devices_are_reduced_where_they_live(monkeypatch) -> None:  # noqa: ANN001
+def test_gradients_on_two_devices_are_reduced_where_they_live(monkeypatch) -> None:
     """Host and device gradients in one call: each device reduces its own (no device tensor is upcast through a
     host buffer); the sum is on the first gradient's device."""
     from deepspeed.accelerator import get_accelerator

@@ -231,7 +231,7 @@ def test_manager_applies_the_policy_before_building_units() -> None:
     loss = model(x).square().mean()
     loss.backward()
     assert loss.item() == pytest.approx(ref_loss, abs=1e-6)
-    for param, want in zip(model.parameters(), ref_grads):
+    for param, want in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(grads[param.ds_id], want)
     assert max(s.params_alive for s in manager.boundary_samples) == 6  # the mixer's six tensors at once
     manager.destroy()

@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from deepspeed._core.optim import loss_scaling
 from deepspeed._core.config.plan import LossScalePolicy
+from deepspeed._core.optim import loss_scaling
 from deepspeed.runtime.fp16 import loss_scaler as facade
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScaler, LossScalerBase
 

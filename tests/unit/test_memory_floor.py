@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from deepspeed._core.engine.memory import model_state_floor
 from deepspeed._core.config.plan import BatchPlan, OffloadDevice, OffloadPolicy, PrecisionPolicy, RunPlan, ZeroPlan
+from deepspeed._core.engine.memory import model_state_floor
 
 P, N = 7.6e9, 8
 

@@ -157,7 +157,7 @@ def load_file(
             return torch.load(path, map_location=map_location, weights_only=False)
         with _allowed_globals():
             return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many types for one cause; classified below
+    except Exception as err:  # torch raises many types for one cause; classified below
         raise _classify_load_error(err, path, rank) from err
 
 

@@ -79,7 +79,9 @@ class ModuleFiles(Protocol):
     the model-states file then stores ``module: None``, as upstream's pipeline engine does.
     """
 
-    pipe_degree: int
+    @property
+    def pipe_degree(self) -> int:
+        """Number of pipeline stages the module's files are spread over."""
 
     def save(self, ckpt_dir: str, exclude_frozen_parameters: bool) -> None:
         """Write the module's files into the tag folder (called on the ranks that write model files)."""
@@ -298,7 +300,7 @@ def compact_tensors(state: Any) -> Any:
         view = state.untyped_storage().nbytes() > state.numel() * state.element_size()
         return state.detach().to("cpu", copy=True) if view else state.detach()
     if isinstance(state, dict):
-        out = type(state)((k, compact_tensors(v)) for k, v in state.items())
+        out: Any = type(state)((k, compact_tensors(v)) for k, v in state.items())
         if hasattr(state, "_metadata"):
             out._metadata = state._metadata
         return out
@@ -308,12 +310,12 @@ def compact_tensors(state: Any) -> Any:
 
 
 def build_model_state(
-    subject: CheckpointSubject, request: SaveRequest, module_state: dict, counters: dict, client_state: dict
+    subject: CheckpointSubject, request: SaveRequest, module_state: dict | None, counters: dict, client_state: dict
 ) -> dict:
     """The model-states dictionary with upstream's keys, then ``client_state`` merged on top."""
     topo = subject.topology
     opt = subject.optimizer
-    frozen = (None, None)
+    frozen: tuple[OrderedDict | None, OrderedDict | None] = (None, None)
     if topo.saves_frozen_params and not request.exclude_frozen_parameters:
         frozen = frozen_param_state(subject.module)
     state = {

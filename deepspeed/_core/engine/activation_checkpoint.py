@@ -339,7 +339,9 @@ class ActivationCheckpointState:
             if not torch.is_tensor(arg):
                 layout.append(SavedSlot(kind=SlotKind.CONST, value=arg))
                 continue
-            meta = {"shape": arg.shape, "dtype": arg.dtype, "device": arg.device, "requires_grad": arg.requires_grad}
+            meta: dict[str, Any] = {
+                "shape": arg.shape, "dtype": arg.dtype, "device": arg.device, "requires_grad": arg.requires_grad
+            }
             if split and is_activation_to_checkpoint(arg, view.world_size):
                 arena = self.arena if use_arena else None
                 part = self._observe(self._partition(slot, arg, view, arena))
@@ -400,8 +402,9 @@ def _gather(part: torch.Tensor, slot: SavedSlot, view: ModelParallelView) -> tor
     mine = gathered.narrow(0, size * view.rank, size)
     mine.copy_(part)
     dist.all_gather_into_tensor(gathered, mine, group=view.group)
-    numel = math.prod(slot.shape)
-    return gathered.narrow(0, 0, numel).view(slot.shape)
+    shape = slot.shape
+    assert shape is not None, "a PARTITION slot records its tensor's shape"
+    return gathered.narrow(0, 0, math.prod(shape)).view(shape)
 
 
 _STATE = ActivationCheckpointState()
@@ -475,7 +478,9 @@ class CheckpointFunction(torch.autograd.Function):
         with _timed(state, "recompute"), replay_rng(ctx.rng, state.tracker), torch.enable_grad():
             outputs = ctx.run_function(*inputs)
         tensors = [leaf for leaf in _tensor_leaves(outputs)[0] if torch.is_tensor(leaf)]
-        pairs = [(out, grad) for out, grad in zip(tensors, grads) if out.requires_grad and grad is not None]
+        pairs = [
+            (out, grad) for out, grad in zip(tensors, grads, strict=True) if out.requires_grad and grad is not None
+        ]
         if not pairs:
             raise RuntimeError("none of the checkpointed function's outputs requires grad; checkpoint() is not "
                                "needed around this function")
@@ -498,7 +503,7 @@ class _KeywordCall:
 
     def __call__(self, *values: Any) -> Any:
         head, tail = values[: self.n_positional], values[self.n_positional:]
-        return self.function(*head, **dict(zip(self.names, tail)))
+        return self.function(*head, **dict(zip(self.names, tail, strict=True)))
 
 
 def checkpoint(function: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -529,6 +534,8 @@ class _RecomputeFrame:
     def __init__(self, state: ActivationCheckpointState, function: Callable[..., Any], args: Sequence[Any]) -> None:
         self.state, self.function = state, function
         self.rng = capture_rng(state.tracker)
+        self.layout: list[SavedSlot] | None
+        self.whole: list[torch.Tensor] | None
         self.layout, self.whole = state.save_inputs(args, ArenaUse.NEVER)
         self.count = 0
         self.recomputed: list[torch.Tensor] | None = None
@@ -541,9 +548,8 @@ class _RecomputeFrame:
 
     def unpack(self, index: int) -> torch.Tensor:
         """Hand out the recomputed tensor for ``index`` (recomputing on first use)."""
-        if self.recomputed is None:
-            self._recompute()
-        tensor = self.recomputed[index]
+        recomputed = self.recomputed if self.recomputed is not None else self._recompute()
+        tensor = recomputed[index]
         self.seen.add(index)
         if len(self.seen) == self.count:
             # Every saved tensor has been consumed: the segment's backward is done, so its inputs (partitions)
@@ -551,8 +557,8 @@ class _RecomputeFrame:
             self.layout, self.whole, self.recomputed = None, None, None
         return tensor
 
-    def _recompute(self) -> None:
-        if self.layout is None:
+    def _recompute(self) -> list[torch.Tensor]:
+        if self.layout is None or self.whole is None:
             raise RuntimeError("non_reentrant_checkpoint: backward through this segment already ran (its saved "
                                "inputs were released); retain_graph=True is not supported here")
         inputs = self.state.restore_inputs(self.layout, self.whole)
@@ -569,6 +575,7 @@ class _RecomputeFrame:
             raise RuntimeError(f"non_reentrant_checkpoint: recomputation saved {len(collected)} tensors but the "
                                f"forward saved {self.count}; the function must be deterministic in its control flow")
         self.recomputed = list(collected)
+        return self.recomputed
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

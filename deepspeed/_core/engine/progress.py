@@ -27,11 +27,11 @@ class ProgressReporter:
 
     def enabled(self) -> bool:
         """True when periodic reports are on."""
-        return bool(self.period) and math.isfinite(self.period) and self.period > 0
+        return self.period is not None and math.isfinite(self.period) and self.period > 0
 
     def maybe_report(self, global_steps: int, loss_scale: float, lrs: list[float], grad_norm: Any) -> str | None:
         """Log (and return) the progress line when ``global_steps`` hits the period."""
-        if not self.enabled() or global_steps % int(self.period) != 0:
+        if self.period is None or not self.enabled() or global_steps % int(self.period) != 0:
             return None
         now = time.perf_counter()
         steps = max(global_steps - self._last_step, 1)

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.engine.accumulation import AccumulationState
 from deepspeed._core.engine.memory import MemoryReporter, SnapshotAnalyser
-from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.engine.progress import ProgressReporter
-from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 
 
 class TrainingLoop:
@@ -103,25 +103,23 @@ class TrainingLoop:
             self._backward_pending = False
         self.step_applied = False
         if self.accumulation.is_boundary() and self.optimizer is not None:
-            self._take_model_step(lr_kwargs)
+            self._take_model_step(self.optimizer, lr_kwargs)
             self.memory.report("after step")
             self.memory.timeline.finish(self.global_steps, self.module, self.optimizer)
         self.accumulation.on_step()
 
-    def _take_model_step(self, lr_kwargs: dict | None) -> None:
-        applied = self.optimizer.step()
+    def _take_model_step(self, optimizer: EngineOptimizer, lr_kwargs: dict | None) -> None:
+        applied = optimizer.step()
         if applied:
             self.step_applied = True
             if self.lr_scheduler is not None:
                 _step_scheduler(self.lr_scheduler, lr_kwargs, self.plan.batch.train_batch_size)
         else:
             self.skipped_steps += 1
-        self.optimizer.zero_grad()
+        optimizer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.plan.batch.train_batch_size
-        self.progress.maybe_report(
-            self.global_steps, self.optimizer.cur_scale, self.get_lr(), self.optimizer._global_grad_norm
-        )
+        self.progress.maybe_report(self.global_steps, optimizer.cur_scale, self.get_lr(), optimizer._global_grad_norm)
 
     def zero_grad(self) -> None:
         """Drop gradients of the module's parameters (upstream: no arguments)."""

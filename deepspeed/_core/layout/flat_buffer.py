@@ -68,7 +68,7 @@ class FlatBuffer:
         """Adopt ``segments`` (one 1-D contiguous tensor per segment of ``plan``, same device and dtype)."""
         if len(segments) != len(plan.segments):
             raise ValueError(f"plan has {len(plan.segments)} segments, got {len(segments)} tensors")
-        for segment, tensor in zip(plan.segments, segments):
+        for segment, tensor in zip(plan.segments, segments, strict=True):
             if tensor.dim() != 1 or not tensor.is_contiguous() or tensor.numel() != segment.range.size:
                 raise ValueError(f"segment {segment.index} needs a contiguous 1-D tensor of {segment.range.size}")
         if len({(t.device, t.dtype) for t in segments}) != 1:
@@ -177,7 +177,7 @@ class FlatBuffer:
         slots = self.layout.slots
         if len(params) != len(slots):
             raise ValueError(f"layout has {len(slots)} slots, got {len(params)} params")
-        for slot, param in zip(slots, params):
+        for slot, param in zip(slots, params, strict=True):
             if tuple(param.shape) != slot.shape:
                 raise ValueError(f"param {slot.index} has shape {tuple(param.shape)}, slot expects {slot.shape}")
             param.data = self.view(slot)

@@ -85,7 +85,7 @@ def _check_params(params: Sequence[torch.Tensor], layout: GroupLayout) -> torch.
         raise ValueError(f"layout has {len(layout.slots)} slots, got {len(params)} params")
     if len({id(p) for p in params}) != len(params):
         raise ValueError("params contains the same tensor twice; deduplicate tied parameters first")
-    for slot, param in zip(layout.slots, params):
+    for slot, param in zip(layout.slots, params, strict=True):
         if tuple(param.shape) != slot.shape:
             raise ValueError(f"param {slot.index} has shape {tuple(param.shape)}, slot expects {slot.shape}")
         if param.device.type == "meta":
@@ -114,8 +114,8 @@ def _storage_key(tensor: torch.Tensor) -> _StorageKey:
 
 
 def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
-    start = tensor.storage_offset() * tensor.element_size()
-    return start, start + tensor.numel() * tensor.element_size()
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    return start, start + int(tensor.numel()) * tensor.element_size()
 
 
 def _covers(extents: list[tuple[int, int]], nbytes: int) -> bool:
@@ -142,7 +142,7 @@ def _plan_releases(params: Sequence[torch.Tensor], plan: SegmentPlan) -> dict[_S
     last: dict[_StorageKey, int] = {}
     strided: set[_StorageKey] = set()
     nbytes: dict[_StorageKey, int] = {}
-    for slot, param in zip(plan.layout.slots, params):
+    for slot, param in zip(plan.layout.slots, params, strict=True):
         storage = param.untyped_storage()
         if storage.nbytes() == 0:
             continue
@@ -217,7 +217,7 @@ def flatten_params_inplace(
             if param.untyped_storage().nbytes():
                 pending.setdefault(_storage_key(param), param.untyped_storage())
         _fill_segment(members, segment, tensor, layout, copy_fn)
-        for slot, param in zip(layout.slots[segment.slots.as_slice()], members):
+        for slot, param in zip(layout.slots[segment.slots.as_slice()], members, strict=True):
             local = slot.range.shift(-segment.range.start)
             param.data = tensor[local.as_slice()].view(slot.shape)
         segments.append(tensor)
@@ -255,7 +255,7 @@ def flatten_params_via_host(
     moved = flat.to(device)
     observe(FlattenEvent(FlattenStage.DEVICE_COPY, -1, storage_nbytes(moved)))
     buffer = FlatBuffer.wrap(layout, moved)
-    for slot, param in zip(layout.slots, params):  # the params hold placeholders now, not their shapes
+    for slot, param in zip(layout.slots, params, strict=True):  # the params hold placeholders now, not their shapes
         param.data = buffer.view(slot)
     return buffer
 

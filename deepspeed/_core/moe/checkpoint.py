@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 import torch
 
@@ -42,13 +43,13 @@ class MoECheckpointLayout:
     layers: tuple[MoELayerInfo, ...]
 
 
-def describe(module: torch.nn.Module, moe_class: type, ranks_of: dict[str, tuple[int, int]],
+def describe(module: torch.nn.Module, moe_class: type[Any], ranks_of: dict[str, tuple[int, int]],
              max_group: str) -> MoECheckpointLayout:
     """The layout of ``module``'s MoE layers (instances of ``moe_class``) for this rank.
 
     ``ranks_of`` maps an expert group name to this rank's ``(ep_rank, edp_rank)`` in it.
     """
-    layers = []
+    layers: list[MoELayerInfo] = []
     for name, sub in module.named_modules():
         if isinstance(sub, moe_class):
             ep_rank, edp_rank = ranks_of[sub.expert_group_name]
@@ -82,7 +83,7 @@ def split_state(state: dict, layout: MoECheckpointLayout) -> tuple[dict, dict[tu
 
     Only the experts this rank must write are returned (edp rank 0 of their layer's group).
     """
-    shared = type(state)()
+    shared: Any = type(state)()  # keeps the state's mapping type (and its _metadata below)
     experts: dict[tuple[int, int], dict] = {}
     for key, value in state.items():
         for layer in layout.layers:

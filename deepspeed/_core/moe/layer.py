@@ -24,11 +24,12 @@ def expert_group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
-def mark_expert_params(module: torch.nn.Module, group_name: str) -> None:
+def mark_expert_params(module: torch.nn.Module, group_name: str | None) -> None:
     """Tag ``module``'s parameters as expert parameters of ``group_name`` (upstream's attribute names)."""
     for param in module.parameters():
-        param.allreduce = False  # reduced over the expert-data-parallel group, not the data-parallel one
-        param.group_name = group_name
+        tagged: Any = param  # the tags are plain attributes on the Parameter, upstream's interface
+        tagged.allreduce = False  # reduced over the expert-data-parallel group, not the data-parallel one
+        tagged.group_name = group_name
 
 
 class _AllToAll(torch.autograd.Function):
@@ -65,7 +66,7 @@ class Experts(torch.nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs`` is ``(P, L, C, M)``; expert ``i`` sees ``inputs[:, i]``."""
         outputs = []
-        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
+        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts, strict=True):
             out = expert(chunk)
             outputs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outputs, dim=1)
@@ -182,7 +183,9 @@ class MoECore(torch.nn.Module):
             dense = dense[0] if isinstance(dense, tuple) else dense
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + dense * coef[..., 1:]
-        return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+        l_aux, exp_counts = self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+        assert l_aux is not None and exp_counts is not None, "the gate sets both on every forward"
+        return output, l_aux, exp_counts
 
 
 def _check_arguments(num_experts: int, ep_size: int, k: int, noisy_gate_policy: str | None, use_tutel: bool,

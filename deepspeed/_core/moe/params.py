@@ -33,7 +33,8 @@ def split_params_into_shared_and_expert_params(
     params: Iterable[torch.nn.Parameter],
 ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """``(shared, expert)`` parameters, in input order."""
-    shared, expert = [], []
+    shared: list[torch.nn.Parameter] = []
+    expert: list[torch.nn.Parameter] = []
     for p in params:
         (expert if is_moe_param(p) else shared).append(p)
     return shared, expert
@@ -43,7 +44,8 @@ def split_params_grads_into_shared_and_expert_params(
     group: Iterable[torch.nn.Parameter],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``(shared_grads, expert_grads)`` of the parameters that have a gradient."""
-    shared, expert = [], []
+    shared: list[torch.Tensor] = []
+    expert: list[torch.Tensor] = []
     for p in group:
         if p.grad is not None:
             (expert if is_moe_param(p) else shared).append(p.grad.to(p.dtype))
@@ -92,7 +94,8 @@ def split_params_into_different_moe_groups_for_optimizer(
     out: list[dict] = []
     moe_groups: list[dict] = []
     for group in groups:
-        shared, by_name = [], {}
+        shared: list[torch.nn.Parameter] = []
+        by_name: dict[str, list[torch.nn.Parameter]] = {}
         for p in group["params"]:
             name = expert_group_of(p)
             if name is None:

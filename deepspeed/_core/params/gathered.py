@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from deepspeed._core.comm.collectives import broadcast_from
 from deepspeed._core.params.manager import register_external, unregister_external
 from deepspeed._core.params.param import ZeroParam, zero_state
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,7 @@ class ModuleHooks:
                 return None
             wrapped = _PostBackward.apply(self, module, *(args[i] for i in positions))
             new_args = list(args)
-            for i, tensor in zip(positions, wrapped):
+            for i, tensor in zip(positions, wrapped, strict=True):
                 new_args[i] = tensor
             return tuple(new_args), kwargs
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -232,7 +232,7 @@ class ModuleHooks:
         if not positions:
             return None
         wrapped = _PostBackward.apply(self, module, *(flat[i] for i in positions))
-        for i, tensor in zip(positions, wrapped):
+        for i, tensor in zip(positions, wrapped, strict=True):
             flat[i] = tensor
         return pytree.tree_unflatten(flat, spec)
 

@@ -12,16 +12,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from deepspeed._core.comm.collectives import broadcast_from
-from deepspeed._core.params.placement import ShardPlacement
-from deepspeed._core.params.param import ShardGroup, zero_state
-from deepspeed._core.params.gather import Gatherer
 from deepspeed._core.comm.streams import StreamSet
+from deepspeed._core.params.gather import Gatherer
+from deepspeed._core.params.param import ShardGroup, zero_state
+from deepspeed._core.params.placement import ShardPlacement
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class InitPlan:
 
 def _all_subclasses(root: type) -> list[type]:
     found: list[type] = []
-    stack = list(root.__subclasses__())
+    stack: list[type] = list(root.__subclasses__())
     seen: set[type] = set()
     while stack:
         cls = stack.pop()
@@ -76,7 +79,7 @@ class ModuleInitInterceptor:
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         interceptor = self
 
-        def init_subclass(cls: type, **kwargs: Any) -> None:
+        def init_subclass(cls: type[nn.Module], **kwargs: Any) -> None:
             super(nn.Module, cls).__init_subclass__(**kwargs)
             interceptor._wrap(cls)
 
@@ -89,7 +92,7 @@ class ModuleInitInterceptor:
             cls.__init__ = original  # type: ignore[misc]
         self._originals.clear()
         if self._had_init_subclass:
-            nn.Module.__init_subclass__ = self._saved_init_subclass  # type: ignore[assignment]
+            nn.Module.__init_subclass__ = self._saved_init_subclass  # type: ignore[method-assign]
         else:
             del nn.Module.__init_subclass__
         self.installed = False

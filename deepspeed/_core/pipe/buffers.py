@@ -47,7 +47,8 @@ class Slot:
 
     def clear(self) -> None:
         """Drop every reference this slot holds."""
-        self.micro_batch, self.inputs, self.labels, self.outputs, self.loss, self.grads = -1, None, None, None, None, None
+        self.micro_batch, self.inputs, self.labels = -1, None, None
+        self.outputs, self.loss, self.grads = None, None, None
 
 
 @dataclass

@@ -68,7 +68,9 @@ class DataFeed:
 def check_item(item: Any) -> tuple[Any, Any]:
     """``item`` as ``(inputs, labels)``, or a ValueError saying what the pipeline expects."""
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        kind = f"{type(item).__name__} of length {len(item)}" if isinstance(item, (tuple, list)) else type(item).__name__
+        kind = (
+            f"{type(item).__name__} of length {len(item)}" if isinstance(item, (tuple, list)) else type(item).__name__
+        )
         raise ValueError(
             f"a pipeline data iterator must yield (inputs, labels) pairs (inputs: a tensor or a tuple of tensors "
             f"for the first stage; labels: what loss_fn takes on the last stage); got a {kind}"

@@ -15,7 +15,7 @@ need no pipeline branch:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,7 +62,7 @@ class _Run:
     compute_loss: bool = True
     next_micro_batch: int = 0
     backwards: int = 0
-    losses: list[torch.Tensor] | None = None
+    losses: list[Any] = field(default_factory=list)  # per micro-batch (a tensor, or what an eval forward gave)
     last_outputs: Any = None
 
 
@@ -88,7 +88,8 @@ class PipeExecutor:
         self.policy = policy
         self.optimizer: EngineOptimizer | None = None
         self.optimizer_step: Callable[[], None] = lambda: None
-        self.tied = list(module.get_tied_weights_and_groups()) if hasattr(module, "get_tied_weights_and_groups") else []
+        tied_weights = getattr(module, "get_tied_weights_and_groups", None)  # a PipelineModule's, if any
+        self.tied = list(tied_weights()) if tied_weights is not None else []
         self.grad_boundary = False
         self.last_run: _Run | None = None  # kept for inspection (tests read its ledger)
         self.observer: Callable[[str, Any, StageBuffers], None] | None = None
@@ -108,7 +109,9 @@ class PipeExecutor:
         self.module.train()
         run = self._start("train", schedule, feed_iter, batch_fn, compute_loss=True)
         self._execute(schedule, run)
-        return self._mean_loss(run, broadcast=True)
+        loss = self._mean_loss(run, broadcast=True)
+        assert loss is not None, "a broadcast mean loss reaches every stage"
+        return loss
 
     def evaluate(self, schedule: sched.PipeSchedule, feed_iter: Any, batch_fn: Any, compute_loss: bool,
                  reduce_output: str | None, bcast_loss: bool) -> tuple[Any, Any]:
@@ -185,8 +188,9 @@ class PipeExecutor:
             run.buffers.ledger.observe()  # a forward is where the count of live micro-batches can rise
             return
         loss = outputs
-        if run.compute_loss and getattr(self.module, "loss_fn", None) is not None:
-            loss = self.module.loss_fn(outputs, slot.labels)
+        loss_fn = getattr(self.module, "loss_fn", None) if run.compute_loss else None
+        if loss_fn is not None:
+            loss = loss_fn(outputs, slot.labels)
         if run.mode == "train":
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("the last pipeline stage must produce a scalar loss (set PipelineModule's loss_fn), "
@@ -202,16 +206,21 @@ class PipeExecutor:
     # --- backward -----------------------------------------------------------------------------------------------
     def _backward(self, cmd: Any, run: _Run) -> None:
         slot = run.buffers[cmd.buffer_id]
-        opt = self.optimizer
+        opt = self._optimizer()
         run.backwards += 1
         last = run.backwards == run.micro_batches
         kind = MicroStepKind.REDUCE if last and not self.tied else MicroStepKind.ACCUMULATE
         opt.prepare_backward(kind)
         if self.stage.is_last:
+            if slot.loss is None:
+                raise RuntimeError(f"pipeline buffer {cmd.buffer_id} has no loss for its backward (schedule bug)")
             scaled = slot.loss * (opt.cur_scale / run.micro_batches)
             scaled.backward()
         else:
-            pairs = [(t, g) for t, g in zip(as_tensors(slot.outputs), slot.grads) if g is not None]
+            if slot.grads is None:
+                raise RuntimeError(f"pipeline buffer {cmd.buffer_id} received no gradients before its backward "
+                                   "(schedule bug)")
+            pairs = [(t, g) for t, g in zip(as_tensors(slot.outputs), slot.grads, strict=True) if g is not None]
             if pairs:  # an output outside any graph (every layer so far frozen) has nothing to backpropagate
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         opt.finish_backward()
@@ -243,14 +252,21 @@ class PipeExecutor:
         if not self.tied:
             return
         weights = [w for w, _ in self.tied]
-        for grad, (_, group) in zip(self.optimizer.window_grads(weights), self.tied):
+        for grad, (_, group) in zip(self._optimizer().window_grads(weights), self.tied, strict=True):
             dist.all_reduce(grad, group=group)
 
     def _reduce_grads(self, cmd: Any, run: _Run) -> None:
         self.grad_boundary = True
         if self.tied:  # the backwards only accumulated: reduce over the data-parallel group now
-            self.optimizer.prepare_backward(MicroStepKind.REDUCE)
-            self.optimizer.finish_backward()
+            opt = self._optimizer()
+            opt.prepare_backward(MicroStepKind.REDUCE)
+            opt.finish_backward()
+
+    def _optimizer(self) -> EngineOptimizer:
+        # Only train() runs the backward, reduction and step commands, and it refuses to start without one.
+        if self.optimizer is None:
+            raise RuntimeError("pipeline schedule reached a backward or reduction without an optimizer")
+        return self.optimizer
 
     def _step(self, cmd: Any, run: _Run) -> None:
         self.grad_boundary = True

@@ -120,7 +120,7 @@ def _resolve_topology(num_stages: int | None, topology: ProcessTopology | None, 
     if topology is not None:
         if topology.world_size() != world:
             raise ValueError(f"PipelineModule: topology has {topology.world_size()} ranks "
-                             f"({dict(zip(topology.axes, topology.dims))}) but the world size is {world}")
+                             f"({dict(zip(topology.axes, topology.dims, strict=True))}) but the world size is {world}")
         pipe = topology.get_dim("pipe")
         if pipe < 1:
             raise ValueError(f"PipelineModule: topology must have a 'pipe' axis, has {topology.get_axis_names()}")
@@ -348,7 +348,9 @@ class PipelineModule(nn.Module):
         """Every saved file of local layer ``local_layer_idx`` (one per tensor-parallel slice)."""
         return _ckpt.layer_files_of(ckpt_dir, self._local_start + local_layer_idx)
 
-    def save_state_dict(self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False) -> None:
+    def save_state_dict(
+        self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False
+    ) -> None:
         """Write one file per local layer into ``save_dir`` (data-parallel rank 0 of each stage writes)."""
         _ckpt.save_layers(self, save_dir, checkpoint_engine, exclude_frozen_params)
 

@@ -44,7 +44,7 @@ class PipeInstruction:
         return f"{self.name}({args})"
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.kwargs == other.kwargs  # type: ignore[attr-defined]
+        return type(self) is type(other) and self.kwargs == other.kwargs
 
     def __hash__(self) -> int:
         return hash((type(self), tuple(sorted(self.kwargs.items()))))
@@ -210,13 +210,14 @@ class TrainSchedule(PipeSchedule):
     def _backward_step(self, step: int) -> list[PipeInstruction]:
         cmds: list[PipeInstruction] = []
         mb = self._backward_mb(step)
-        valid = mb is not None and self._valid_micro_batch(mb)
-        if valid and not self.is_last_stage:
+        if mb is not None and not self._valid_micro_batch(mb):
+            mb = None
+        if mb is not None and not self.is_last_stage:
             cmds.append(RecvGrad(self._buffer_idx(mb)))
         done = self._forward_mb(step - 1)  # the forward of the previous step, whose output goes on now
         if done is not None and self._valid_micro_batch(done) and not self.is_last_stage:
             cmds.append(SendActivation(self._buffer_idx(done)))
-        if valid:
+        if mb is not None:
             cmds.append(BackwardPass(self._buffer_idx(mb)))
         return cmds
 

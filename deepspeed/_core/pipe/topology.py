@@ -18,6 +18,11 @@ from typing import Any
 from deepspeed import comm as dist
 
 
+def _coord_type(axes: list[str]) -> Any:
+    # The fields are the axis names, known only at run time (so the type checker sees Any).
+    return namedtuple("ProcessCoord", axes)
+
+
 class ProcessTopology:
     """A Cartesian arrangement of ranks over named axes; the last axis varies fastest."""
 
@@ -32,7 +37,7 @@ class ProcessTopology:
         self.axes = list(axes)
         self.dims = list(dims)
         # Named tuple type so coordinates read as coord.pipe, coord.data.
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)
+        self.ProcessCoord = _coord_type(self.axes)
         self.mapping: dict[Any, int] = {}
         for rank, values in enumerate(itertools.product(*[range(d) for d in self.dims])):
             self.mapping[self.ProcessCoord(*values)] = rank
@@ -44,7 +49,9 @@ class ProcessTopology:
             raise ValueError(f"get_rank needs exactly the axes {self.axes}, got {sorted(coord_kwargs)}")
         key = self.ProcessCoord(**coord_kwargs)
         if key not in self.mapping:
-            raise ValueError(f"coordinate {coord_kwargs} is outside the topology {dict(zip(self.axes, self.dims))}")
+            raise ValueError(
+                f"coordinate {coord_kwargs} is outside the topology {dict(zip(self.axes, self.dims, strict=True))}"
+            )
         return self.mapping[key]
 
     def get_axis_names(self) -> list[str]:
@@ -78,7 +85,7 @@ class ProcessTopology:
         others = [a for a in self.axes if a != axis]
         lists = []
         for values in itertools.product(*[range(self.get_dim(a)) for a in others]):
-            fixed = dict(zip(others, values))
+            fixed = dict(zip(others, values, strict=True))
             lists.append([self.get_rank(**fixed, **{axis: i}) for i in range(self.get_dim(axis))])
         return lists
 
@@ -142,8 +149,10 @@ class PipelineParallelGrid:
         self.world_size = dist.get_world_size()
         self._topo = topology if topology is not None else PipeDataParallelTopology(self.world_size, 1)
         if self._topo.world_size() != self.world_size:
-            raise ValueError(f"PipelineParallelGrid: the topology has {self._topo.world_size()} ranks "
-                             f"({dict(zip(self._topo.axes, self._topo.dims))}) but the world has {self.world_size}")
+            raise ValueError(
+                f"PipelineParallelGrid: the topology has {self._topo.world_size()} ranks "
+                f"({dict(zip(self._topo.axes, self._topo.dims, strict=True))}) but the world has {self.world_size}"
+            )
         self.data_parallel_size = max(self._topo.get_dim("data"), 1)
         self.pipe_parallel_size = max(self._topo.get_dim("pipe"), 1)
         self.model_parallel_size = max(self._topo.get_dim("model"), 1)

@@ -60,8 +60,14 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
                  amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
         if amsgrad:
             raise ValueError("DeepSpeedCPUAdam does not support amsgrad=True")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "bias_correction": bias_correction,
-                        "amsgrad": amsgrad}
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "bias_correction": bias_correction,
+            "amsgrad": amsgrad,
+        }
         super().__init__(model_params, defaults)
         self.policy = CPUAdamPolicy(AdamMode.DECOUPLED if adamw_mode else AdamMode.L2, fp32_optimizer_states)
         self.adam_w_mode = adamw_mode

@@ -107,9 +107,14 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
         ValueError: contiguous checkpointing without ``partition_activations`` or without ``num_checkpoints``.
     """
     policy = _policy_from_block(_activation_block(deepspeed_config, mpu_))
-    overrides = {"partition_activations": partition_activations, "contiguous_checkpointing": contiguous_checkpointing,
-                     "num_checkpoints": num_checkpoints, "checkpoint_in_cpu": checkpoint_in_cpu, "synchronize": synchronize,
-                     "profile": profile}
+    overrides: dict[str, Any] = {
+        "partition_activations": partition_activations,
+        "contiguous_checkpointing": contiguous_checkpointing,
+        "num_checkpoints": num_checkpoints,
+        "checkpoint_in_cpu": checkpoint_in_cpu,
+        "synchronize": synchronize,
+        "profile": profile,
+    }
     policy = dataclasses.replace(policy, **{k: v for k, v in overrides.items() if v is not None})
     _core.current_state().apply(policy, mpu_)
     log_dist(f"activation checkpointing configured: {policy}", ranks=[0])

@@ -76,7 +76,9 @@ class PipelineEngine(DeepSpeedEngine):
                 f"zero_optimization.stage={stage} cannot be combined with pipeline parallelism (each micro-batch's "
                 "gradients would be partitioned mid-schedule); valid with a PipelineModule: stage 0 or 1"
             )
-        _apply_pipeline_block(self.config.get("pipeline"), self.module)
+        module = self.module
+        assert isinstance(module, PipelineModule), "__init__ admits only a PipelineModule"
+        _apply_pipeline_block(self.config.get("pipeline"), module)
         if mpu is not None and mpu.get_slice_parallel_world_size() > 1:
             raise NotImplementedError(
                 "PipelineEngine: tensor (model) parallelism inside pipeline stages is not supported yet; use a "

@@ -9,8 +9,13 @@ import time
 import pytest
 import torch
 
-from deepspeed.accelerator import DeepSpeedAccelerator, get_accelerator, is_current_accelerator_supported
-from deepspeed.accelerator import real_accelerator, set_accelerator
+from deepspeed.accelerator import (
+    DeepSpeedAccelerator,
+    get_accelerator,
+    is_current_accelerator_supported,
+    real_accelerator,
+    set_accelerator,
+)
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 

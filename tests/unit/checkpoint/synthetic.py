@@ -70,7 +70,9 @@ def _optim_file(stage: int, world: int, payload: dict) -> dict:
     return {"optimizer_state_dict": sd, "ds_config": {}, "ds_version": "0.19.6"}
 
 
-def write_stage12(root: str, net: nn.Module, stage: int, world: int, strip_padding: bool, tag: str = "global_step3") -> None:
+def write_stage12(
+    root: str, net: nn.Module, stage: int, world: int, strip_padding: bool, tag: str = "global_step3"
+) -> None:
     """One model file plus ``world`` optimizer files with ``single_partition_of_fp32_groups``."""
     tag_dir = os.path.join(root, tag)
     os.makedirs(tag_dir, exist_ok=True)

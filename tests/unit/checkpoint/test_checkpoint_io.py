@@ -58,9 +58,8 @@ def test_failed_write_keeps_previous_file(tmp_path: Path) -> None:
 
 
 def test_allow_listed_classes_load(tmp_path: Path) -> None:
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
     import deepspeed.runtime.engine_checkpointing  # noqa: F401 - registers ZeroStageEnum
+    from deepspeed.runtime.zero.config import ZeroStageEnum
 
     scaler = DynamicLossScaler(init_scale=2**10, scale_window=7)
     path = str(tmp_path / "o.pt")

@@ -90,7 +90,9 @@ def test_safetensors_output_or_clear_error(tmp_path: Path) -> None:
         import safetensors.torch as st
     except ImportError:
         with pytest.raises(ImportError, match="safetensors"):
-            z.convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "o"), safe_serialization=True)
+            z.convert_zero_checkpoint_to_fp32_state_dict(
+                str(tmp_path / "ckpt"), str(tmp_path / "o"), safe_serialization=True
+            )
         return
     z.convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "o"), safe_serialization=True)
     _assert_state_equal(st.load_file(str(tmp_path / "o" / "model.safetensors")), expected_state(net, False))

@@ -185,7 +185,11 @@ def test_offload_defaults() -> None:
 def test_zero_stage_enum_is_picklable_at_upstream_path() -> None:
     restored = pickle.loads(pickle.dumps(ZeroStageEnum.gradients))
     assert restored is ZeroStageEnum.gradients and type(restored).__module__ == "deepspeed.runtime.zero.config"
-    assert [int(s) for s in (ZeroStageEnum.disabled, ZeroStageEnum.optimizer_states, ZeroStageEnum.weights)] == [0, 1, 3]
+    assert [int(s) for s in (ZeroStageEnum.disabled, ZeroStageEnum.optimizer_states, ZeroStageEnum.weights)] == [
+        0,
+        1,
+        3,
+    ]
 
 
 def test_precision_blocks_and_loss_scale_views() -> None:

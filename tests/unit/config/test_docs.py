@@ -9,8 +9,15 @@ from pydantic import BaseModel
 from deepspeed.comm.config import CommsLoggerConfig
 from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
-from deepspeed.runtime.config import (AioConfig, CheckpointConfig, DeepSpeedFlopsProfilerConfig, OptimizerBlockConfig,
-                                      MemoryTimelineConfig, SchedulerBlockConfig, _RootConfig)
+from deepspeed.runtime.config import (
+    AioConfig,
+    CheckpointConfig,
+    DeepSpeedFlopsProfilerConfig,
+    MemoryTimelineConfig,
+    OptimizerBlockConfig,
+    SchedulerBlockConfig,
+    _RootConfig,
+)
 from deepspeed.runtime.precision_config import DataTypesConfig, DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig

@@ -79,7 +79,9 @@ def test_overlap_comm_default_by_stage(stage: int, expected: bool) -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_overlap_comm_explicit_wins(stage: int) -> None:
-    assert _plan(zero_optimization={"stage": stage, "overlap_comm": stage != 3}).zero.buckets.overlap_comm is (stage != 3)
+    assert _plan(zero_optimization={"stage": stage, "overlap_comm": stage != 3}).zero.buckets.overlap_comm is (
+        stage != 3
+    )
 
 
 def test_zero_plan_fields() -> None:

@@ -17,7 +17,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelD
 
 
 def _bottleneck(weights: list[int], parts: list[int]) -> int:
-    return max(sum(weights[a:b]) for a, b in zip(parts, parts[1:]))
+    return max(sum(weights[a:b]) for a, b in itertools.pairwise(parts))
 
 
 def _best_bottleneck(weights: list[int], k: int) -> int:
@@ -44,7 +44,7 @@ def test_balanced_is_optimal_and_nonempty(seed: int) -> None:
     weights = [rng.choice([0, 0, 1, 3, 10, 50]) for _ in range(n)]
     parts = partition_balanced(weights, k)
     assert parts[0] == 0 and parts[-1] == n and len(parts) == k + 1
-    assert all(a < b for a, b in zip(parts, parts[1:])), f"empty stage in {parts}"
+    assert all(a < b for a, b in itertools.pairwise(parts)), f"empty stage in {parts}"
     assert _bottleneck(weights, parts) == _best_bottleneck(weights, k)
 
 

@@ -63,7 +63,11 @@ class _Replay:
                 peer, kind = _peer(s, item[1])
                 other = self._current(peer)
                 assert other is not None, f"stage {s} sends to a finished stage"
-                if isinstance(other[1], COMM) and _peer(peer, other[1]) == (s, kind) and not isinstance(other[1], type(item[1])):
+                if (
+                    isinstance(other[1], COMM)
+                    and _peer(peer, other[1]) == (s, kind)
+                    and not isinstance(other[1], type(item[1]))
+                ):
                     assert other[0] == item[0], f"send at step {item[0]} met its receive at step {other[0]}"
                     self._transfer(s, item[1], peer, other[1])
                     self.pc[s] += 1
@@ -136,15 +140,15 @@ def test_train_schedule_shape(p: int, g: int) -> None:
 
 def test_two_stage_stream_exact() -> None:
     """The 1F1B pattern for P=2, G=3, written out."""
-    f, b, l = sched.ForwardPass, sched.BackwardPass, sched.LoadMicroBatch
+    f, b, load = sched.ForwardPass, sched.BackwardPass, sched.LoadMicroBatch
     first = list(sched.TrainSchedule(3, 2, 0).steps())
-    assert first[:6] == [[l(0), f(0)], [sched.SendActivation(0)], [l(1), f(1)],
-                         [sched.RecvGrad(0), sched.SendActivation(1), b(0)], [l(0), f(0)],
+    assert first[:6] == [[load(0), f(0)], [sched.SendActivation(0)], [load(1), f(1)],
+                         [sched.RecvGrad(0), sched.SendActivation(1), b(0)], [load(0), f(0)],
                          [sched.RecvGrad(1), sched.SendActivation(0), b(1)]]
     last = list(sched.TrainSchedule(3, 2, 1).steps())
-    assert last[1] == [sched.RecvActivation(0), l(0), f(0)]
+    assert last[1] == [sched.RecvActivation(0), load(0), f(0)]
     assert last[2] == [b(0)]
-    assert last[3] == [sched.SendGrad(0), sched.RecvActivation(0), l(0), f(0)]
+    assert last[3] == [sched.SendGrad(0), sched.RecvActivation(0), load(0), f(0)]
 
 
 @pytest.mark.parametrize("p, g", CASES)

@@ -52,11 +52,11 @@ def test_step_chunk_size_is_clamped_between_64_and_256_mib() -> None:
 class _Recorder(torch.optim.SGD):
     """SGD that remembers where each step's gradient lived."""
 
-    def __init__(self, params) -> None:  # noqa: ANN001
+    def __init__(self, params) -> None:
         super().__init__(params, lr=0.1)
         self.grad_ptrs: list[int] = []
 
-    def step(self, closure=None):  # noqa: ANN001, ANN201
+    def step(self, closure=None):
         self.grad_ptrs += [p.grad.data_ptr() for g in self.param_groups for p in g["params"]]
         return super().step(closure)
 

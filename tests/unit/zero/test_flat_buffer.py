@@ -89,10 +89,10 @@ class TestFlatBuffer:
         expected = [p.detach().clone() for p in params]
         layout = _layout_of(params)
         buf = FlatBuffer.allocate(layout, CPU, torch.float32)
-        for slot, p in zip(layout.slots, params):
+        for slot, p in zip(layout.slots, params, strict=True):
             buf.view(slot).copy_(p.data)
         buf.install_param_views(params)
-        assert all(torch.equal(p, e) for p, e in zip(params, expected))
+        assert all(torch.equal(p, e) for p, e in zip(params, expected, strict=True))
         buf.tensor.mul_(2.0)
         assert torch.equal(params[0].data, expected[0] * 2)
         with torch.no_grad():
@@ -164,8 +164,8 @@ class TestInplaceFlatten:
         layout = _layout_of(params, world)
         probe = _LiveBytes(params)
         buf = flatten_params_inplace(params, layout, CPU, chunk, observer=probe)
-        assert all(torch.equal(p, e) for p, e in zip(params, expected)), "values must survive"
-        for slot, p in zip(layout.slots, params):
+        assert all(torch.equal(p, e) for p, e in zip(params, expected, strict=True)), "values must survive"
+        for slot, p in zip(layout.slots, params, strict=True):
             assert isinstance(p, torch.nn.Parameter)
             home = buf.segments[buf.plan.segment_of(slot).index]
             assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr()
@@ -203,7 +203,7 @@ class TestInplaceFlatten:
         expected = [p.detach().clone() for p in params]
         buf = flatten_params_inplace(params, _layout_of(params, 2), CPU, 20, copy_fn=counting_copy)
         assert calls == [20, 10, 25] and len(buf.segments) == 3
-        assert all(torch.equal(p, e) for p, e in zip(params, expected))
+        assert all(torch.equal(p, e) for p, e in zip(params, expected, strict=True))
 
     def test_no_host_copy_in_place_but_upstream_path_makes_them(self, monkeypatch: pytest.MonkeyPatch) -> None:
         host_calls: list[str] = []
@@ -230,7 +230,7 @@ class TestInplaceFlatten:
         probe = _LiveBytes(params)
         buf = flatten_params(params, _layout_of(params), CPU, 16, FlattenPath.VIA_HOST, observer=probe)
         assert host_calls.count("cpu") == len(SHAPES) and probe.count(FlattenStage.HOST_COPY) == len(SHAPES)
-        assert buf.is_contiguous and all(torch.equal(p, e) for p, e in zip(params, expected))
+        assert buf.is_contiguous and all(torch.equal(p, e) for p, e in zip(params, expected, strict=True))
 
     def test_shared_storage_released_after_last_user(self) -> None:
         base = torch.randn(60)
@@ -241,7 +241,7 @@ class TestInplaceFlatten:
         del base
         probe = _LiveBytes(params)
         flatten_params_inplace(params, _layout_of(params, 2), CPU, 30, observer=probe)
-        assert all(torch.equal(p, e) for p, e in zip(params, expected))
+        assert all(torch.equal(p, e) for p, e in zip(params, expected, strict=True))
         released = [e for e in probe.events if e.stage is FlattenStage.STORAGE_RELEASED]
         assert storage.nbytes() == 0
         assert [e.segment_index for e in released if e.nbytes == 240] == [2], "freed only after its last user"
@@ -259,7 +259,7 @@ class TestInplaceFlatten:
         params = [torch.nn.Parameter(torch.randn(6, 4).t()), torch.nn.Parameter(torch.randn(3))]
         expected = [p.detach().clone() for p in params]
         flatten_params_inplace(params, _layout_of(params, 2), CPU, 4)
-        assert all(torch.equal(p, e) and p.is_contiguous() for p, e in zip(params, expected))
+        assert all(torch.equal(p, e) and p.is_contiguous() for p, e in zip(params, expected, strict=True))
 
     def test_bf16_and_grad_flags_survive(self) -> None:
         params = _params(SHAPES, dtype=torch.bfloat16)
@@ -327,7 +327,7 @@ def test_master_partition_chunked_transfer_matches_direct(monkeypatch: pytest.Mo
         master.write_back()
         bufs.append(buf)
     out = [torch.empty(layout.partition(1).size, dtype=torch.bfloat16) for _ in bufs]
-    for buf, o in zip(bufs, out):
+    for buf, o in zip(bufs, out, strict=True):
         buf.copy_out(layout.partition(1), o)
     assert torch.equal(out[0], out[1])
     assert torch.equal(out[1], (values[layout.partition(1).as_slice()].float() + 0.5).to(torch.bfloat16))
@@ -366,7 +366,7 @@ def test_send_through_host_into_many_shards_straddling_pieces() -> None:
     for chunk in (1, 4, 7, 30):
         send_through_host(master, torch.bfloat16, CPU, chunk,
                           lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece))
-        for state, off, n in zip(states, offsets, sizes):
+        for state, off, n in zip(states, offsets, sizes, strict=True):
             assert torch.equal(state.shard, master[off : off + n].to(torch.bfloat16)), (chunk, off)
         for state in states:
             state.shard.fill_(-1.0)

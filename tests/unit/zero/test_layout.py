@@ -149,7 +149,7 @@ def _check_stage12_checkpoint(shapes: list[tuple[int, ...]], world: int, align: 
     flat[: layout.numel] = torch.arange(layout.numel, dtype=torch.float32) + 1
     saved = [flat[layout.valid_range(r).as_slice()] for r in range(world)]  # padding stripped per rank
     rebuilt = _zero2_reconstruct(saved, shapes, world)
-    for slot, tensor in zip(layout.slots, rebuilt):
+    for slot, tensor in zip(layout.slots, rebuilt, strict=True):
         assert torch.equal(tensor.reshape(-1), flat[slot.range.as_slice()])
 
 
@@ -199,7 +199,7 @@ def _check_stage3_checkpoint(shapes: list[tuple[int, ...]], world: int) -> None:
     rank_flats = []
     for rank in range(world):
         flat = torch.full((group.rank_numel,), -1.0)
-        for slot, value in zip(group.slots, values):
+        for slot, value in zip(group.slots, values, strict=True):
             lay = group.param(slot)
             shard = torch.zeros(lay.partition_numel)
             valid = lay.valid_range(rank)
@@ -207,7 +207,7 @@ def _check_stage3_checkpoint(shapes: list[tuple[int, ...]], world: int) -> None:
             flat[group.rank_range(slot).as_slice()] = shard
         rank_flats.append(flat)
     consumed = 0
-    for slot, value in zip(group.slots, values):  # §5.6: concatenate every rank's slice, truncate to numel
+    for slot, value in zip(group.slots, values, strict=True):  # §5.6: concatenate every rank's slice, truncate to numel
         pn = math.ceil(slot.numel / world)
         assert group.rank_offset(slot) == consumed
         full = torch.cat([f[consumed : consumed + pn] for f in rank_flats])[: slot.numel]

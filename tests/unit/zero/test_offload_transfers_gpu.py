@@ -55,5 +55,5 @@ def test_zero3_write_back_pipeline_scatters_into_device_shards() -> None:
         master.add_(1.0)
         send_through_host(master, torch.bfloat16, _device(), chunk,
                           lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece))
-        for state, off, n in zip(states, offsets, sizes):
+        for state, off, n in zip(states, offsets, sizes, strict=True):
             assert torch.equal(state.shard.cpu(), master[off : off + n].to(torch.bfloat16)), (chunk, off)

@@ -81,7 +81,7 @@ def test_stream_ordered_release_holds_current_plus_window_under_a_slow_stream() 
     out, grads = _reference()
     for result in (lean, baseline):
         torch.testing.assert_close(result["out"], out)
-        for got, want in zip(result["grads"], grads):
+        for got, want in zip(result["grads"], grads, strict=True):
             torch.testing.assert_close(got, 2 * want)  # two steps accumulate without zeroing
     print(f"peak gathered layers: stream-ordered {lean['peak_layers']:.2f}, deferred {baseline['peak_layers']:.2f}")
     # current + one prefetched layer (its flat buffer in flight), with slack for activations

@@ -84,7 +84,7 @@ def test_leaf_modules_are_one_unit_and_keep_numerics() -> None:
     loss = model(x).square().mean()
     loss.backward()
     assert abs(loss.item() - ref_loss) < 1e-6
-    for param, want in zip(model.parameters(), ref_grads):
+    for param, want in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(grads[param.ds_id], want)
     assert max(s.params_alive for s in manager.boundary_samples) == 4  # a whole block at once
     manager.destroy()
@@ -105,7 +105,7 @@ def test_order_change_invalidates_the_trace_without_changing_results() -> None:
         loss = model(x).square().mean()
         loss.backward()
         assert abs(loss.item() - ref_loss) < 1e-6, step
-        for param, want in zip(model.parameters(), ref_grads):
+        for param, want in zip(model.parameters(), ref_grads, strict=True):
             torch.testing.assert_close(grads[param.ds_id], want)
     assert manager.trace.invalidations == 2
     manager.destroy()

@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed._core.comm.streams import StreamSet
+from deepspeed._core.params.gather import Gatherer
 from deepspeed._core.params.param import (
     FullStorage,
     ShardedState,
@@ -15,8 +17,6 @@ from deepspeed._core.params.param import (
     is_zero_param,
     zero_state,
 )
-from deepspeed._core.params.gather import Gatherer
-from deepspeed._core.comm.streams import StreamSet
 from deepspeed.runtime.zero.partition_parameters import (
     GatheredParameters,
     register_external_parameter,

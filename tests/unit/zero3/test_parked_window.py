@@ -2,6 +2,7 @@
 accumulator (or zeros) in the gaps, through two alternating buffers."""
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -63,7 +64,7 @@ def test_device_regions_arrive_through_prefetched_non_blocking_copies() -> None:
     acc = ChunkedGradShard(numel, chunk, torch.float32, "cpu")
     bounds = [0, 1000, 300_000, 300_001, 700_000, numel]
     regions = []
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         region = _region(lo, full[lo:hi])
         region.state.shard = full[lo:hi].to(device)
         regions.append(region)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepspeed._core.params.codec import IDENTITY_CODEC
 from deepspeed._core.comm.collectives import finish_all_gather, start_all_gather
-from deepspeed._core.params.param import ShardGroup
 from deepspeed._core.comm.streams import StreamRole, StreamSet
+from deepspeed._core.params.codec import IDENTITY_CODEC
+from deepspeed._core.params.param import ShardGroup
 
 
 def test_single_rank_gather_allocates_no_flat_buffer_and_copies_each_shard() -> None:
@@ -50,7 +50,7 @@ class _CountOps(TorchDispatchMode):
         super().__init__()
         self.ops: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func.__name__)
         return func(*args, **(kwargs or {}))
 
@@ -72,7 +72,7 @@ def _gather_ops(world_size: int, rank: int) -> list[str]:
             finish_all_gather(result, outs, StreamSet(), StreamRole.COMPUTE, IDENTITY_CODEC)
     finally:
         collectives.dist.all_gather_into_tensor = real
-    for i, (shard, out) in enumerate(zip(shards, outs)):
+    for i, (shard, out) in enumerate(zip(shards, outs, strict=True)):
         assert torch.equal(out.view(world_size, -1)[rank], shard), i
     return counted.ops
 
