@@ -135,7 +135,7 @@ def top1gating(
     """
     if use_tutel:
         raise ValueError("top1gating(use_tutel=True): tutel is not supported; use use_tutel=False")
-    routes = route_top1(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens, use_rts,
+    routes = _route_top1(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens, use_rts,
                         ep_group)
     return (routes.l_aux, *routes.dense(), routes.exp_counts)
 
@@ -153,11 +153,11 @@ def top2gating(
     The second expert is picked after Gumbel noise when ``top2_2nd_expert_sampling``. Capacity is
     computed for twice the tokens. Returns ``(l_aux, combine_weights, dispatch_mask, exp_counts)``.
     """
-    routes = route_top2(logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling)
+    routes = _route_top2(logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling)
     return (routes.l_aux, *routes.dense(), routes.exp_counts)
 
 
-def route_top1(
+def _route_top1(
     logits: torch.Tensor,
     capacity_factor: float,
     min_capacity: int,
@@ -193,7 +193,7 @@ def route_top1(
     return _routes(l_aux, cap, [choice], [mask], [slot_s], [(gates * mask).sum(dim=1)], exp_counts)
 
 
-def route_top2(
+def _route_top2(
     logits: torch.Tensor,
     capacity_factor: float,
     min_capacity: int,
@@ -304,7 +304,7 @@ class TopKGate(torch.nn.Module):
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             policy = self.noisy_gate_policy if self.training else None
-            return route_top1(logits, factor, self.min_capacity, used_token, policy, self.drop_tokens,
+            return _route_top1(logits, factor, self.min_capacity, used_token, policy, self.drop_tokens,
                               self.use_rts, self.ep_group)
-        return route_top2(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
+        return _route_top2(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
                           self.top2_2nd_expert_sampling)
