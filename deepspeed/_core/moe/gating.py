@@ -1,10 +1,12 @@
 """Top-1 and top-2 token routing with expert capacity, token dropping and the load-balancing loss.
 
 Every function here works on one rank's tokens: ``logits`` is ``(S, E)`` for ``S`` tokens and ``E``
-experts. The routing is returned as two ``(S, E, C)`` tensors, ``C`` being the expert capacity:
-``combine_weights`` (the gate value of token ``s`` in slot ``c`` of expert ``e``, 0 elsewhere) and
-``dispatch_mask`` (its non-zero pattern). Dispatch and combine are then two einsums, and a token that
-lost its slot simply has an all-zero row.
+experts. The routing is computed as :class:`Routes`, ``k`` routes per token, each an expert index, a slot
+in that expert's ``C``-slot buffer (``C`` being the expert capacity) and a gate weight; a route that lost
+its slot has expert ``-1`` and weight 0. The public ``top1gating`` / ``top2gating`` / ``TopKGate.forward``
+return upstream's dense form built from it: two ``(S, E, C)`` tensors, ``combine_weights`` (the gate value
+of token ``s`` in slot ``c`` of expert ``e``, 0 elsewhere) and ``dispatch_mask`` (its non-zero pattern).
+The MoE layer uses the routes directly ([Note: sparse routes] in ``layer.py``).
 
 [Note: slot priority] Which tokens keep a slot when an expert is over capacity: with random token
 selection (``use_rts``) each routed token draws a uniform priority from the global torch RNG and the
@@ -15,6 +17,7 @@ first choice before any second choice.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +26,47 @@ import torch.nn.functional as F
 from deepspeed import comm as dist
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
+
+
+@dataclass(frozen=True)
+class Routes:
+    """One rank's routing decision, ``k`` routes per token (``(k, S)`` tensors, route 0 the first choice).
+
+    Attributes:
+        l_aux: the load-balancing loss (a differentiable scalar).
+        capacity: slots per expert, ``C``.
+        num_experts: experts across the expert-parallel group, ``E``.
+        experts: ``(k, S)`` int64 expert of each route, ``-1`` where the route was dropped.
+        slots: ``(k, S)`` int64 slot in that expert's buffer (0 where dropped).
+        weights: ``(k, S)`` gate weights in the router's dtype (differentiable; 0 where dropped).
+        exp_counts: tokens each expert was chosen for before capacity (on the host).
+    """
+
+    l_aux: torch.Tensor
+    capacity: int
+    num_experts: int
+    experts: torch.Tensor
+    slots: torch.Tensor
+    weights: torch.Tensor
+    exp_counts: torch.Tensor
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upstream's ``(combine_weights, dispatch_mask)``, both ``(S, E, C)``."""
+        combine_weights = None
+        for expert, slot, weight in zip(self.experts, self.slots, self.weights):
+            mask = F.one_hot(expert.clamp(min=0), self.num_experts).to(weight.dtype)
+            mask = mask * (expert >= 0).unsqueeze(1).to(weight.dtype)
+            part = _combine(weight.unsqueeze(1) * mask, slot, self.capacity)
+            combine_weights = part if combine_weights is None else combine_weights + part
+        return combine_weights, combine_weights.bool()
+
+
+def _routes(l_aux: torch.Tensor, cap: int, choices: list[torch.Tensor], masks: list[torch.Tensor],
+            slots: list[torch.Tensor], weights: list[torch.Tensor], exp_counts: torch.Tensor) -> Routes:
+    """Pack per-route ``(S,)`` choices, capacity-masked ``(S, E)`` one-hots, slots and weights."""
+    experts = [torch.where(mask.sum(dim=1) > 0, choice, -1) for choice, mask in zip(choices, masks)]
+    return Routes(l_aux, int(cap), masks[0].shape[1], torch.stack(experts), torch.stack(slots), torch.stack(weights),
+                  exp_counts)
 
 
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -91,29 +135,9 @@ def top1gating(
     """
     if use_tutel:
         raise ValueError("top1gating(use_tutel=True): tutel is not supported; use use_tutel=False")
-    gates = F.softmax(logits, dim=1)
-    num_tokens, num_experts = gates.shape
-    cap = capacity(num_tokens, num_experts, capacity_factor, min_capacity)
-    scores = gates
-    if noisy_gate_policy == "RSample":
-        scores = logits + gumbel_rsample(tuple(logits.shape), logits.device)
-    mask = F.one_hot(torch.argmax(scores, dim=1), num_classes=num_experts).to(gates.dtype)
-    if used_token is not None:
-        mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
-    exp_counts = mask.sum(dim=0).detach().to("cpu")
-    if not drop_tokens:
-        cap = _agreed_capacity(int(exp_counts.max().item()), ep_group)
-    # Load-balancing loss: E * sum_e (mean gate of e) * (fraction of tokens routed to e).
-    l_aux = torch.sum(gates.mean(dim=0) * mask.mean(dim=0)) * num_experts
-    if use_rts:
-        mask = _keep_by_priority(mask, cap)
-        slot = _slots(mask)
-    else:
-        slot = _slots(mask)
-        mask = mask * (slot < cap).to(mask.dtype)
-    slot_s = (slot * mask).sum(dim=1).long()
-    combine_weights = _combine(gates * mask, slot_s, cap)
-    return l_aux, combine_weights, combine_weights.bool(), exp_counts
+    routes = _route_top1(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens, use_rts,
+                        ep_group)
+    return (routes.l_aux, *routes.dense(), routes.exp_counts)
 
 
 def top2gating(
@@ -129,14 +153,65 @@ def top2gating(
     The second expert is picked after Gumbel noise when ``top2_2nd_expert_sampling``. Capacity is
     computed for twice the tokens. Returns ``(l_aux, combine_weights, dispatch_mask, exp_counts)``.
     """
+    routes = _route_top2(logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling)
+    return (routes.l_aux, *routes.dense(), routes.exp_counts)
+
+
+def _route_top1(
+    logits: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    used_token: torch.Tensor | None,
+    noisy_gate_policy: str | None,
+    drop_tokens: bool,
+    use_rts: bool,
+    ep_group: Any,
+) -> Routes:
+    """Top-1 routing as :class:`Routes` (the arguments of :func:`top1gating`)."""
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
-    mask1 = F.one_hot(torch.argmax(gates, dim=1), num_classes=num_experts).to(gates.dtype)
+    cap = capacity(num_tokens, num_experts, capacity_factor, min_capacity)
+    scores = gates
+    if noisy_gate_policy == "RSample":
+        scores = logits + gumbel_rsample(tuple(logits.shape), logits.device)
+    choice = torch.argmax(scores, dim=1)
+    mask = F.one_hot(choice, num_classes=num_experts).to(gates.dtype)
+    if used_token is not None:
+        mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
+    exp_counts = mask.sum(dim=0).detach().to("cpu")
+    if not drop_tokens:
+        cap = _agreed_capacity(int(exp_counts.max().item()), ep_group)
+    # Load-balancing loss: E * sum_e (mean gate of e) * (fraction of tokens routed to e).
+    l_aux = torch.sum(gates.mean(dim=0) * mask.mean(dim=0)) * num_experts
+    if use_rts:
+        mask = _keep_by_priority(mask, cap)
+        slot = _slots(mask)
+    else:
+        slot = _slots(mask)
+        mask = mask * (slot < cap).to(mask.dtype)
+    slot_s = (slot * mask).sum(dim=1).long()
+    return _routes(l_aux, cap, [choice], [mask], [slot_s], [(gates * mask).sum(dim=1)], exp_counts)
+
+
+def _route_top2(
+    logits: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool,
+    ep_group: Any,
+    top2_2nd_expert_sampling: bool,
+) -> Routes:
+    """Top-2 routing as :class:`Routes` (the arguments of :func:`top2gating`)."""
+    gates = F.softmax(logits, dim=1)
+    num_tokens, num_experts = gates.shape
+    choice1 = torch.argmax(gates, dim=1)
+    mask1 = F.one_hot(choice1, num_classes=num_experts).to(gates.dtype)
     second = logits
     if top2_2nd_expert_sampling:
         second = logits + gumbel_rsample(tuple(logits.shape), logits.device)
     second = second.masked_fill(mask1.bool(), float("-inf"))
-    mask2 = F.one_hot(torch.argmax(second, dim=1), num_classes=num_experts).to(gates.dtype)
+    choice2 = torch.argmax(second, dim=1)
+    mask2 = F.one_hot(choice2, num_classes=num_experts).to(gates.dtype)
     slot1 = _slots(mask1)
     slot2 = _slots(mask2, mask1.sum(dim=0, keepdim=True))  # second choices queue behind all first ones
     exp_counts = (mask1 + mask2).sum(dim=0).detach().to("cpu")
@@ -153,9 +228,8 @@ def top2gating(
     g1 = (gates * mask1).sum(dim=1)
     g2 = (gates * mask2).sum(dim=1)
     denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
-    g1, g2 = g1 / denom, g2 / denom
-    combine_weights = _combine(g1.unsqueeze(1) * mask1, slot1_s, cap) + _combine(g2.unsqueeze(1) * mask2, slot2_s, cap)
-    return l_aux, combine_weights, combine_weights.bool(), exp_counts
+    return _routes(l_aux, cap, [choice1, choice2], [mask1, mask2], [slot1_s, slot2_s], [g1 / denom, g2 / denom],
+                   exp_counts)
 
 
 class TopKGate(torch.nn.Module):
@@ -217,6 +291,11 @@ class TopKGate(torch.nn.Module):
         """Gate ``(S, model_dim)`` tokens; returns ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
         if use_tutel:
             raise ValueError("TopKGate(use_tutel=True): tutel is not supported; use use_tutel=False")
+        routes = self.route(input, used_token)
+        return (routes.l_aux, *routes.dense(), routes.exp_counts)
+
+    def route(self, input: torch.Tensor, used_token: torch.Tensor | None = None) -> Routes:
+        """Gate ``(S, model_dim)`` tokens into :class:`Routes` (what the MoE layer dispatches by)."""
         # The router runs in fp32 whatever the model's dtype: its softmax decides discrete routes.
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
@@ -225,7 +304,7 @@ class TopKGate(torch.nn.Module):
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             policy = self.noisy_gate_policy if self.training else None
-            return top1gating(logits, factor, self.min_capacity, used_token, policy, self.drop_tokens,
+            return _route_top1(logits, factor, self.min_capacity, used_token, policy, self.drop_tokens,
                               self.use_rts, self.ep_group)
-        return top2gating(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
+        return _route_top2(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
                           self.top2_2nd_expert_sampling)

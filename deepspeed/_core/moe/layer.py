@@ -6,6 +6,17 @@ group sends slots ``[jL, (j+1)L)`` to rank ``j`` and gathers, from every rank, t
 experts, ``(P, L, C, M)``; each local expert runs on its ``(P, C, M)`` slice; a second all-to-all returns
 the outputs, which the combine weights fold back into ``(S, M)``. With ``P == 1`` both exchanges are the
 identity and are skipped.
+
+[Note: sparse routes] Dispatch and combine work from the gate's per-route indices (:class:`Routes`),
+never from upstream's dense ``(S, E, C)`` combine weights and dispatch mask: those are ``S * E * C``
+elements per layer (``E * C`` is about ``k * S * capacity_factor``, so quadratic in the tokens), and autograd
+would keep them until backward -- hundreds of MiB per layer at a few thousand tokens. Dispatch is one
+gather of each slot's source token (empty slots zeroed), keeping only the ``E * C`` source indices;
+combine gathers each token's ``k`` expert rows and takes their gate-weighted sum as a batched ``1 x k``
+by ``k x M`` product in the model dtype, keeping the ``(S, k, M)`` gathered rows and the ``(S, k)``
+weights. The arithmetic is the dense einsums' with the zero terms left out: dispatch copies tokens
+exactly, and combine casts the gate weights to the model dtype and accumulates the ``k`` products as a
+matrix product does, so outputs and gradients match the dense formulation.
 """
 from __future__ import annotations
 
@@ -16,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
-from deepspeed._core.moe.gating import NOISY_GATE_POLICIES, TopKGate
+from deepspeed._core.moe.gating import NOISY_GATE_POLICIES, Routes, TopKGate
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -30,6 +41,31 @@ def mark_expert_params(module: torch.nn.Module, group_name: str | None) -> None:
         tagged: Any = param  # the tags are plain attributes on the Parameter, upstream's interface
         tagged.allreduce = False  # reduced over the expert-data-parallel group, not the data-parallel one
         tagged.group_name = group_name
+
+
+def dispatch(tokens: torch.Tensor, routes: Routes) -> torch.Tensor:
+    """``(S, M)`` tokens into ``(E, C, M)`` expert slots by ``routes``; empty slots are zero ([Note: sparse routes])."""
+    num_tokens, d_model = tokens.shape
+    num_slots = routes.num_experts * routes.capacity
+    # Source token of every slot; dropped routes write to one extra scratch entry, cut off below.
+    flat = torch.where(routes.experts >= 0, routes.experts * routes.capacity + routes.slots, num_slots)
+    source = torch.full((num_slots + 1,), num_tokens, dtype=torch.long, device=tokens.device)
+    token_ids = torch.arange(num_tokens, device=tokens.device).expand_as(flat)
+    source = source.scatter_(0, flat.reshape(-1), token_ids.reshape(-1))[:num_slots]
+    empty = (source == num_tokens).unsqueeze(1)
+    slots = tokens.index_select(0, source.clamp(max=max(num_tokens - 1, 0)))
+    return slots.masked_fill_(empty, 0).view(routes.num_experts, routes.capacity, d_model)
+
+
+def combine(expert_out: torch.Tensor, routes: Routes, dtype: torch.dtype) -> torch.Tensor:
+    """``(E, C, M)`` expert outputs back to ``(S, M)`` tokens, gate-weighted ([Note: sparse routes])."""
+    d_model = expert_out.shape[-1]
+    k, num_tokens = routes.experts.shape
+    # A dropped route reads slot 0 with weight 0, so it adds nothing (as its all-zero dense row did).
+    flat = torch.where(routes.experts >= 0, routes.experts * routes.capacity + routes.slots, 0)
+    routed = expert_out.reshape(-1, d_model).index_select(0, flat.t().reshape(-1)).view(num_tokens, k, d_model)
+    weights = routes.weights.t().to(dtype).unsqueeze(1)
+    return torch.bmm(weights, routed).squeeze(1)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -122,15 +158,14 @@ class MOELayer(torch.nn.Module):
         d_model = hidden.shape[-1]
         tokens = hidden.reshape(-1, d_model)
         used_token = input[1] if len(input) > 1 else None
-        self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(tokens, used_token)
-        slots = torch.einsum("sec,sm->ecm", dispatch_mask.to(tokens.dtype), tokens)
-        slots = self._exchange(slots)
+        routes = self.gate.route(tokens, used_token)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        slots = self._exchange(dispatch(tokens, routes))
         # (E, C, M) from P ranks -> (P, L, C, M): block j of the exchange holds rank j's tokens.
         expert_in = slots.reshape(self.ep_size, self.num_local_experts, -1, d_model)
         expert_out = self.experts(expert_in)
         expert_out = self._exchange(expert_out.reshape(self.ep_size * self.num_local_experts, -1, d_model))
-        combined = torch.einsum("sec,ecm->sm", combine_weights.to(tokens.dtype), expert_out)
-        return combined.reshape(hidden.shape)
+        return combine(expert_out, routes, tokens.dtype).reshape(hidden.shape)
 
 
 class MoECore(torch.nn.Module):
