@@ -16,7 +16,8 @@ from __future__ import annotations
 import collections.abc
 import difflib
 import json
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 
@@ -33,10 +34,10 @@ class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config value is missing, malformed or inconsistent; the message names the key."""
 
 
-class pp_int(int):  # noqa: N801 - upstream class name
+class pp_int(int):
     """An ``int`` that prints with thousands separators (or a custom label) in config dumps."""
 
-    def __new__(cls, value: float, custom_print_str: str | None = None) -> "pp_int":
+    def __new__(cls, value: float, custom_print_str: str | None = None) -> pp_int:
         obj = super().__new__(cls, value)
         obj._label = custom_print_str
         return obj
@@ -107,7 +108,7 @@ class DeepSpeedConfigModel(BaseModel):
         self._validate_into(data, strict)
 
     @classmethod
-    def from_dict(cls, data: collections.abc.Mapping, strict: bool = False) -> "DeepSpeedConfigModel":
+    def from_dict(cls, data: collections.abc.Mapping, strict: bool = False) -> DeepSpeedConfigModel:
         """Validate a block given as a mapping (any keys, even ``strict``) and return the model."""
         obj = cls.__new__(cls)
         obj._validate_into(dict(data), strict)
@@ -185,7 +186,8 @@ def _apply_deprecations(model_cls: type[BaseModel], data: dict) -> dict:
         if old_key is None:
             continue
         new_param = str(extra.get("new_param", ""))
-        logger.warning(f"Config parameter {old_key} is deprecated" + (f"; use {new_param} instead" if new_param else ""))
+        hint = f"; use {new_param} instead" if new_param else ""
+        logger.warning(f"Config parameter {old_key} is deprecated{hint}")
         if not new_param or not extra.get("set_new_param", True):
             continue
         if _present_key(data, model_cls, new_param) is not None:

@@ -12,11 +12,11 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.engine import setup
-from deepspeed._core.optim.loss_scaling import from_policy as loss_scaler_from_policy
-from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
 from deepspeed._core.moe.params import configure_moe_param_groups, moe_layers
+from deepspeed._core.optim.base import EngineOptimizer
+from deepspeed._core.optim.loss_scaling import from_policy as loss_scaler_from_policy
 from deepspeed.moe._setup import configure_moe
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
@@ -348,7 +348,9 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._loop.lr_scheduler = None
 
     # --- counters (checkpoint loading writes them) -------------------------------------------------
-    global_steps = property(lambda self: self._loop.global_steps, lambda self, v: setattr(self._loop, "global_steps", v))
+    global_steps = property(
+        lambda self: self._loop.global_steps, lambda self, v: setattr(self._loop, "global_steps", v)
+    )
     global_samples = property(
         lambda self: self._loop.global_samples, lambda self, v: setattr(self._loop, "global_samples", v)
     )

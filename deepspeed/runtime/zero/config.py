@@ -13,8 +13,11 @@ from pydantic import Field, field_validator, model_validator
 
 from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, pp_int
-from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                   DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum)
+from deepspeed.runtime.zero.offload_config import (
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+    OffloadDeviceEnum,
+)
 
 ZERO_OPTIMIZATION = "zero_optimization"
 
@@ -245,7 +248,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         return value
 
     @model_validator(mode="after")
-    def _resolve_and_check(self) -> "DeepSpeedZeroConfig":
+    def _resolve_and_check(self) -> DeepSpeedZeroConfig:
         # Assign through __dict__: validate_assignment would otherwise re-enter this validator.
         if self.overlap_comm is None:
             self.__dict__["overlap_comm"] = self.stage == ZeroStageEnum.weights

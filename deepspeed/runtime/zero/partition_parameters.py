@@ -20,7 +20,6 @@ from deepspeed._core.params.gathered import (
     unregister_external,
 )
 from deepspeed._core.params.init_context import InitPlan, ZeroInitContext, init_depth
-from deepspeed._core.params.placement import Pinning, ShardPlacement
 from deepspeed._core.params.param import (
     ShardGroup,
     ZeroParameter,
@@ -29,6 +28,7 @@ from deepspeed._core.params.param import (
     is_zero_param,
     zero_state,
 )
+from deepspeed._core.params.placement import Pinning, ShardPlacement
 from deepspeed.accelerator import get_accelerator
 
 __all__ = [

@@ -38,8 +38,17 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .rules import (ACTS, ALLOC_RULES, BACKWARD_RULES, BEFORE_RECORDING, BUFFERS, CATEGORIES, FREE_RULES, HELPER_RULES,
-                    Rule)
+from .rules import (
+    ACTS,
+    ALLOC_RULES,
+    BACKWARD_RULES,
+    BEFORE_RECORDING,
+    BUFFERS,
+    CATEGORIES,
+    FREE_RULES,
+    HELPER_RULES,
+    Rule,
+)
 
 _Frames = Sequence[Mapping[str, Any]]
 
