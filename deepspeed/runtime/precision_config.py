@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 from pydantic import field_validator, model_validator
@@ -173,6 +173,14 @@ def validate_float_dtype_name(value: str | None) -> str | None:
     if value is not None and str(value).lower() not in _FLOAT_DTYPE_NAMES:
         raise ValueError(f"must be one of {_FLOAT_DTYPE_NAMES} (or null); got {value!r}")
     return value
+
+
+@overload
+def to_torch_dtype(value: str) -> torch.dtype: ...
+@overload
+def to_torch_dtype(value: None) -> None: ...
+@overload
+def to_torch_dtype(value: str | None) -> torch.dtype | None: ...
 
 
 def to_torch_dtype(value: str | None) -> torch.dtype | None:

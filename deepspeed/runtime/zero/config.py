@@ -67,7 +67,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     config_block: ClassVar[str] = ZERO_OPTIMIZATION
 
-    stage: ZeroStageEnum = 0
+    stage: ZeroStageEnum = ZeroStageEnum.disabled
     """0 = off, 1 = partition optimizer states, 2 = + gradients, 3 = + parameters."""
 
     contiguous_gradients: bool = True
@@ -110,8 +110,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Upstream: ZeRO-3 elements per optimizer sub-group stepped at a time. No effect here: the ZeRO-3 step is
     chunked by ``reduce_bucket_size``."""
 
+    # Upstream's deprecation interface puts the converter function in json_schema_extra, typed by pydantic as JSON.
     cpu_offload_param: bool | None = Field(
-        None, json_schema_extra={"deprecated": True, "new_param": "offload_param", "new_param_fn": _cpu_offload_param})
+        None, json_schema_extra={"deprecated": True, "new_param": "offload_param",
+                                 "new_param_fn": _cpu_offload_param})  # type: ignore[dict-item]
     """Deprecated: ``true`` means ``offload_param: {device: cpu}``."""
 
     cpu_offload_use_pin_memory: bool | None = Field(
@@ -121,7 +123,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     cpu_offload: bool | None = Field(
         None, json_schema_extra={"deprecated": True, "new_param": "offload_optimizer",
-                                 "new_param_fn": _cpu_offload_optimizer})
+                                 "new_param_fn": _cpu_offload_optimizer})  # type: ignore[dict-item]  # as above
     """Deprecated: ``true`` means ``offload_optimizer: {device: cpu}``."""
 
     prefetch_bucket_size: int = Field(pp_int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
