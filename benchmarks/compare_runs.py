@@ -45,7 +45,7 @@ def compare(before: dict[tuple, dict], after: dict[tuple, dict], mem_tol: float,
     rows, mem_moved, slower = [], [], []
     for key in sorted(set(before) & set(after), key=str):
         b, a = before[key], after[key]
-        row: dict[str, Any] = {"config": dict(zip(KEY_FIELDS, key))}
+        row: dict[str, Any] = {"config": dict(zip(KEY_FIELDS, key, strict=True))}
         for field in MEMORY_FIELDS:
             if b.get(field) is None or a.get(field) is None:
                 continue
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
           f"after); memory moved > {args.mem_tol_gib} GiB: {len(result['memory_moved'])}; slower than "
           f"{1 + args.time_tol:.2f}x: {len(result['slower'])}")
     for key, field, delta in result["memory_moved"]:
-        print(f"  MEMORY {dict(zip(KEY_FIELDS, key))} {field} {delta:+.4f} GiB")
+        print(f"  MEMORY {dict(zip(KEY_FIELDS, key, strict=True))} {field} {delta:+.4f} GiB")
     for key, field, ratio in result["slower"]:
-        print(f"  SLOWER {dict(zip(KEY_FIELDS, key))} {field} {ratio:.3f}x")
+        print(f"  SLOWER {dict(zip(KEY_FIELDS, key, strict=True))} {field} {ratio:.3f}x")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1, default=str))
     return 1 if result["memory_moved"] else 0

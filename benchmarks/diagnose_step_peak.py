@@ -7,8 +7,8 @@ Runs two warm-up steps, then records PyTorch's allocator history over one step, 
 moment of peak allocation, and writes ``DIR/<name>.json``: the peak, the live bytes at that moment grouped by the
 innermost frame inside this repository / the model / torch.optim (so a newcomer sees *which line* holds what),
 the largest live blocks with their stacks, and the category totals of
-``deepspeed/tools/profiling/memory_timeline`` when that package is present. This is a diagnostic for the benchmarks' "where ours is not ahead" notes, not a
-benchmark: the recorded step runs slower than an untraced one.
+``deepspeed/tools/profiling/memory_timeline`` when that package is present. This is a diagnostic for the
+benchmarks' "where ours is not ahead" notes, not a benchmark: the recorded step runs slower than an untraced one.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
-from _harness import (MEMORY_TIMELINE_DIR, device, init_process_group, load_memory_timeline,  # noqa: E402
-                      warm_up_deepspeed)
-from trainers import make_trainer  # noqa: E402
+
+from _harness import MEMORY_TIMELINE_DIR, device, init_process_group, load_memory_timeline, warm_up_deepspeed  # noqa: E402
 from models import random_batch  # noqa: E402
+from trainers import make_trainer  # noqa: E402
 
 GiB = float(1 << 30)
 _INTERESTING = ("deepspeed", "benchmarks/models.py", "torch/optim", "torch/utils/checkpoint", "torch/autograd",

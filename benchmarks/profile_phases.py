@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import models  # noqa: E402
-from _harness import default_checkpoint_reentrant, device, init_process_group, sync  # noqa: E402
-from trainers import make_trainer  # noqa: E402
-from models import random_batch  # noqa: E402
+import models
+from _harness import default_checkpoint_reentrant, device, init_process_group, sync
+from models import random_batch
+from trainers import make_trainer
 
 
 def _top(events: list, key: str, n: int = 12) -> list[dict]:

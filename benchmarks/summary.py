@@ -80,7 +80,8 @@ def model_part(model: object) -> str:
     """``qwen2-3b`` -> ``3b``, ``gpt1.3b`` -> ``1.3b`` (the size the benchmark model is named after); a model given
     as a shape (pipeline, MoE) -> ``l{layers}h{hidden}`` plus ``e{experts}``; otherwise the name itself."""
     if isinstance(model, dict):
-        return f"l{model.get('layers')}h{model.get('hidden')}" + (f"e{model['experts']}" if model.get("experts") else "")
+        experts = f"e{model['experts']}" if model.get("experts") else ""
+        return f"l{model.get('layers')}h{model.get('hidden')}{experts}"
     m = re.search(r"(\d+(?:\.\d+)?b)$", str(model))
     return m.group(1) if m else str(model)
 
@@ -256,7 +257,7 @@ def summarize(paths: Iterable[Path], root: Path = RESULTS, runs: Iterable[str] |
     names = list(runs) if runs is not None else [run_name(p, root) for p in paths]
     if len(set(names)) != len(names):
         raise ValueError(f"two results files have the same run name: {names}")
-    return [row for p, name in zip(paths, names) for row in rows_of(read_records(p), name)]
+    return [row for p, name in zip(paths, names, strict=True) for row in rows_of(read_records(p), name)]
 
 
 def dumps(rows: list[dict]) -> str:

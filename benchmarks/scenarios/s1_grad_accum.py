@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _harness import device, mem, reset_peak, sync, worker_main
-from trainers import make_trainer
 from models import random_batch
+from trainers import make_trainer
 
 
 def _one_step(trainer, batches) -> list[float]:

@@ -43,7 +43,7 @@ class DeepSpeedCommsConfig:
         self.comms_logger = CommsLoggerConfig(**ds_config.get(COMMS_LOGGER, {}))
 
     @classmethod
-    def from_block(cls, block: CommsLoggerConfig, present: bool) -> "DeepSpeedCommsConfig":
+    def from_block(cls, block: CommsLoggerConfig, present: bool) -> DeepSpeedCommsConfig:
         """The holder for an already validated ``comms_logger`` block (``present``: the user's config has it), so
         that ``DeepSpeedConfig`` does not parse the block a second time."""
         holder = cls.__new__(cls)

@@ -29,17 +29,38 @@ from deepspeed.monitor.config import DeepSpeedMonitorConfig
 from deepspeed.runtime.config_batch import check_batch, data_parallel_world_size, resolve_batch
 from deepspeed.runtime.config_input import load_config_dict
 from deepspeed.runtime.config_plan import run_plan
-from deepspeed.runtime.config_schema import (_TOLERATED_TOP_LEVEL_KEYS,  # noqa: F401 - importable from here
-                                             AioConfig, CheckpointConfig, CheckpointParallelWriteConfig,
-                                             DeepSpeedFlopsProfilerConfig, MemoryTimelineConfig,
-                                             OptimizerBlockConfig, SchedulerBlockConfig, _RootConfig)
+from deepspeed.runtime.config_schema import (  # noqa: F401 - importable from here
+    _TOLERATED_TOP_LEVEL_KEYS,
+    AioConfig,
+    CheckpointConfig,
+    CheckpointParallelWriteConfig,
+    DeepSpeedFlopsProfilerConfig,
+    MemoryTimelineConfig,
+    OptimizerBlockConfig,
+    SchedulerBlockConfig,
+    _RootConfig,
+)
 from deepspeed.runtime.config_surface import enforce_surface
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
-from deepspeed.runtime.constants import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,
-                                         ADAMW_OPTIMIZER, DEEPSPEED_OPTIMIZERS, LAMB_OPTIMIZER, LION_OPTIMIZER,
-                                         MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUON_OPTIMIZER, MUSGD_OPTIMIZER,
-                                         ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, TORCH_ADAM_PARAM,
-                                         ZERO_ONE_ADAM_OPTIMIZER, ValidationMode)
+from deepspeed.runtime.constants import (
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAM_W_MODE,
+    ADAM_W_MODE_DEFAULT,
+    ADAMW_OPTIMIZER,
+    DEEPSPEED_OPTIMIZERS,
+    LAMB_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUON_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    ONEBIT_ADAM_OPTIMIZER,
+    ONEBIT_LAMB_OPTIMIZER,
+    TORCH_ADAM_PARAM,
+    ZERO_ONE_ADAM_OPTIMIZER,
+    ValidationMode,
+)
 from deepspeed.runtime.precision_config import DtypeEnum, to_torch_dtype
 from deepspeed.utils.logging import logger
 
@@ -64,7 +85,7 @@ class _ModelView:
         self._parts = path.split(".")
         self.__doc__ = doc
 
-    def __get__(self, obj: "DeepSpeedConfig | None", owner: type | None = None) -> Any:
+    def __get__(self, obj: DeepSpeedConfig | None, owner: type | None = None) -> Any:
         if obj is None:
             return self
         value: Any = obj._model

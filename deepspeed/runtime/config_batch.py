@@ -81,6 +81,8 @@ def resolve_batch(train_batch_size: int | None, micro_batch: int | None, grad_ac
         grad_acc, train_batch_size = 1, micro_batch * world_size
     elif train_batch_size is None and micro_batch is None:
         raise DeepSpeedConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
+    # Every branch above either raised or left all three set (all three given takes no branch).
+    assert train_batch_size is not None and micro_batch is not None and grad_acc is not None
     plan = BatchPlan(train_batch_size, micro_batch, grad_acc, world_size)
     check_batch(plan, derived)
     return plan

@@ -19,9 +19,22 @@ from __future__ import annotations
 
 import torch
 
-from deepspeed._core.config.plan import (BatchPlan, BucketPolicy, GradPolicy, LeafModulePolicy, LeanPolicy,
-                                         LossScalePolicy, MemoryTimelinePolicy, OffloadDevice, OffloadPolicy,
-                                         PrecisionPolicy, ReduceOp, RunPlan, Stage3Policy, ZeroPlan)
+from deepspeed._core.config.plan import (
+    BatchPlan,
+    BucketPolicy,
+    GradPolicy,
+    LeafModulePolicy,
+    LeanPolicy,
+    LossScalePolicy,
+    MemoryTimelinePolicy,
+    OffloadDevice,
+    OffloadPolicy,
+    PrecisionPolicy,
+    ReduceOp,
+    RunPlan,
+    Stage3Policy,
+    ZeroPlan,
+)
 from deepspeed.runtime.config_schema import MemoryTimelineConfig, _RootConfig, mode_dtype
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config, to_torch_dtype
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -107,7 +120,8 @@ def _root_precision(root: _RootConfig) -> PrecisionPolicy:
     return precision_policy(mode_dtype(root), grad_accum_dtype=to_torch_dtype(root.data_types.grad_accum_dtype),
                             comm_dtype=to_torch_dtype(root.communication_data_type),
                             buffer_dtype=to_torch_dtype(root.data_types.buffer_dtype),
-                            loss_scale=loss_scale_policy(root.fp16), auto_cast=root.fp16.enabled and root.fp16.auto_cast,
+                            loss_scale=loss_scale_policy(root.fp16),
+                            auto_cast=root.fp16.enabled and root.fp16.auto_cast,
                             fp16_master_weights_and_grads=root.fp16.fp16_master_weights_and_grads,
                             bf16_master_weights_and_grads=root.bf16.bf16_master_weights_and_grads,
                             check_grad_overflow=root.bf16.check_grad_overflow)

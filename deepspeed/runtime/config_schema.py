@@ -18,8 +18,13 @@ from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, 
 from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, DeepSpeedLenientConfigModel
 from deepspeed.runtime.constants import ValidationMode
-from deepspeed.runtime.precision_config import (DataTypesConfig, DeepSpeedBF16Config, DeepSpeedFP16Config,
-                                                validate_float_dtype_name, to_torch_dtype)
+from deepspeed.runtime.precision_config import (
+    DataTypesConfig,
+    DeepSpeedBF16Config,
+    DeepSpeedFP16Config,
+    to_torch_dtype,
+    validate_float_dtype_name,
+)
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, read_zero_config_deprecated
 
 # --------------------------------------------------------------------------------------------------------------
@@ -269,7 +274,7 @@ class _RootConfig(DeepSpeedLenientConfigModel):
         return value
 
     @model_validator(mode="after")
-    def _cross_block_checks(self) -> "_RootConfig":
+    def _cross_block_checks(self) -> _RootConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled cannot both be true; enable at most one")
         wanted = to_torch_dtype(self.data_types.param_dtype)

@@ -8,7 +8,8 @@ deepspeed.runtime.config_surface`` prints it).
 from __future__ import annotations
 
 import typing
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from pydantic import BaseModel
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 import collections.abc
 import difflib
 import json
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 
 from deepspeed.utils.logging import logger
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 AUTO = "auto"
 """Placeholder value HF integrations use for "fill me in"; dropped before validation."""
@@ -33,10 +36,12 @@ class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config value is missing, malformed or inconsistent; the message names the key."""
 
 
-class pp_int(int):  # noqa: N801 - upstream class name
+class pp_int(int):
     """An ``int`` that prints with thousands separators (or a custom label) in config dumps."""
 
-    def __new__(cls, value: float, custom_print_str: str | None = None) -> "pp_int":
+    _label: str | None
+
+    def __new__(cls, value: float, custom_print_str: str | None = None) -> pp_int:
         obj = super().__new__(cls, value)
         obj._label = custom_print_str
         return obj
@@ -107,7 +112,7 @@ class DeepSpeedConfigModel(BaseModel):
         self._validate_into(data, strict)
 
     @classmethod
-    def from_dict(cls, data: collections.abc.Mapping, strict: bool = False) -> "DeepSpeedConfigModel":
+    def from_dict(cls, data: collections.abc.Mapping, strict: bool = False) -> Self:
         """Validate a block given as a mapping (any keys, even ``strict``) and return the model."""
         obj = cls.__new__(cls)
         obj._validate_into(dict(data), strict)
@@ -169,7 +174,7 @@ def _check_unknown_keys(model_cls: type[BaseModel], data: dict) -> None:
     if model_cls.model_config.get("extra") == "forbid":
         # Raised as ValueError so pydantic attaches the location; the outer __init__ names the block.
         raise ValueError(_unknown_key_message(unknown, valid, list_valid=True))
-    silent = getattr(model_cls, "tolerated_keys", frozenset())
+    silent: collections.abc.Container[str] = getattr(model_cls, "tolerated_keys", frozenset())
     noisy = [key for key in unknown if key not in silent]
     if noisy:
         block = getattr(model_cls, "config_block", "") or "top level"
@@ -185,14 +190,15 @@ def _apply_deprecations(model_cls: type[BaseModel], data: dict) -> dict:
         if old_key is None:
             continue
         new_param = str(extra.get("new_param", ""))
-        logger.warning(f"Config parameter {old_key} is deprecated" + (f"; use {new_param} instead" if new_param else ""))
+        hint = f"; use {new_param} instead" if new_param else ""
+        logger.warning(f"Config parameter {old_key} is deprecated{hint}")
         if not new_param or not extra.get("set_new_param", True):
             continue
         if _present_key(data, model_cls, new_param) is not None:
             raise ValueError(f"'{old_key}' is deprecated and cannot be given together with its replacement "
                              f"'{new_param}'; keep only '{new_param}'")
-        convert: Callable[[Any], Any] = extra.get("new_param_fn", lambda value: value)
-        data[new_param] = convert(data[old_key])
+        convert = extra.get("new_param_fn")  # pydantic types the extra as JSON; upstream puts a function here
+        data[new_param] = convert(data[old_key]) if callable(convert) else data[old_key]
     return data
 
 

@@ -12,11 +12,12 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.engine import setup
-from deepspeed._core.optim.loss_scaling import from_policy as loss_scaler_from_policy
-from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
 from deepspeed._core.moe.params import configure_moe_param_groups, moe_layers
+from deepspeed._core.optim.base import EngineOptimizer
+from deepspeed._core.optim.loss_scaling import from_policy as loss_scaler_from_policy
+from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed.moe._setup import configure_moe
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
@@ -65,7 +66,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._apply_device(args, dont_change_device)
         self._apply_optimizer(optimizer, model_parameters)
         self._apply_scheduler(lr_scheduler)
-        self._loop = TrainingLoop(self.module, self.optimizer, self.lr_scheduler, self.plan, TimelineAnalyser())
+        self._loop = TrainingLoop(self.module, self._stepped_optimizer, self.lr_scheduler, self.plan,
+                                  TimelineAnalyser())
         self.training_dataloader = self._build_dataloader(training_data, collate_fn) if training_data else None
         self._loop.memory.report("after initialize")
         log_dist(
@@ -129,11 +131,11 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
                                                              None if dont_change_device else self.device)
 
     def _apply_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
-        params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
+        params: list[Any] = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
         if self.has_moe_layers and not isinstance(client_optimizer, torch.optim.Optimizer):
             params = configure_moe_param_groups(params)  # the optimizer is built here: give experts groups
         self.basic_optimizer = build_basic_optimizer(client_optimizer, params, self._config, self.module)
-        self.optimizer: EngineOptimizer | None = None
+        self.optimizer: EngineOptimizer | DeepSpeedZeRoOffload | None = None
         if self.basic_optimizer is None:
             if self.zero3_manager is not None:  # ZeRO-3 inference: only the parameter manager
                 self.optimizer = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)
@@ -148,12 +150,19 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         loss_scaler = None
         if self.plan.precision.loss_scale is not None:
             loss_scaler = loss_scaler_from_policy(self.plan.precision.loss_scale)
-        self.optimizer = setup.wrap_optimizer(
+        optimizer = setup.wrap_optimizer(
             self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size, self.module,
             self.zero3_manager, zero12_factory=DeepSpeedZeroOptimizer.from_plan, expert_groups=self.expert_groups,
         )
-        if self.zero3_manager is not None:
-            self.optimizer.parameter_offload = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)
+        if isinstance(optimizer, Stage3Optimizer) and self.zero3_manager is not None:  # both hold under stage 3
+            optimizer.parameter_offload = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)
+        self.optimizer = optimizer
+
+    @property
+    def _stepped_optimizer(self) -> EngineOptimizer | None:
+        # ZeRO-3 inference sets ``optimizer`` to the parameter manager's view (upstream's attribute there), which
+        # has no step, gradients or parameter groups: the loop and the optimizer queries see no optimizer then.
+        return self.optimizer if isinstance(self.optimizer, EngineOptimizer) else None
 
     def _apply_scheduler(self, client_scheduler: Any) -> None:
         self.lr_scheduler = build_lr_scheduler(client_scheduler, self.basic_optimizer, self._config)
@@ -198,7 +207,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         """End a micro-step; at the accumulation boundary apply the optimizer and scheduler."""
         self._loop.step(lr_kwargs)
 
-    def zero_grad(self) -> None:
+    # Upstream's engine narrows nn.Module.zero_grad to no arguments; tests/compat pins that signature.
+    def zero_grad(self) -> None:  # type: ignore[override]
         """Drop the gradients of the model's parameters."""
         self._loop.zero_grad()
 
@@ -220,7 +230,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm of the last applied step (``None`` before the first step)."""
-        return None if self.optimizer is None else self.optimizer._global_grad_norm
+        optimizer = self._stepped_optimizer
+        return None if optimizer is None else optimizer._global_grad_norm
 
     def get_lr(self) -> list[float]:
         """Learning rate of each parameter group."""
@@ -228,9 +239,10 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
 
     def get_mom(self) -> list[Any]:
         """Momentum (``betas`` or ``momentum``) of each parameter group."""
-        if self.optimizer is None:
+        optimizer = self._stepped_optimizer
+        if optimizer is None:
             return []
-        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+        return [g.get("betas", g.get("momentum")) for g in optimizer.param_groups]
 
     def get_type(self) -> list[str]:
         """Inner optimizer class name per parameter group."""
@@ -284,7 +296,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
     ) -> None:
         """Move optimizer state and fp32 masters (and, under ZeRO-3, the 16-bit parameter shards) to host memory
         until :meth:`reload_states`."""
-        if self.optimizer is None or getattr(self.optimizer, "optimizer", None) is None:
+        optimizer = self._stepped_optimizer
+        if optimizer is None or getattr(optimizer, "optimizer", None) is None:
             raise ValueError("offload_states needs an engine with an optimizer")
         target = torch.device(getattr(device, "value", device))
         if target.type != "cpu":
@@ -292,7 +305,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         if "_state_offloader" not in self.__dict__:
             self._state_offloader = StateOffloader()
         self._state_offloader.offload(
-            self.optimizer.optimizer, parse_kinds(include, zero3=self.zero3_manager is not None), target,
+            optimizer.optimizer, parse_kinds(include, zero3=self.zero3_manager is not None), target,
             torch.float32 if pin_memory else None, non_blocking, manager=self.zero3_manager,
         )
 
@@ -348,7 +361,9 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._loop.lr_scheduler = None
 
     # --- counters (checkpoint loading writes them) -------------------------------------------------
-    global_steps = property(lambda self: self._loop.global_steps, lambda self, v: setattr(self._loop, "global_steps", v))
+    global_steps = property(
+        lambda self: self._loop.global_steps, lambda self, v: setattr(self._loop, "global_steps", v)
+    )
     global_samples = property(
         lambda self: self._loop.global_samples, lambda self, v: setattr(self._loop, "global_samples", v)
     )

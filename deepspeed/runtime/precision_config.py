@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
-
-from pydantic import Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, DeepSpeedLenientConfigModel
 
@@ -70,10 +69,12 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
         return value
 
     @model_validator(mode="after")
-    def _dynamic_args_valid(self) -> "DeepSpeedFP16Config":
+    def _dynamic_args_valid(self) -> DeepSpeedFP16Config:
         if self.loss_scale == 0:
             if self.loss_scale_window <= 0:
-                raise ValueError(f"loss_scale_window must be > 0 with dynamic loss scaling; got {self.loss_scale_window}")
+                raise ValueError(
+                    f"loss_scale_window must be > 0 with dynamic loss scaling; got {self.loss_scale_window}"
+                )
             if self.min_loss_scale <= 0:
                 raise ValueError(f"min_loss_scale must be > 0 with dynamic loss scaling; got {self.min_loss_scale}")
         return self
@@ -120,7 +121,7 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
     """Keep optimizer states in bf16 as well; requires ``bf16_master_weights_and_grads``."""
 
     @model_validator(mode="after")
-    def _optimizer_states_need_master(self) -> "DeepSpeedBF16Config":
+    def _optimizer_states_need_master(self) -> DeepSpeedBF16Config:
         if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
             raise ValueError("bf16_optimizer_states requires bf16_master_weights_and_grads to be true")
         return self
@@ -154,7 +155,7 @@ class DtypeEnum(Enum):
     bf16 = torch.bfloat16
 
     @classmethod
-    def _missing_(cls, value: object) -> "DtypeEnum | None":
+    def _missing_(cls, value: object) -> DtypeEnum | None:
         name = str(value).lower()
         for member in cls:
             if name in _DTYPE_ALIASES[member.value]:
@@ -162,7 +163,9 @@ class DtypeEnum(Enum):
         return None
 
 
-_FLOAT_DTYPE_NAMES = sorted({alias for d in (torch.float16, torch.float32, torch.bfloat16) for alias in _DTYPE_ALIASES[d]})
+_FLOAT_DTYPE_NAMES = sorted(
+    {alias for d in (torch.float16, torch.float32, torch.bfloat16) for alias in _DTYPE_ALIASES[d]}
+)
 
 
 def validate_float_dtype_name(value: str | None) -> str | None:
@@ -170,6 +173,14 @@ def validate_float_dtype_name(value: str | None) -> str | None:
     if value is not None and str(value).lower() not in _FLOAT_DTYPE_NAMES:
         raise ValueError(f"must be one of {_FLOAT_DTYPE_NAMES} (or null); got {value!r}")
     return value
+
+
+@overload
+def to_torch_dtype(value: str) -> torch.dtype: ...
+@overload
+def to_torch_dtype(value: None) -> None: ...
+@overload
+def to_torch_dtype(value: str | None) -> torch.dtype | None: ...
 
 
 def to_torch_dtype(value: str | None) -> torch.dtype | None:

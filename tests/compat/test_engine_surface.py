@@ -213,12 +213,38 @@ def _exercise_facade() -> dict:
             "bucket": opt.plan.zero.buckets.reduce_bucket_size}
 
 
-def _both() -> tuple[dict, dict]:
-    return _exercise_engine(), _exercise_facade()
+def _exercise_zero3_inference() -> dict:
+    """ZeRO-3 without an optimizer: ``engine.optimizer`` is the parameter view, and the optimizer queries and the
+    step calls behave as for an engine with no optimizer."""
+    import deepspeed
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    reference = [p.detach().clone() for p in model.parameters()]
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                           "zero_optimization": {"stage": 3}})
+    x = torch.randn(1, 4)
+    want = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, *reference[:2])), *reference[2:])
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), want)
+    out = {"view": isinstance(engine.optimizer, DeepSpeedZeRoOffload), "lr": engine.get_lr(),
+           "mom": engine.get_mom(), "norm": engine.get_global_grad_norm()}
+    engine.zero_grad()
+    engine.step()
+    with pytest.raises(RuntimeError, match="needs an optimizer"):
+        engine.backward(engine(x).sum())
+    engine.destroy()
+    return out
+
+
+def _both() -> tuple[dict, dict, dict]:
+    return _exercise_engine(), _exercise_facade(), _exercise_zero3_inference()
 
 
 def test_engine_members_work_and_zero_facade() -> None:
-    engine, facade = run_distributed(_both, 1)[0]
+    engine, facade, inference = run_distributed(_both, 1)[0]
+    assert inference == {"view": True, "lr": [], "mom": [], "norm": None}
     assert engine["attrs"] == [] and engine["opt_attrs"] == []
     assert engine["changed"] and engine["applied"] and engine["norm"] > 0
     assert engine["lr"] == [1e-2] and engine["type"] == ["AdamW"] and len(engine["mom"]) == 1

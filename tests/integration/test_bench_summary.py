@@ -22,8 +22,8 @@ RESULTS = BENCH / "results"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import report
-import summary
+import report  # noqa: E402 - importable once BENCH is on sys.path
+import summary  # noqa: E402
 
 KEYS = ["scenario", "engine", "run", "step_s", "peak_alloc_gib", "peak_reserved_gib", "reserved_after_init_gib",
         "alloc_after_init_gib", "tokens_per_s"]
@@ -85,8 +85,8 @@ def test_synthetic_records_map_to_the_documented_names() -> None:
     assert summary.scenario_name(s1) == "s1_1.3b_zero2_fp16_2048tok_gas16_leanoff"
     tp = {"scenario": "throughput", "impl": "upstream", "stage": 3, "dtype": "bf16", "gas": 1, "world_size": 1,
           "model": "gpt1.3b", "checkpoint_reentrant": True, "model_cfg": {"seq": 2048}}
-    assert summary.scenario_name(tp) == summary.scenario_name(dict(tp, impl="fsdp2", stage=None,
-                                                                   checkpoint_reentrant=False)) == "tp_1.3b_zero3_2048tok"
+    fsdp2 = dict(tp, impl="fsdp2", stage=None, checkpoint_reentrant=False)
+    assert summary.scenario_name(tp) == summary.scenario_name(fsdp2) == "tp_1.3b_zero3_2048tok"
     assert summary.scenario_name({"config": "report3_fp32", "impl": "ours", "model": "qwen2-3b"}) == \
         "init_3b_zero3_fp32_512tok_offload_builthost"
     assert summary.scenario_name({"config": "report3_fp32", "impl": "before", "model": "qwen2-3b"}) is None

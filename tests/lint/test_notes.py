@@ -2,8 +2,9 @@
 
 A note ``[Note: name]`` is *defined* exactly once: by a heading of a document under ``docs/`` that starts with it
 (``## [Note: name] ...``), by a paragraph of a ``docs/design/*.md`` file that starts with it, or by a paragraph
-of a module docstring that starts with it (code comments and other docstrings only cite). Every other occurrence is a *citation*; every citation names a defined note, and
-every defined note is cited at least once besides its definition (a note nobody relies on is a comment).
+of a module docstring that starts with it (code comments and other docstrings only cite). Every other occurrence
+is a *citation*; every citation names a defined note, and every defined note is cited at least once besides its
+definition (a note nobody relies on is a comment).
 
 Every repository path that a docstring (of any module, class or function) or a document names -- ``docs/...md``,
 ``benchmarks/...``, ``deepspeed/....py``, ``tests/...py`` and the like -- exists in the tree (``tests/_harness.x``
@@ -74,7 +75,10 @@ def _heading_starts(text: str) -> set[int]:
     return {m.start(1) for m in re.finditer(r"^#+[ \t]+(\S)", text, flags=re.MULTILINE)}
 
 
-def _notes_in(text: str, where: str, definition_starts: set[int]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+_Found = list[tuple[str, str]]  # (note name, where it occurs)
+
+
+def _notes_in(text: str, where: str, definition_starts: set[int]) -> tuple[_Found, _Found]:
     definitions, citations = [], []
     for match in NOTE.finditer(text):
         if match.group(1).strip() in EXAMPLE_NOTES:
@@ -88,7 +92,7 @@ def _collect_notes() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     defined: dict[str, list[str]] = defaultdict(list)
     cited: dict[str, list[str]] = defaultdict(list)
 
-    def add(found: tuple[list[tuple[str, str]], list[tuple[str, str]]]) -> None:
+    def add(found: tuple[_Found, _Found]) -> None:
         for name, where in found[0]:
             defined[name].append(where)
         for name, where in found[1]:
@@ -142,7 +146,8 @@ def _cited_paths(text: str) -> list[str]:
         path = match.group(1).rstrip(".")
         end = match.end()
         after = text[end : end + 2]
-        if PLACEHOLDER.match(after[:1]) or (after[:1] == "." and PLACEHOLDER.match(after[1:])) or PLACEHOLDER.search(path):
+        placeholder_after = PLACEHOLDER.match(after[:1]) or (after[:1] == "." and PLACEHOLDER.match(after[1:]))
+        if placeholder_after or PLACEHOLDER.search(path):
             continue  # a pattern (``benchmarks/results/*.jsonl``, ``<path>``), not a path
         found.append(path)
     return found

@@ -156,10 +156,10 @@ class _PendingFree:
 class DeferredFreeQueue:
     """Frees that wait for the device to reach an event: the A/B emulation of upstream's cross-stream recording.
 
-    When a tensor is recorded as used by a side stream, the allocator keeps its block until the recorded stream has run past the free point,
-    i.e. until the GPU catches up with the CPU. Here the same effect is explicit: ``push`` stores the free with
-    an event recorded at release time, and ``drain`` (called at every fetch) runs the frees whose event has
-    completed, in order. Nothing blocks the host. See [Note: streams-baseline].
+    When a tensor is recorded as used by a side stream, the allocator keeps its block until the recorded stream
+    has run past the free point, i.e. until the GPU catches up with the CPU. Here the same effect is explicit:
+    ``push`` stores the free with an event recorded at release time, and ``drain`` (called at every fetch) runs
+    the frees whose event has completed, in order. Nothing blocks the host. See [Note: streams-baseline].
     """
 
     def __init__(self) -> None:

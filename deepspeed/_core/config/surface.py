@@ -19,8 +19,9 @@ block name; a ``block.key`` entry takes precedence over its block's entry for th
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 Predicate = Callable[[Any, Mapping[str, Any]], bool]
 """``(value, effective)``: ``effective`` maps every modelled dotted key to its validated value."""

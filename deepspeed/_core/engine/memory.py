@@ -179,6 +179,9 @@ class TimelineRecorder:
         snapshot = acc.memory_snapshot()
         acc.record_memory_history(False)
         self.state = _Recording.DONE
+        if snapshot is None:  # recording starts only where memory_history_supported() promised a snapshot
+            raise RuntimeError(f"memory_timeline: the {acc.device_name()} accelerator recorded an allocator history "
+                               "but returned no snapshot")
         device = acc.current_device()
         if self.analyser is not None:
             snapshot["category_hints"] = self.analyser.tensor_hints(module, optimizer)

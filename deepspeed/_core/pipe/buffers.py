@@ -2,12 +2,12 @@
 
 How long activations live ([Note: pipeline activation release] in ``docs/design/pipeline_engine.md``): under
 the 1F1B schedule stage ``s`` of ``P`` has at most ``min(P - s, G)`` micro-batches between their forward and their
-backward, so that is all it has to hold. A slot keeps a micro-batch's inputs (received or loaded), its outputs and, on the last stage, its labels and
-loss graph, and is emptied by :meth:`StageBuffers.release` right after that micro-batch's backward has run and its
-input gradients have been sent. ``ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS`` reproduces upstream's behaviour for A/B
-runs: the last stage keeps every micro-batch's outputs until the step ends, so its activation memory grows with
-``gradient_accumulation_steps``. Whatever the policy, :meth:`StageBuffers.end_step` empties everything, also after
-an fp16-overflow-skipped step.
+backward, so that is all it has to hold. A slot keeps a micro-batch's inputs (received or loaded), its outputs
+and, on the last stage, its labels and loss graph, and is emptied by :meth:`StageBuffers.release` right after
+that micro-batch's backward has run and its input gradients have been sent.
+``ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS`` reproduces upstream's behaviour for A/B runs: the last stage keeps every
+micro-batch's outputs until the step ends, so its activation memory grows with ``gradient_accumulation_steps``.
+Whatever the policy, :meth:`StageBuffers.end_step` empties everything, also after an fp16-overflow-skipped step.
 
 :class:`ActivationLedger` counts, through weak references, which micro-batches still have a live activation
 tensor anywhere in the process, so tests measure what is really alive, not what the slots claim.

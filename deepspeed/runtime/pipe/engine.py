@@ -107,10 +107,11 @@ class PipelineEngine(DeepSpeedEngine):
         policy = ReleasePolicy.from_switch(self.plan.zero.lean.pipeline_release)
         executor = PipeExecutor(model, stage, link, self.device, low, policy)
         _mark_replicated_tied_weights(model)
-        if self.optimizer is not None:
+        optimizer = self._stepped_optimizer
+        if optimizer is not None:
             if self.num_stages > 1:
-                self.optimizer.stage_group = stage.pipe_group
-            executor.optimizer = self.optimizer
+                optimizer.stage_group = stage.pipe_group
+            executor.optimizer = optimizer
             executor.optimizer_step = self._take_pipeline_step
         return executor
 

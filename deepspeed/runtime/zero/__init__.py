@@ -1,4 +1,6 @@
 """``deepspeed.zero`` / ``deepspeed.runtime.zero``: ZeRO-3 parameter partitioning entry points (upstream names)."""
+from typing import Any
+
 from deepspeed.runtime.zero.partition_parameters import (
                                                          GatheredParameters,
                                                          Init,
@@ -18,7 +20,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy: the optimizer module pulls in the engine side
+def __getattr__(name: str) -> Any:
+    # Lazy: the optimizer module pulls in the engine side.
     if name in ("unwrap_model_for_generation", "DeepSpeedZeroOptimizer_Stage3"):
         from deepspeed.runtime.zero import stage3
 

@@ -13,8 +13,11 @@ from pydantic import Field, field_validator, model_validator
 
 from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, pp_int
-from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                   DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum)
+from deepspeed.runtime.zero.offload_config import (
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+    OffloadDeviceEnum,
+)
 
 ZERO_OPTIMIZATION = "zero_optimization"
 
@@ -64,7 +67,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     config_block: ClassVar[str] = ZERO_OPTIMIZATION
 
-    stage: ZeroStageEnum = 0
+    stage: ZeroStageEnum = ZeroStageEnum.disabled
     """0 = off, 1 = partition optimizer states, 2 = + gradients, 3 = + parameters."""
 
     contiguous_gradients: bool = True
@@ -107,8 +110,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Upstream: ZeRO-3 elements per optimizer sub-group stepped at a time. No effect here: the ZeRO-3 step is
     chunked by ``reduce_bucket_size``."""
 
+    # Upstream's deprecation interface puts the converter function in json_schema_extra, typed by pydantic as JSON.
     cpu_offload_param: bool | None = Field(
-        None, json_schema_extra={"deprecated": True, "new_param": "offload_param", "new_param_fn": _cpu_offload_param})
+        None, json_schema_extra={"deprecated": True, "new_param": "offload_param",
+                                 "new_param_fn": _cpu_offload_param})  # type: ignore[dict-item]
     """Deprecated: ``true`` means ``offload_param: {device: cpu}``."""
 
     cpu_offload_use_pin_memory: bool | None = Field(
@@ -118,7 +123,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     cpu_offload: bool | None = Field(
         None, json_schema_extra={"deprecated": True, "new_param": "offload_optimizer",
-                                 "new_param_fn": _cpu_offload_optimizer})
+                                 "new_param_fn": _cpu_offload_optimizer})  # type: ignore[dict-item]  # as above
     """Deprecated: ``true`` means ``offload_optimizer: {device: cpu}``."""
 
     prefetch_bucket_size: int = Field(pp_int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
@@ -245,7 +250,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         return value
 
     @model_validator(mode="after")
-    def _resolve_and_check(self) -> "DeepSpeedZeroConfig":
+    def _resolve_and_check(self) -> DeepSpeedZeroConfig:
         # Assign through __dict__: validate_assignment would otherwise re-enter this validator.
         if self.overlap_comm is None:
             self.__dict__["overlap_comm"] = self.stage == ZeroStageEnum.weights

@@ -33,7 +33,7 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 
     config_block: ClassVar[str] = "zero_optimization.offload_param"
 
-    device: OffloadDeviceEnum = "none"
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
     """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
 
     nvme_path: Path | None = None
@@ -57,7 +57,7 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
 
     config_block: ClassVar[str] = "zero_optimization.offload_optimizer"
 
-    device: OffloadDeviceEnum = "none"
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
     """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
 
     nvme_path: Path | None = None

@@ -6,7 +6,8 @@ delegate; the algorithms live in ``deepspeed/_core/params/`` (see ``docs/design/
 from __future__ import annotations
 
 import os
-from typing import Any, Self
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,7 +21,6 @@ from deepspeed._core.params.gathered import (
     unregister_external,
 )
 from deepspeed._core.params.init_context import InitPlan, ZeroInitContext, init_depth
-from deepspeed._core.params.placement import Pinning, ShardPlacement
 from deepspeed._core.params.param import (
     ShardGroup,
     ZeroParameter,
@@ -29,7 +29,11 @@ from deepspeed._core.params.param import (
     is_zero_param,
     zero_state,
 )
+from deepspeed._core.params.placement import Pinning, ShardPlacement
 from deepspeed.accelerator import get_accelerator
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 __all__ = [
     "GatheredParameters",
@@ -176,9 +180,10 @@ class GatheredParameters:
             self._context.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self._context is not None:
-            self._context.__exit__(*exc)
+            self._context.__exit__(exc_type, exc, tb)
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

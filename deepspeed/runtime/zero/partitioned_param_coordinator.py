@@ -18,7 +18,9 @@ ZeRoTraceMode = TraceMode
 
 def get_all_parameters(sub_module: nn.Module, recurse: bool = False) -> Iterator[tuple[str, nn.Parameter]]:
     """``(name, param)`` of the module's parameters followed by its external parameters."""
-    external = sub_module.ds_external_parameters() if hasattr(sub_module, "ds_external_parameters") else []
+    # The manager binds ``ds_external_parameters`` onto a module it registers; a plain module has none.
+    external_of = getattr(sub_module, "ds_external_parameters", None)
+    external = external_of() if external_of is not None else []
     return itertools.chain(sub_module.named_parameters(recurse=recurse), external)
 
 

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.config.plan import BatchPlan, LossScalePolicy, OffloadDevice, PrecisionPolicy, ReduceOp, RunPlan
+from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups, is_moe_param_group
+from deepspeed._core.optim.hp_mapping import attach_hp_mapping
 from deepspeed._core.optim.loss_scaling import (
     CreateLossScaler,
     LossScalerBase,
     from_policy,
 )
-from deepspeed._core.config.plan import BatchPlan, LossScalePolicy, OffloadDevice, PrecisionPolicy, ReduceOp, RunPlan
-from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups, is_moe_param_group
-from deepspeed._core.optim.hp_mapping import attach_hp_mapping
 from deepspeed._core.optim.stage12 import ZeroOptimizer
 from deepspeed.runtime.config_plan import grad_policy, precision_policy, zero_plan
 from deepspeed.runtime.config_surface import enforce_block_surface
@@ -32,7 +32,9 @@ __all__ = ["DeepSpeedZeroOptimizer"]
 
 
 def _unsupported(argument: str, value: Any, why: str) -> NotImplementedError:
-    return NotImplementedError(f"DeepSpeedZeroOptimizer({argument}={value!r}) is not supported by deepspeed-lean: {why}")
+    return NotImplementedError(
+        f"DeepSpeedZeroOptimizer({argument}={value!r}) is not supported by deepspeed-lean: {why}"
+    )
 
 
 def _working_dtype(optimizer: torch.optim.Optimizer) -> torch.dtype:

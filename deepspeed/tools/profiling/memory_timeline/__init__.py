@@ -18,8 +18,18 @@ from .cli import main
 from .hints import tensor_hints
 from .plot import MatplotlibMissingError, plot_timeline
 from .report import Report, TimelineAnalyser
-from .rules import (ALLOC_RULES, BACKWARD_RULES, BEFORE_RECORDING, CATEGORIES, FREE_RULES, HELPER, HELPER_RULES, OURS,
-                    PLOT_CATEGORIES, Rule)
+from .rules import (
+                    ALLOC_RULES,
+                    BACKWARD_RULES,
+                    BEFORE_RECORDING,
+                    CATEGORIES,
+                    FREE_RULES,
+                    HELPER,
+                    HELPER_RULES,
+                    OURS,
+                    PLOT_CATEGORIES,
+                    Rule,
+)
 from .timeline import Timeline, build_timeline, deferred_frees, summarize
 
 __all__ = ["ALLOC_RULES", "BACKWARD_RULES", "BEFORE_RECORDING", "CATEGORIES", "FREE_RULES", "HELPER", "HELPER_RULES",

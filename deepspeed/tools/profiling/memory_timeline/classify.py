@@ -38,8 +38,17 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .rules import (ACTS, ALLOC_RULES, BACKWARD_RULES, BEFORE_RECORDING, BUFFERS, CATEGORIES, FREE_RULES, HELPER_RULES,
-                    Rule)
+from .rules import (
+    ACTS,
+    ALLOC_RULES,
+    BACKWARD_RULES,
+    BEFORE_RECORDING,
+    BUFFERS,
+    CATEGORIES,
+    FREE_RULES,
+    HELPER_RULES,
+    Rule,
+)
 
 _Frames = Sequence[Mapping[str, Any]]
 
@@ -135,8 +144,9 @@ def _replay(trace: list[dict], anomalies: dict[str, int]) -> tuple[list[_Block],
     blocks: list[_Block] = []
     live: dict[int, _Block] = {}
     for i, entry in enumerate(trace):
-        action, addr = entry.get("action"), entry.get("addr")
+        action = entry.get("action")
         if action == "alloc":
+            addr: int = entry["addr"]  # alloc and free entries carry their block's address; an oom entry has none
             if addr in live:  # the free of the previous block at this address is missing from the trace
                 anomalies["alloc_of_live_address"] = anomalies.get("alloc_of_live_address", 0) + 1
                 live.pop(addr).free_completed = i
@@ -144,13 +154,13 @@ def _replay(trace: list[dict], anomalies: dict[str, int]) -> tuple[list[_Block],
             blocks.append(block)
             live[addr] = block
         elif action in ("free_requested", "free_completed"):
-            block = live.get(addr)
-            if block is None:  # allocated before recording started (or dropped by the ring buffer)
-                block = _Block(addr, int(entry.get("size", 0)), (), -1)
-                blocks.append(block)
-                live[addr] = block
+            addr = entry["addr"]
+            if addr not in live:  # allocated before recording started (or dropped by the ring buffer)
+                live[addr] = _Block(addr, int(entry.get("size", 0)), (), -1)
+                blocks.append(live[addr])
                 if action == "free_completed":
                     anomalies["free_completed_without_request"] = anomalies.get("free_completed_without_request", 0) + 1
+            block = live[addr]
             if action == "free_requested":
                 block.free_requested, block.free_frames = i, entry.get("frames") or ()
             else:

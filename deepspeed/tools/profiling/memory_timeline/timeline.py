@@ -89,8 +89,8 @@ def _deferred_from(analysis: Analysis) -> dict[str, Any]:
     progress = array("q", [0])
     for entry in analysis.trace:
         progress.append(progress[-1] + (entry.get("action") in ("alloc", "free_requested")))
-    out = {"count": 0, "bytes": 0, "max_delay_entries": 0, "max_delay_us": None, "pending_at_end": 0,
-           "gathered_count": 0, "gathered_bytes": 0}
+    out: dict[str, Any] = {"count": 0, "bytes": 0, "max_delay_entries": 0, "max_delay_us": None,
+                           "pending_at_end": 0, "gathered_count": 0, "gathered_bytes": 0}
     for block in analysis.blocks:
         req, done = block.free_requested, block.free_completed
         if req is None:
