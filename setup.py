@@ -9,6 +9,7 @@ Two things need code rather than metadata:
   building, so use ``pip install --no-build-isolation .``; without those variables nothing is compiled
   and ops are JIT-built through ninja on first use.
 """
+
 import os
 import shutil
 from pathlib import Path

@@ -14,6 +14,7 @@ Implementations (``spec["impl"]``):
 The DeepSpeed API is the same for ``ours`` and ``upstream``: which package is imported is decided by PYTHONPATH,
 set by ``run_all.py``; every record carries ``deepspeed.__file__`` so this can be checked.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -127,8 +128,15 @@ def single_worker_env(impl: str, upstream_target: str, extra_site: str | None, p
     env = dict(os.environ)
     root = upstream_target if impl == "upstream" else repo
     env["PYTHONPATH"] = os.pathsep.join([root] + ([extra_site] if extra_site else []))
-    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", DS_BUILD_OPS="0")
+    env.update(
+        PYTHONUNBUFFERED="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        DS_BUILD_OPS="0",
+    )
     if cpu_only:
         env["DS_ACCELERATOR"] = "cpu"
     return env
@@ -193,11 +201,20 @@ def ds_config(spec: dict) -> dict:
         cfg["bf16"] = {"enabled": True}
     elif spec["dtype"] == "fp16":
         # Report 1's loss-scaler settings, with a lower initial power so random-weight steps are not skipped.
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 1000, "hysteresis": 2,
-                       "min_loss_scale": 1}
+        cfg["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": 12,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     if spec["impl"] == "ours_leanoff":
-        cfg["zero_optimization"].update(lean_inplace_flatten=False, lean_eager_grad_release=False,
-                                        lean_stream_ordered_release=False, lean_grads_in_param_shards=False)
+        cfg["zero_optimization"].update(
+            lean_inplace_flatten=False,
+            lean_eager_grad_release=False,
+            lean_stream_ordered_release=False,
+            lean_grads_in_param_shards=False,
+        )
     return cfg
 
 
@@ -215,12 +232,20 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
     """
     h = int(hidden)
     stage = int(spec.get("stage") or 3)
-    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": h * h}
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": h * h,
+    }
     if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=int(0.9 * h * h), stage3_param_persistence_threshold=10 * h,
-                    stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
-                    stage3_gather_16bit_weights_on_model_save=True)
+        zero.update(
+            stage3_prefetch_bucket_size=int(0.9 * h * h),
+            stage3_param_persistence_threshold=10 * h,
+            stage3_max_live_parameters=int(1e9),
+            stage3_max_reuse_distance=int(1e9),
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
     else:
         zero.update(allgather_bucket_size=int(2e8), reduce_scatter=True)
     cfg: dict[str, Any] = {
@@ -242,15 +267,20 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
     if spec.get("offload_param") and stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if spec["impl"] == "ours_leanoff":
-        zero.update(lean_inplace_flatten=False, lean_eager_grad_release=False, lean_stream_ordered_release=False,
-                    lean_grads_in_param_shards=False)
+        zero.update(
+            lean_inplace_flatten=False,
+            lean_eager_grad_release=False,
+            lean_stream_ordered_release=False,
+            lean_grads_in_param_shards=False,
+        )
     return cfg
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
     """Report 1's Adam settings as torch AdamW (fused on CUDA); the same object type for every implementation."""
-    return torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                             fused=torch.cuda.is_available())
+    return torch.optim.AdamW(
+        params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=torch.cuda.is_available()
+    )
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -283,8 +313,10 @@ class DeepSpeedTrainer(Trainer):
 
         self.name = spec["impl"]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=make_optimizer(model.parameters()),
-            config=config if config is not None else ds_config(spec))
+            model=model,
+            optimizer=make_optimizer(model.parameters()),
+            config=config if config is not None else ds_config(spec),
+        )
 
     def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.engine(ids, labels)
@@ -298,9 +330,12 @@ class DeepSpeedTrainer(Trainer):
     def info(self) -> dict:
         import deepspeed
 
-        out = {"optimizer_class": type(self.engine.optimizer).__name__,
-               "skipped_steps": int(getattr(self.engine, "skipped_steps", 0) or 0),
-               "deepspeed_file": deepspeed.__file__, "deepspeed_version": deepspeed.__version__}
+        out = {
+            "optimizer_class": type(self.engine.optimizer).__name__,
+            "skipped_steps": int(getattr(self.engine, "skipped_steps", 0) or 0),
+            "deepspeed_file": deepspeed.__file__,
+            "deepspeed_version": deepspeed.__version__,
+        }
         live = getattr(self.engine.optimizer, "live_grad_buffers", None)
         if callable(live):
             out["live_grad_buffers"] = live()
@@ -359,8 +394,9 @@ def worker_main(scenario: str, body: Callable[[dict], dict]) -> None:
         record.update(body(spec))
         record["status"] = "skipped" if "skip_reason" in record else "ok"
     except Exception as exc:  # noqa: BLE001 -- the record says what failed; run_all keeps going
-        record.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
-                      traceback=traceback.format_exc()[-4000:])
+        record.update(
+            status="error", error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-4000:]
+        )
         if torch.cuda.is_available():
             record["mem_at_error"] = mem()
     record["worker_wall_s"] = round(time.perf_counter() - t0, 2)

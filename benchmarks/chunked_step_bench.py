@@ -5,6 +5,7 @@ ZeRO-1/2 (bf16 gradient converted chunk by chunk, [Note: chunked step]).
 
 Prints the median of several timed steps (CUDA events around each) and the peak memory of each variant.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -12,6 +12,7 @@ mismatch. Step times and tokens/s move between runs; their ratio is reported, an
 after the other), which is how ``benchmarks/compare_trees.sh`` produces them. Exit status 1 when any memory
 figure differs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,15 @@ from pathlib import Path
 from typing import Any
 
 KEY_FIELDS = ("scenario", "impl", "stage", "dtype", "gas", "world_size", "model", "offload", "offload_param")
-MEMORY_FIELDS = ("peak_alloc_gib", "peak_reserved_gib", "alloc_before_step_gib", "alloc_after_step_gib",
-                 "alloc_after_init_gib", "init_peak_alloc_gib", "first_step_peak_alloc_gib")
+MEMORY_FIELDS = (
+    "peak_alloc_gib",
+    "peak_reserved_gib",
+    "alloc_before_step_gib",
+    "alloc_after_step_gib",
+    "alloc_after_init_gib",
+    "init_peak_alloc_gib",
+    "first_step_peak_alloc_gib",
+)
 TIME_FIELDS = ("step_time_s",)
 RATE_FIELDS = ("tokens_per_s",)
 
@@ -62,8 +70,13 @@ def compare(before: dict[tuple, dict], after: dict[tuple, dict], mem_tol: float,
             if ratio > 1 + time_tol:
                 slower.append((key, field, ratio))
         rows.append(row)
-    return {"rows": rows, "only_before": len(set(before) - set(after)), "only_after": len(set(after) - set(before)),
-            "memory_moved": mem_moved, "slower": slower}
+    return {
+        "rows": rows,
+        "only_before": len(set(before) - set(after)),
+        "only_after": len(set(after) - set(before)),
+        "memory_moved": mem_moved,
+        "slower": slower,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         speed = row.get("step_time_s") or row.get("tokens_per_s")
         timing = f"slowdown {speed['slowdown']:.3f}" if speed else ""
         print(f"{name:<58} {mem:<26} {timing}")
-    print(f"{len(result['rows'])} rows compared ({result['only_before']} only before, {result['only_after']} only "
-          f"after); memory moved > {args.mem_tol_gib} GiB: {len(result['memory_moved'])}; slower than "
-          f"{1 + args.time_tol:.2f}x: {len(result['slower'])}")
+    print(
+        f"{len(result['rows'])} rows compared ({result['only_before']} only before, {result['only_after']} only "
+        f"after); memory moved > {args.mem_tol_gib} GiB: {len(result['memory_moved'])}; slower than "
+        f"{1 + args.time_tol:.2f}x: {len(result['slower'])}"
+    )
     for key, field, delta in result["memory_moved"]:
         print(f"  MEMORY {dict(zip(KEY_FIELDS, key, strict=True))} {field} {delta:+.4f} GiB")
     for key, field, ratio in result["slower"]:

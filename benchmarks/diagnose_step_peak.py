@@ -10,6 +10,7 @@ the largest live blocks with their stacks, and the category totals of
 ``deepspeed/tools/profiling/memory_timeline`` when that package is present. This is a diagnostic for the
 benchmarks' "where ours is not ahead" notes, not a benchmark: the recorded step runs slower than an untraced one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,7 @@ from models import random_batch  # noqa: E402
 from trainers import make_trainer  # noqa: E402
 
 GiB = float(1 << 30)
-_INTERESTING = ("deepspeed", "benchmarks/models.py", "torch/optim", "torch/utils/checkpoint", "torch/autograd",
-                "fsdp")
+_INTERESTING = ("deepspeed", "benchmarks/models.py", "torch/optim", "torch/utils/checkpoint", "torch/autograd", "fsdp")
 
 
 def _site(frames: list[dict]) -> str:
@@ -133,8 +133,21 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rec = run(json.loads(a.spec), Path(a.out))
-    print(json.dumps({k: rec[k] for k in ("spec", "alloc_before_step_gib", "peak_alloc_counter_gib",
-                                          "peak_from_trace_gib", "new_bytes_at_peak_by_site_gib")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: rec[k]
+                for k in (
+                    "spec",
+                    "alloc_before_step_gib",
+                    "peak_alloc_counter_gib",
+                    "peak_from_trace_gib",
+                    "new_bytes_at_peak_by_site_gib",
+                )
+            },
+            indent=1,
+        )
+    )
     sys.stdout.flush()
     os._exit(0)
 

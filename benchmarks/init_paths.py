@@ -21,6 +21,7 @@ Implementations: ``ours`` (this repository), ``before`` (an older copy of this p
     python benchmarks/init_paths.py --out DIR [--impls ours,before,upstream] [--configs ...] [--model qwen2-3b]
     python benchmarks/init_paths.py --out DIR --smoke         # CPU, tiny model: checks the harness only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,17 +49,28 @@ CONFIGS: dict[str, dict] = {
 
 
 def _config(spec: dict, hidden: int) -> dict:
-    zero: dict = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True,
-                  "reduce_bucket_size": hidden * hidden}
+    zero: dict = {
+        "stage": spec["stage"],
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": hidden * hidden,
+    }
     if spec["stage"] == 3:
-        zero.update(stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
-                    stage3_param_persistence_threshold=10 * hidden)
+        zero.update(
+            stage3_prefetch_bucket_size=int(0.9 * hidden * hidden), stage3_param_persistence_threshold=10 * hidden
+        )
     if spec.get("offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if spec.get("offload_param"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+    }
     if spec["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -74,8 +86,9 @@ def worker(spec: dict) -> dict:
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(spec.get("port", 29511)))
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.get("port", 29511))
+    )
     deepspeed.init_distributed()
     cfg_model = MODELS[spec["model"]]
     ds_cfg = _config(spec, cfg_model.hidden)
@@ -96,12 +109,19 @@ def worker(spec: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
     init_s = time.perf_counter() - t0
-    out = {"params": n_params, "init_s": init_s, "deepspeed_file": deepspeed.__file__,
-           "working_bytes_per_param": 2 if spec["dtype"] == "bf16" else 4}
+    out = {
+        "params": n_params,
+        "init_s": init_s,
+        "deepspeed_file": deepspeed.__file__,
+        "working_bytes_per_param": 2 if spec["dtype"] == "bf16" else 4,
+    }
     if cuda:
-        out.update(alloc_before_init_gib=before / GiB, init_peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
-                   alloc_after_init_gib=torch.cuda.memory_allocated() / GiB,
-                   reserved_after_init_gib=torch.cuda.memory_reserved() / GiB)
+        out.update(
+            alloc_before_init_gib=before / GiB,
+            init_peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
+            alloc_after_init_gib=torch.cuda.memory_allocated() / GiB,
+            reserved_after_init_gib=torch.cuda.memory_reserved() / GiB,
+        )
         out["reserved_over_alloc"] = out["reserved_after_init_gib"] / max(out["alloc_after_init_gib"], 1e-9)
         torch.cuda.reset_peak_memory_stats()
     ids, labels = random_batch(cfg_model, 1, dev)
@@ -132,8 +152,11 @@ def main() -> None:
     ap.add_argument("--extra-site", default=os.environ.get("BENCH_EXTRA_SITE"))
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--jobs", type=int, default=1, help="workers at once (device counters are per process)")
-    ap.add_argument("--compare", default="report3_bf16,report3_fp32,host_s3",
-                    help="configurations also run for the implementations other than ours")
+    ap.add_argument(
+        "--compare",
+        default="report3_bf16,report3_fp32,host_s3",
+        help="configurations also run for the implementations other than ours",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, ours only")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -149,8 +172,12 @@ def main() -> None:
         args.impls, args.model = "ours", "quick-qwen"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pairs = [(i, c) for c in args.configs.split(",") for i in args.impls.split(",")
-             if i == "ours" or c in args.compare.split(",")]
+    pairs = [
+        (i, c)
+        for c in args.configs.split(",")
+        for i in args.impls.split(",")
+        if i == "ours" or c in args.compare.split(",")
+    ]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for record in pool.map(lambda job: _run_one(job[0], *job[1], args, out_dir), enumerate(pairs)):
             with (out_dir / "init_paths.jsonl").open("a") as fh:
@@ -160,19 +187,35 @@ def main() -> None:
 
 def _run_one(n: int, impl: str, name: str, args: argparse.Namespace, out_dir: Path) -> dict:
     """One worker process; its result file becomes a record (errors and time-outs included)."""
-    spec = {**CONFIGS[name], "config": name, "impl": impl, "model": args.model, "port": 29600 + n,
-            "threads": max(1, (os.cpu_count() or 2) // args.jobs), "result": str(out_dir / f".result_{n}.json")}
+    spec = {
+        **CONFIGS[name],
+        "config": name,
+        "impl": impl,
+        "model": args.model,
+        "port": 29600 + n,
+        "threads": max(1, (os.cpu_count() or 2) // args.jobs),
+        "result": str(out_dir / f".result_{n}.json"),
+    }
     env = {**os.environ, "PYTHONPATH": _pythonpath(impl, args), "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, __file__, "--out", str(out_dir), "--worker", json.dumps(spec)],
-                              env=env, cwd="/" if impl != "ours" else str(REPO), timeout=args.timeout_s,
-                              capture_output=True, text=True)
-        result = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else {
-            "status": "error", "error": proc.stderr[-2000:]}
+        proc = subprocess.run(
+            [sys.executable, __file__, "--out", str(out_dir), "--worker", json.dumps(spec)],
+            env=env,
+            cwd="/" if impl != "ours" else str(REPO),
+            timeout=args.timeout_s,
+            capture_output=True,
+            text=True,
+        )
+        result = (
+            json.loads(Path(spec["result"]).read_text())
+            if Path(spec["result"]).exists()
+            else {"status": "error", "error": proc.stderr[-2000:]}
+        )
     except subprocess.TimeoutExpired:
         result = {"status": "timeout"}
     return {"config": name, "impl": impl, "model": args.model, "wall_s": time.perf_counter() - t0, **result}
+
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ recomputed region).
 Parameters are created directly on the requested device and dtype (``device=``/``dtype=`` factory arguments), so
 building a model never makes a transient fp32 or host copy that would pollute the memory measurements.
 """
+
 from __future__ import annotations
 
 import math
@@ -112,8 +113,9 @@ MODELS: dict[str, ModelConfig] = {
     "quick": GPTConfig(layers=2, hidden=64, heads=4, seq=32, vocab=256),
     "quick-s2": GPTConfig(layers=4, hidden=128, heads=4, seq=32, vocab=512),
     "qwen2-3b": QwenConfig(layers=36, hidden=2048, heads=16, kv_heads=2, intermediate=11008, vocab=151936),
-    "qwen2.5-7b": QwenConfig(layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
-                             tied=False),
+    "qwen2.5-7b": QwenConfig(
+        layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064, tied=False
+    ),
     "quick-qwen": QwenConfig(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=160, vocab=256, seq=32),
 }
 

@@ -11,6 +11,7 @@ of this checkout. Defaults are the benchmark's MoE GPT (``benchmarks/scenarios/m
 4096 tokens per rank, 8 experts, top-2, capacity factor 1.25; the hidden width is small so the run takes
 seconds, and the per-layer terms that scale with it are printed apart (``--detail`` lists every saved tensor).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,16 @@ def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     h = args.hidden
     expert = torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
-    layer = MoE(h, expert, num_experts=args.experts, ep_size=1, k=args.k, capacity_factor=args.capacity_factor,
-                eval_capacity_factor=args.capacity_factor, min_capacity=4).to(dtype)
+    layer = MoE(
+        h,
+        expert,
+        num_experts=args.experts,
+        ep_size=1,
+        k=args.k,
+        capacity_factor=args.capacity_factor,
+        eval_capacity_factor=args.capacity_factor,
+        min_capacity=4,
+    ).to(dtype)
     layer.train()
     x = torch.randn(args.tokens, h, dtype=dtype, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -45,8 +54,12 @@ def measure(args: argparse.Namespace) -> dict:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in params and ptr not in saved and storage.nbytes() > 0:
-            saved[ptr] = {"bytes": storage.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
-                          "shape": list(t.shape), "is_input": ptr == x.untyped_storage().data_ptr()}
+            saved[ptr] = {
+                "bytes": storage.nbytes(),
+                "dtype": str(t.dtype).replace("torch.", ""),
+                "shape": list(t.shape),
+                "is_input": ptr == x.untyped_storage().data_ptr(),
+            }
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -92,16 +105,26 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    argv = [f"--tokens={args.tokens}", f"--hidden={args.hidden}", f"--experts={args.experts}", f"--k={args.k}",
-            f"--capacity-factor={args.capacity_factor}", f"--dtype={args.dtype}"]
+    argv = [
+        f"--tokens={args.tokens}",
+        f"--hidden={args.hidden}",
+        f"--experts={args.experts}",
+        f"--k={args.k}",
+        f"--capacity-factor={args.capacity_factor}",
+        f"--dtype={args.dtype}",
+    ]
     for impl in args.impls.split(","):
         result = _run_impl(impl, args, argv)
         mib = result["saved_bytes"] / 2**20
-        print(f"{impl:9s} saved {result['saved_bytes']:>12,d} B ({mib:8.2f} MiB) per MoE layer; "
-              f"without the layer input {result['saved_bytes_without_input']:,d} B  [{result['deepspeed_file']}]")
+        print(
+            f"{impl:9s} saved {result['saved_bytes']:>12,d} B ({mib:8.2f} MiB) per MoE layer; "
+            f"without the layer input {result['saved_bytes_without_input']:,d} B  [{result['deepspeed_file']}]"
+        )
         if args.detail:
             for r in result["tensors"]:
-                print(f"    {r['bytes']:>12,d}  {r['dtype']:9s} {r['shape']}{'  (layer input)' if r['is_input'] else ''}")
+                print(
+                    f"    {r['bytes']:>12,d}  {r['dtype']:9s} {r['shape']}{'  (layer input)' if r['is_input'] else ''}"
+                )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ shard upcast into a fresh tensor per piece (``norm_fresh``) vs through one reuse
 straight from the shards (``parked_convert_into``). Each figure is the median of ``--reps`` runs after one
 warm-up run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -124,8 +125,10 @@ def main() -> None:
     from deepspeed._core.grads.parked import Parked, ParkedWindow
 
     region_numel = 4 << 20  # about one 3B-model matrix per region
-    parked_regions = [Parked(SimpleNamespace(shard=torch.randn(min(region_numel, n - o)).bfloat16(), ds_id=o), 0, o)
-                      for o in range(0, n, region_numel)]
+    parked_regions = [
+        Parked(SimpleNamespace(shard=torch.randn(min(region_numel, n - o)).bfloat16(), ds_id=o), 0, o)
+        for o in range(0, n, region_numel)
+    ]
     empty_acc = ChunkedGradShard(n, ch, torch.bfloat16, "cpu")
     staging = [torch.empty(ch, dtype=torch.bfloat16) for _ in range(2)]
 

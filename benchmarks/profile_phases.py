@@ -9,6 +9,7 @@ more than an unsynchronised step), then profiles one more step with ``torch.prof
 operators with the most device time and the most host time, and the number of kernel launches per phase.
 Writes ``DIR/<impl>_z<stage>.json``. Not a timed test; figures come only from the run that wrote them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,15 @@ from trainers import make_trainer
 
 def _top(events: list, key: str, n: int = 12) -> list[dict]:
     rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
-    return [{"name": e.key[:90], "calls": e.count, "self_device_ms": round(e.self_device_time_total / 1e3, 2),
-             "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in rows]
+    return [
+        {
+            "name": e.key[:90],
+            "calls": e.count,
+            "self_device_ms": round(e.self_device_time_total / 1e3, 2),
+            "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2),
+        }
+        for e in rows
+    ]
 
 
 def run(spec: dict) -> dict:
@@ -78,15 +86,24 @@ def run(spec: dict) -> dict:
             trainer.step()
         sync()
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                                                        "cuLaunchKernelEx"))
-    phase_rows = {e.key: {"cpu_ms": round(e.cpu_time_total / 1e3, 2), "device_ms": round(e.device_time_total / 1e3, 2)}
-                  for e in events if e.key.startswith("phase:")}
+    launches = sum(
+        e.count
+        for e in events
+        if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+    )
+    phase_rows = {
+        e.key: {"cpu_ms": round(e.cpu_time_total / 1e3, 2), "device_ms": round(e.device_time_total / 1e3, 2)}
+        for e in events
+        if e.key.startswith("phase:")
+    }
     return {
-        "spec": spec, "params": n_params, "torch_threads": torch.get_num_threads(),
+        "spec": spec,
+        "params": n_params,
+        "torch_threads": torch.get_num_threads(),
         "median_s": {k: round(statistics.median(v), 4) for k, v in phases.items() if v},
         "all_s": {k: [round(x, 4) for x in v] for k, v in phases.items()},
-        "profiled_phases": phase_rows, "kernel_launches": launches,
+        "profiled_phases": phase_rows,
+        "kernel_launches": launches,
         "top_device": _top(list(events), "self_device_time_total"),
         "top_cpu": _top(list(events), "self_cpu_time_total"),
     }
@@ -103,8 +120,16 @@ def main() -> None:
     name = f"{spec['impl']}_z{spec.get('stage')}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({"spec": spec, "median_s": result["median_s"], "launches": result["kernel_launches"],
-                      "phases": result["profiled_phases"]}))
+    print(
+        json.dumps(
+            {
+                "spec": spec,
+                "median_s": result["median_s"],
+                "launches": result["kernel_launches"],
+                "phases": result["profiled_phases"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ bp = bg = 2 bytes (bf16/fp16 parameters and gradients, fp32 Adam state K = 12). 
 (``scenarios/s3_zero3.floors``: the offloaded variants too) and are keyed also by model and offload. With
 ``--summary`` the page ends with every row of that ``summary.json`` (``summary.py``), one table per run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,17 @@ def bucket_gib(double: bool = True, elem_bytes: int = 2) -> float:
 # ------------------------------------------------------------------------------------------------ loading
 def _key(r: dict) -> tuple:
     """Identity of a configuration (S3 also by model and offload: one worker each)."""
-    return (r.get("scenario"), r.get("impl"), r.get("stage"), r.get("dtype"), r.get("gas"), r.get("world_size"),
-            r.get("model"), bool(r.get("offload")), bool(r.get("offload_param")))
+    return (
+        r.get("scenario"),
+        r.get("impl"),
+        r.get("stage"),
+        r.get("dtype"),
+        r.get("gas"),
+        r.get("world_size"),
+        r.get("model"),
+        bool(r.get("offload")),
+        bool(r.get("offload_param")),
+    )
 
 
 def load(paths: Iterable[Path]) -> list[dict]:
@@ -101,8 +111,10 @@ def _cell(records: list[dict], field: str, nd: int = 2, **match: object) -> tupl
 # ------------------------------------------------------------------------------------------------ tables
 def s1_table(records: list[dict]) -> list[str]:
     """Peak over one step per configuration, with ratios to upstream, FSDP2 and the floor."""
-    rows = sorted({(r["world_size"], r["dtype"], r["gas"]) for r in records if r.get("scenario") == "s1"},
-                  key=lambda t: (t[0], t[1] != "bf16", t[2]))
+    rows = sorted(
+        {(r["world_size"], r["dtype"], r["gas"]) for r in records if r.get("scenario") == "s1"},
+        key=lambda t: (t[0], t[1] != "bf16", t[2]),
+    )
     out = [
         "| N | dtype | GAS | stage | floor GiB | ours peak alloc / reserved | lean-off | upstream "
         "| FSDP2 (bf16, sharded) |"
@@ -114,15 +126,34 @@ def s1_table(records: list[dict]) -> list[str]:
         for stage in (1, 2):
             cells, peaks = {}, {}
             for impl in ("ours", "ours_leanoff", "upstream"):
-                a, av = _cell(records, "peak_alloc_gib", scenario="s1", impl=impl, stage=stage, world_size=ws,
-                              dtype=dtype, gas=gas)
-                b, _ = _cell(records, "peak_reserved_gib", scenario="s1", impl=impl, stage=stage, world_size=ws,
-                             dtype=dtype, gas=gas)
+                a, av = _cell(
+                    records,
+                    "peak_alloc_gib",
+                    scenario="s1",
+                    impl=impl,
+                    stage=stage,
+                    world_size=ws,
+                    dtype=dtype,
+                    gas=gas,
+                )
+                b, _ = _cell(
+                    records,
+                    "peak_reserved_gib",
+                    scenario="s1",
+                    impl=impl,
+                    stage=stage,
+                    world_size=ws,
+                    dtype=dtype,
+                    gas=gas,
+                )
                 cells[impl] = a if av is None else f"{a} / {b.replace(' ‡', '')}"
                 peaks[impl] = av
             fa = fsdp.get("peak_alloc_gib") if fsdp and fsdp.get("status") == "ok" else None
-            fcell = "—" if fsdp is None else (f"{fa:.2f} / {fsdp['peak_reserved_gib']:.2f}" if fa is not None
-                                               else f"**{fsdp.get('status')}**")
+            fcell = (
+                "—"
+                if fsdp is None
+                else (f"{fa:.2f} / {fsdp['peak_reserved_gib']:.2f}" if fa is not None else f"**{fsdp.get('status')}**")
+            )
             ref = next((r for r in records if r.get("scenario") == "s1" and r.get("params")), None)
             floor = state_floor_gib(stage, ws, ref["params"]) if ref else None
             out.append(
@@ -141,11 +172,18 @@ def s1_gas_growth(records: list[dict]) -> list[str]:
         "double-buffered)? | max alloc between micro-steps | steady drift (step k+1 − k) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    combos = sorted({(r["world_size"], r["dtype"], r.get("stage"), r["impl"]) for r in records
-                     if r.get("scenario") == "s1"}, key=lambda t: (t[0], t[1] != "bf16", str(t[2]), IMPLS.index(t[3])))
+    combos = sorted(
+        {(r["world_size"], r["dtype"], r.get("stage"), r["impl"]) for r in records if r.get("scenario") == "s1"},
+        key=lambda t: (t[0], t[1] != "bf16", str(t[2]), IMPLS.index(t[3])),
+    )
     for ws, dtype, stage, impl in combos:
-        runs = {r["gas"]: r for r in records if r.get("scenario") == "s1" and r.get("status") == "ok"
-                and (r["world_size"], r["dtype"], r.get("stage"), r["impl"]) == (ws, dtype, stage, impl)}
+        runs = {
+            r["gas"]: r
+            for r in records
+            if r.get("scenario") == "s1"
+            and r.get("status") == "ok"
+            and (r["world_size"], r["dtype"], r.get("stage"), r["impl"]) == (ws, dtype, stage, impl)
+        }
         if 1 not in runs or len(runs) < 2:
             continue
         gmax = max(runs)
@@ -161,17 +199,23 @@ def s1_gas_growth(records: list[dict]) -> list[str]:
 
 def s2_table(records: list[dict]) -> list[str]:
     """Initialisation: device peak, reserved − allocated, host RSS, wall time."""
-    out = ["| N | stage | impl | params (B) | init peak alloc GiB (× param bytes) | init floor GiB | peak/floor | "
-           "reserved − alloc after init GiB (% of param bytes) | host RSS growth peak / end GiB | init wall s | "
-           "first-step peak GiB | status |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    recs = sorted((r for r in records if r.get("scenario") == "s2"),
-                  key=lambda r: (r["world_size"], str(r.get("stage")), IMPLS.index(r["impl"])))
+    out = [
+        "| N | stage | impl | params (B) | init peak alloc GiB (× param bytes) | init floor GiB | peak/floor | "
+        "reserved − alloc after init GiB (% of param bytes) | host RSS growth peak / end GiB | init wall s | "
+        "first-step peak GiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    recs = sorted(
+        (r for r in records if r.get("scenario") == "s2"),
+        key=lambda r: (r["world_size"], str(r.get("stage")), IMPLS.index(r["impl"])),
+    )
     for r in recs:
         st = r.get("stage")
         if r.get("status") != "ok":
-            out.append(f"| {r['world_size']} | {st} | {r['impl']} | | | | | | | | | **{r.get('status')}**: "
-                       f"{str(r.get('error', ''))[:120]} |")
+            out.append(
+                f"| {r['world_size']} | {st} | {r['impl']} | | | | | | | | | **{r.get('status')}**: "
+                f"{str(r.get('error', ''))[:120]} |"
+            )
             continue
         pbytes = r["params"] * r.get("param_dtype_bytes", 2) / GiB
         floor = init_floor_gib(st, r["world_size"], r["params"])
@@ -188,24 +232,32 @@ def s2_table(records: list[dict]) -> list[str]:
 
 def throughput_table(records: list[dict]) -> list[str]:
     """Tokens/s per stage and implementation (solo runs)."""
-    out = ["| stage | ours tok/s | lean-off tok/s | upstream tok/s | FSDP2 tok/s | ours/upstream | ours/FSDP2 | "
-           "ours peak GiB | upstream peak GiB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| stage | ours tok/s | lean-off tok/s | upstream tok/s | FSDP2 tok/s | ours/upstream | ours/FSDP2 | "
+        "ours peak GiB | upstream peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     fs = _find(records, scenario="throughput", impl="fsdp2")
     fv = fs.get("tokens_per_s") if fs and fs.get("status") == "ok" else None
     for stage in (0, 1, 2, 3):
-        c = {impl: _cell(records, "tokens_per_s", 0, scenario="throughput", impl=impl, stage=stage)
-             for impl in ("ours", "ours_leanoff", "upstream")}
+        c = {
+            impl: _cell(records, "tokens_per_s", 0, scenario="throughput", impl=impl, stage=stage)
+            for impl in ("ours", "ours_leanoff", "upstream")
+        }
         for impl in c:  # † = reentrant activation checkpointing (the note under the table)
             r = _find(records, scenario="throughput", impl=impl, stage=stage)
             if r is not None and r.get("checkpoint_reentrant") and r.get("status") == "ok":
                 c[impl] = (c[impl][0] + " †", c[impl][1])
-        pk = {impl: _cell(records, "peak_alloc_gib", 2, scenario="throughput", impl=impl, stage=stage)[0]
-              for impl in ("ours", "upstream")}
+        pk = {
+            impl: _cell(records, "peak_alloc_gib", 2, scenario="throughput", impl=impl, stage=stage)[0]
+            for impl in ("ours", "upstream")
+        }
         fcell = "—" if fs is None else (f"{fv:.0f}" if fv is not None else f"**{fs.get('status')}**")
-        out.append(f"| {stage} | {c['ours'][0]} | {c['ours_leanoff'][0] if stage else 'n/a'} | {c['upstream'][0]} | "
-                   f"{fcell} | {_ratio(c['ours'][1], c['upstream'][1])} | {_ratio(c['ours'][1], fv)} | "
-                   f"{pk['ours']} | {pk['upstream']} |")
+        out.append(
+            f"| {stage} | {c['ours'][0]} | {c['ours_leanoff'][0] if stage else 'n/a'} | {c['upstream'][0]} | "
+            f"{fcell} | {_ratio(c['ours'][1], c['upstream'][1])} | {_ratio(c['ours'][1], fv)} | "
+            f"{pk['ours']} | {pk['upstream']} |"
+        )
     return out
 
 
@@ -223,15 +275,27 @@ def _s3_group(r: dict) -> tuple:
 
 
 def _s3_sort(r: dict) -> tuple:
-    return (str(r.get("model")), r.get("world_size") or 0, bool(r.get("offload")), bool(r.get("offload_param")),
-            r.get("stage") == 2, S3_IMPL_ORDER.index(r["impl"]) if r.get("impl") in S3_IMPL_ORDER else 9)
+    return (
+        str(r.get("model")),
+        r.get("world_size") or 0,
+        bool(r.get("offload")),
+        bool(r.get("offload_param")),
+        r.get("stage") == 2,
+        S3_IMPL_ORDER.index(r["impl"]) if r.get("impl") in S3_IMPL_ORDER else 9,
+    )
 
 
 def _s3_ref(records: list[dict], r: dict, impl: str) -> dict | None:
     """The ok ZeRO-3 (or FSDP2) record of ``impl`` for the same model, N and optimizer offload."""
     for o in records:
-        if (o.get("scenario") == "s3" and o.get("status") == "ok" and o.get("impl") == impl
-                and _s3_group(o) == _s3_group(r) and not o.get("offload_param") and o.get("stage") != 2):
+        if (
+            o.get("scenario") == "s3"
+            and o.get("status") == "ok"
+            and o.get("impl") == impl
+            and _s3_group(o) == _s3_group(r)
+            and not o.get("offload_param")
+            and o.get("stage") != 2
+        ):
             return o
     return None
 
@@ -248,8 +312,14 @@ def _s3_trace_cells(r: dict) -> tuple[str, str]:
         return "err", "err"
     d = t.get("deferred_frees") or {}
     delay = d.get("max_delay_us")
-    frees = "—" if not d else (f"{d.get('count', '?')} ({d.get('gathered_count', '?')} gathered"
-                               + (f", max {delay / 1000:.1f} ms)" if delay is not None else ")"))
+    frees = (
+        "—"
+        if not d
+        else (
+            f"{d.get('count', '?')} ({d.get('gathered_count', '?')} gathered"
+            + (f", max {delay / 1000:.1f} ms)" if delay is not None else ")")
+        )
+    )
     return _f(t.get("gathered_layers_alive_max_from_trace")), frees
 
 
@@ -269,10 +339,14 @@ def _s3_invalid(r: dict) -> bool:
 def s3_table(records: list[dict]) -> list[str]:
     """One row per S3 configuration: peak vs floor, gathered layers (hooks, trace), deferred frees, host, time."""
     recs = sorted((r for r in records if r.get("scenario") == "s3" and r.get("impl") in S3_IMPL_ORDER), key=_s3_sort)
-    out = [("| model | N | offload | impl | stage | ckpt | peak alloc / reserved GiB | floor GiB | peak/floor | "
+    out = [
+        (
+            "| model | N | offload | impl | stage | ckpt | peak alloc / reserved GiB | floor GiB | peak/floor | "
             "reserved/alloc | gathered layers fwd / bwd max (hooks) | layer-equiv fwd / bwd | from trace | deferred "
-            "frees | host B/owned param | step s | retries | vs upstream | vs FSDP2 |"),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "frees | host B/owned param | step s | retries | vs upstream | vs FSDP2 |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in recs:
         off = ("opt+param" if r.get("offload_param") else "opt") if r.get("offload") else "—"
         st = "FSDP2" if r.get("impl") == "fsdp2" else r.get("stage")
@@ -282,8 +356,10 @@ def s3_table(records: list[dict]) -> list[str]:
             out.append(head + f" **{r.get('status')}**: {err} |" + " |" * 12)
             continue
         if _s3_invalid(r):
-            out.append(head + f" **invalid**: every step skipped ({r.get('skipped_steps')}), so no optimizer state "
-                       f"existed (peak {_f(r.get('peak_alloc_gib'))} GiB) |" + " |" * 12)
+            out.append(
+                head + f" **invalid**: every step skipped ({r.get('skipped_steps')}), so no optimizer state "
+                f"existed (peak {_f(r.get('peak_alloc_gib'))} GiB) |" + " |" * 12
+            )
             continue
         peak = r.get("peak_alloc_gib")
         up, fs = _s3_ref(records, r, "upstream"), _s3_ref(records, r, "fsdp2")
@@ -314,10 +390,23 @@ def _check(ok: bool | None) -> str:
 def s3_targets(records: list[dict]) -> list[str]:
     """The issue's acceptance figures for ours, checked mechanically against the S3 records."""
     lines = []
-    for r in sorted((r for r in records if r.get("scenario") == "s3" and r.get("impl") == "ours"
-                     and r.get("status") == "ok" and r.get("stage") != 2 and not _s3_invalid(r)), key=_s3_sort):
-        tag = f"{r.get('model')} N={r.get('world_size')}" + (" offload" if r.get("offload") else "") + (
-            "+param" if r.get("offload_param") else "")
+    for r in sorted(
+        (
+            r
+            for r in records
+            if r.get("scenario") == "s3"
+            and r.get("impl") == "ours"
+            and r.get("status") == "ok"
+            and r.get("stage") != 2
+            and not _s3_invalid(r)
+        ),
+        key=_s3_sort,
+    ):
+        tag = (
+            f"{r.get('model')} N={r.get('world_size')}"
+            + (" offload" if r.get("offload") else "")
+            + ("+param" if r.get("offload_param") else "")
+        )
         limit = 1 + (r.get("prefetch_budget_layers") or 0)
         g = [r.get("gathered_layer_equiv_fwd_max"), r.get("gathered_layer_equiv_bwd_max")]
         gathered = None if None in g else max(g) <= limit + 1e-9
@@ -325,21 +414,37 @@ def s3_targets(records: list[dict]) -> list[str]:
         peak = r.get("peak_alloc_gib")
         vs_fsdp2 = None if fs is None or not peak else peak <= fs["peak_alloc_gib"]
         frees = ((r.get("trace") or {}).get("deferred_frees") or {}).get("gathered_count")
-        parts = [(f"gathered layer-equivalents ≤ 1 + prefetch budget ({limit:.2f}): {_check(gathered)} "
-                  f"({_f(max(g) if gathered is not None else None)})"),
-                 f"peak ≤ FSDP2's: {_check(vs_fsdp2)}",
-                 f"no deferred free of a gathered block (trace): {_check(None if frees is None else frees == 0)}"]
+        parts = [
+            (
+                f"gathered layer-equivalents ≤ 1 + prefetch budget ({limit:.2f}): {_check(gathered)} "
+                f"({_f(max(g) if gathered is not None else None)})"
+            ),
+            f"peak ≤ FSDP2's: {_check(vs_fsdp2)}",
+            f"no deferred free of a gathered block (trace): {_check(None if frees is None else frees == 0)}",
+        ]
         if r.get("world_size", 1) > 1 and not r.get("offload"):
             parts.append(f"peak ≤ 1.3× floor: {_check(None if not peak else r['peak_over_floor'] <= 1.3)}")
             parts.append(f"reserved ≤ 1.1× allocated: {_check(None if not peak else r['reserved_over_alloc'] <= 1.1)}")
         if r.get("offload"):
             host = host_bytes_per_owned_param(r)
             parts.append(f"host ≤ 13.5 B/param: {_check(None if host is None else host <= 13.5)} ({_f(host, 1)})")
-        z2 = next((o for o in records if o.get("scenario") == "s3" and o.get("impl") == "ours" and o.get("stage") == 2
-                   and o.get("status") == "ok" and _s3_group(o) == _s3_group(r)), None)
+        z2 = next(
+            (
+                o
+                for o in records
+                if o.get("scenario") == "s3"
+                and o.get("impl") == "ours"
+                and o.get("stage") == 2
+                and o.get("status") == "ok"
+                and _s3_group(o) == _s3_group(r)
+            ),
+            None,
+        )
         if z2 is not None and not r.get("offload_param"):
-            parts.append(f"ZeRO-3 peak ≤ ZeRO-2 peak ({_f(z2.get('peak_alloc_gib'))}): "
-                         f"{_check(None if not peak else peak <= z2['peak_alloc_gib'])}")
+            parts.append(
+                f"ZeRO-3 peak ≤ ZeRO-2 peak ({_f(z2.get('peak_alloc_gib'))}): "
+                f"{_check(None if not peak else peak <= z2['peak_alloc_gib'])}"
+            )
         lines.append(f"- {tag}: " + "; ".join(parts))
     return lines or ["- no ok `ours` S3 record"]
 
@@ -352,10 +457,15 @@ def failures(records: list[dict]) -> list[str]:
     out = ["| scenario | impl | stage | dtype | GAS | N | status | error |", "|---|---|---|---|---|---|---|---|"]
     for r in bad:
         err = str(r.get("error") or r.get("skip_reason", "")).replace("|", "\\|").replace("\n", " ")[:300]
-        scen = r.get("scenario") if r.get("scenario") != "s3" else f"s3 {r.get('model')}" + (
-            " offload" if r.get("offload") else "")
-        out.append(f"| {scen} | {r.get('impl')} | {r.get('stage')} | {r.get('dtype')} | {r.get('gas', '-')} | "
-                   f"{r.get('world_size')} | {r.get('status')} | {err} |")
+        scen = (
+            r.get("scenario")
+            if r.get("scenario") != "s3"
+            else f"s3 {r.get('model')}" + (" offload" if r.get("offload") else "")
+        )
+        out.append(
+            f"| {scen} | {r.get('impl')} | {r.get('stage')} | {r.get('dtype')} | {r.get('gas', '-')} | "
+            f"{r.get('world_size')} | {r.get('status')} | {err} |"
+        )
     return out
 
 
@@ -374,30 +484,48 @@ def not_ahead(records: list[dict]) -> list[str]:
             o = _ok(records, **dict(match, impl=other, stage=None if other == "fsdp2" else r.get("stage")))
             if o is None:
                 continue
-            field = {"s1": "peak_alloc_gib", "s2": "init_peak_alloc_gib", "throughput": "tokens_per_s",
-                     "s3": "peak_alloc_gib"}.get(r["scenario"])
+            field = {
+                "s1": "peak_alloc_gib",
+                "s2": "init_peak_alloc_gib",
+                "throughput": "tokens_per_s",
+                "s3": "peak_alloc_gib",
+            }.get(r["scenario"])
             if field is None:
                 continue
             a, b = r.get(field), o.get(field)
             worse = a < b if field == "tokens_per_s" else a > b
             if worse:
-                scen = r["scenario"] + (f" {r.get('model')}{' offload' if r.get('offload') else ''}"
-                                        if r["scenario"] == "s3" else "")
-                lines.append(f"- {scen} stage {r.get('stage')} {r.get('dtype')} GAS {r.get('gas', '-')} "
-                             f"N={r.get('world_size')}: ours {field} {a:.2f} vs {other} {b:.2f}")
+                scen = r["scenario"] + (
+                    f" {r.get('model')}{' offload' if r.get('offload') else ''}" if r["scenario"] == "s3" else ""
+                )
+                lines.append(
+                    f"- {scen} stage {r.get('stage')} {r.get('dtype')} GAS {r.get('gas', '-')} "
+                    f"N={r.get('world_size')}: ours {field} {a:.2f} vs {other} {b:.2f}"
+                )
     return lines or ["- none in these results"]
 
 
 def short_table(records: list[dict]) -> str:
     """A compact plain-text summary for the end of stdout."""
     lines = ["scenario   impl          st dtype gas ws  status  main figures"]
-    for r in sorted(records, key=lambda r: (r.get("scenario", ""), r.get("world_size") or 0, str(r.get("dtype")),
-                                            r.get("gas") or 0, str(r.get("stage")), r.get("impl", ""))):
+    for r in sorted(
+        records,
+        key=lambda r: (
+            r.get("scenario", ""),
+            r.get("world_size") or 0,
+            str(r.get("dtype")),
+            r.get("gas") or 0,
+            str(r.get("stage")),
+            r.get("impl", ""),
+        ),
+    ):
         if r.get("status") != "ok":
             fig = str(r.get("error", r.get("skip_reason", "")))[:70]
         elif r["scenario"] == "s2":
-            fig = (f"init_peak {r['init_peak_alloc_gib']:.2f} res-alloc {r['reserved_minus_alloc_after_init_gib']:.2f} "
-                   f"rss+ {r['host_rss_peak_growth_gib']:.2f} {r['init_wall_s']:.1f}s")
+            fig = (
+                f"init_peak {r['init_peak_alloc_gib']:.2f} res-alloc {r['reserved_minus_alloc_after_init_gib']:.2f} "
+                f"rss+ {r['host_rss_peak_growth_gib']:.2f} {r['init_wall_s']:.1f}s"
+            )
         elif r["scenario"] == "throughput":
             fig = f"{r['tokens_per_s']:.0f} tok/s peak {r['peak_alloc_gib']:.2f}"
         elif r["scenario"] == "s3":
@@ -412,9 +540,11 @@ def short_table(records: list[dict]) -> str:
                 f"peak {r.get('peak_alloc_gib', 0):.2f}/{r.get('peak_reserved_gib', 0):.2f} "
                 f"step {r.get('step_time_s', 0):.2f}s"
             )
-        lines.append(f"{r.get('scenario', ''):<10} {r.get('impl', ''):<13} {r.get('stage')!s:<2} "
-                     f"{r.get('dtype')!s:<5} {r.get('gas', '-')!s:<3} {r.get('world_size')!s:<3} "
-                     f"{r.get('status', ''):<7} {fig}")
+        lines.append(
+            f"{r.get('scenario', ''):<10} {r.get('impl', ''):<13} {r.get('stage')!s:<2} "
+            f"{r.get('dtype')!s:<5} {r.get('gas', '-')!s:<3} {r.get('world_size')!s:<3} "
+            f"{r.get('status', ''):<7} {fig}"
+        )
     return "\n".join(lines)
 
 
@@ -426,9 +556,12 @@ def s3_section(records: list[dict]) -> list[str]:
     if all(r.get("status") == "skipped" for r in s3):
         return ["Not measured: every S3 record is `skipped` (stage 3 was not available in that build).", ""]
     counts = sorted({len(r["step_times_s"]) for r in s3 if r.get("step_times_s")})
-    timing = (f"Peak and retries: the measured step (untraced); step time: the median of {'/'.join(map(str, counts))} "
-              "timed steps (the measured one and the plain steps after it)" if counts else
-              "Peak, step time and retries: the measured step (untraced)")
+    timing = (
+        f"Peak and retries: the measured step (untraced); step time: the median of {'/'.join(map(str, counts))} "
+        "timed steps (the measured one and the plain steps after it)"
+        if counts
+        else "Peak, step time and retries: the measured step (untraced)"
+    )
     intro = (
         "Qwen2-shaped decoders with random weights (`benchmarks/models.py`), sequence 512, micro-batch 1, bf16, "
         "activation checkpointing inside every decoder layer; DeepSpeed config = HF Trainer's `auto` values "
@@ -444,9 +577,18 @@ def s3_section(records: list[dict]) -> list[str]:
         "`gradient_checkpointing_enable` also defaults to reentrant), ours and FSDP2 the non-reentrant form; "
         "`run_all.py --s3-extra '{\"checkpoint_reentrant\": ...}'` sets one form for all. Step times of the "
         "offloaded rows depend on the CPU threads the worker had (`omp_threads` in the record). `host B/owned "
-        "param` = the worker's host RSS growth over the parameters it owns (all of them at N=1, 1/N at N > 1).")
-    return [intro, "", *s3_table(records), "", "### Report 3's targets for ours (mechanical)", "",
-            *s3_targets(records), ""]
+        "param` = the worker's host RSS growth over the parameters it owns (all of them at N=1, 1/N at N > 1)."
+    )
+    return [
+        intro,
+        "",
+        *s3_table(records),
+        "",
+        "### Report 3's targets for ours (mechanical)",
+        "",
+        *s3_targets(records),
+        "",
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ summary rows
@@ -455,23 +597,38 @@ SUMMARY_TITLE = "## Every run: one row per scenario and engine (`summary.json`)"
 
 def summary_section(rows: list[dict]) -> list[str]:
     """The page's last section: every row of ``summary.json`` (``benchmarks/summary.py``), one table per run."""
-    out = [SUMMARY_TITLE, "",
-           ("Generated from `benchmarks/results/summary.json`, which `benchmarks/summary.py` writes from the raw "
-           "records of every committed run (the command is in `benchmarks/results/COMMANDS.txt`). The scenario "
-           "names are explained in `benchmarks/README.md`; the engines measured on one configuration share its "
-           "name. Peaks: over one optimizer step (S2 and init: over `initialize`); step: the record's (median) "
-           "step time; tokens/s: the record's, else tokens per step / step. — = not measured or not run; each "
-           "run's own notes above say how it was run (alone or beside other workers, real or fake group)."), ""]
+    out = [
+        SUMMARY_TITLE,
+        "",
+        (
+            "Generated from `benchmarks/results/summary.json`, which `benchmarks/summary.py` writes from the raw "
+            "records of every committed run (the command is in `benchmarks/results/COMMANDS.txt`). The scenario "
+            "names are explained in `benchmarks/README.md`; the engines measured on one configuration share its "
+            "name. Peaks: over one optimizer step (S2 and init: over `initialize`); step: the record's (median) "
+            "step time; tokens/s: the record's, else tokens per step / step. — = not measured or not run; each "
+            "run's own notes above say how it was run (alone or beside other workers, real or fake group)."
+        ),
+        "",
+    ]
     runs: dict[str, list[dict]] = {}
     for row in rows:
         runs.setdefault(row["run"], []).append(row)
     for run, run_rows in runs.items():
-        out += [f"### `{run}`", "",
-                ("| scenario | engine | step s | tokens/s | peak alloc GiB | peak reserved GiB | alloc after init GiB "
-                 "| reserved after init GiB |"), "|---|---|---|---|---|---|---|---|"]
-        out += [f"| {r['scenario']} | {r['engine']} | {_f(r['step_s'], 3)} | {_f(r['tokens_per_s'], 0)} | "
-                f"{_f(r['peak_alloc_gib'])} | {_f(r['peak_reserved_gib'])} | {_f(r['alloc_after_init_gib'])} | "
-                f"{_f(r['reserved_after_init_gib'])} |" for r in run_rows]
+        out += [
+            f"### `{run}`",
+            "",
+            (
+                "| scenario | engine | step s | tokens/s | peak alloc GiB | peak reserved GiB | alloc after init GiB "
+                "| reserved after init GiB |"
+            ),
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['scenario']} | {r['engine']} | {_f(r['step_s'], 3)} | {_f(r['tokens_per_s'], 0)} | "
+            f"{_f(r['peak_alloc_gib'])} | {_f(r['peak_reserved_gib'])} | {_f(r['alloc_after_init_gib'])} | "
+            f"{_f(r['reserved_after_init_gib'])} |"
+            for r in run_rows
+        ]
         out.append("")
     return out
 
@@ -480,9 +637,12 @@ def summary_section(rows: list[dict]) -> list[str]:
 def _s3_panel(ax: object, s3: list[dict]) -> None:
     """S3 bars: peak allocated (and reserved behind it) per configuration."""
     s3 = sorted(s3, key=_s3_sort)
-    labels = [f"{r['impl']}\n{str(r.get('model')).replace('qwen', 'q')} N{r.get('world_size')}"
-              f"{' off' if r.get('offload') else ''}{'+p' if r.get('offload_param') else ''}"
-              f"{' z2' if r.get('stage') == 2 else ''}" for r in s3]
+    labels = [
+        f"{r['impl']}\n{str(r.get('model')).replace('qwen', 'q')} N{r.get('world_size')}"
+        f"{' off' if r.get('offload') else ''}{'+p' if r.get('offload_param') else ''}"
+        f"{' z2' if r.get('stage') == 2 else ''}"
+        for r in s3
+    ]
     ax.bar(labels, [r.get("peak_reserved_gib") or 0 for r in s3], label="peak reserved", alpha=0.4)
     ax.bar(labels, [r.get("peak_alloc_gib") or 0 for r in s3], label="peak allocated")
     ax.set_ylabel("GiB")
@@ -508,12 +668,23 @@ def plots(records: list[dict], out_dir: Path) -> str | None:
     ax = axes[0]
     for impl in IMPLS:
         for stage in (1, 2, None):
-            pts = sorted((r["gas"], r["peak_alloc_gib"]) for r in records if r.get("scenario") == "s1"
-                         and r.get("status") == "ok" and r["impl"] == impl and r.get("stage") == stage
-                         and r["dtype"] == "bf16" and r["world_size"] == 1)
+            pts = sorted(
+                (r["gas"], r["peak_alloc_gib"])
+                for r in records
+                if r.get("scenario") == "s1"
+                and r.get("status") == "ok"
+                and r["impl"] == impl
+                and r.get("stage") == stage
+                and r["dtype"] == "bf16"
+                and r["world_size"] == 1
+            )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        label=f"{impl}" + (f" z{stage}" if stage else ""))
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    label=f"{impl}" + (f" z{stage}" if stage else ""),
+                )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("gradient accumulation steps")
     ax.set_ylabel("peak allocated over a step (GiB)")
@@ -538,8 +709,10 @@ def plots(records: list[dict], out_dir: Path) -> str | None:
     ax.legend(fontsize=7)
     ax = axes[2]
     tp = [r for r in records if r.get("scenario") == "throughput" and r.get("status") == "ok"]
-    ax.bar([f"{r['impl']}\nz{r.get('stage') if r.get('stage') is not None else '-'}" for r in tp],
-           [r["tokens_per_s"] for r in tp])
+    ax.bar(
+        [f"{r['impl']}\nz{r.get('stage') if r.get('stage') is not None else '-'}" for r in tp],
+        [r["tokens_per_s"] for r in tp],
+    )
     ax.set_ylabel("tokens/s")
     ax.set_title("Throughput (bf16, GAS 1, N=1, solo)")
     ax.tick_params(axis="x", labelsize=7)
@@ -566,8 +739,15 @@ def _draw_plots(records: list[dict], plots_dir: Path | None, plot_link: str | No
     return plot
 
 
-def write_report(paths: list[Path], md_path: Path, command: str, plots_dir: Path | None = None,
-                 notes: Path | None = None, plot_link: str | None = None, summary: Path | None = None) -> None:
+def write_report(
+    paths: list[Path],
+    md_path: Path,
+    command: str,
+    plots_dir: Path | None = None,
+    notes: Path | None = None,
+    plot_link: str | None = None,
+    summary: Path | None = None,
+) -> None:
     """Write the markdown report of the records in ``paths``; with ``summary`` (a ``summary.json``) the page ends
     with its rows. Without ``plots_dir`` a ``plot_link`` is linked as it is (a PNG drawn earlier from the same
     records), so the page can be regenerated without redrawing."""
@@ -575,35 +755,62 @@ def write_report(paths: list[Path], md_path: Path, command: str, plots_dir: Path
     env = next((r for r in records if r.get("status") == "ok"), {})
     plot = _draw_plots(records, plots_dir, plot_link)
     ref = next((r for r in records if r.get("scenario") == "s1" and r.get("params")), None)
-    lines = ["# Benchmarks: deepspeed-lean vs upstream DeepSpeed vs FSDP2", "",
-             "Generated by `benchmarks/report.py` from " + ", ".join(f"`{Path(p).name}`" for p in paths)
-             + (f" and `{Path(summary).name}` (the last section)" if summary is not None else "") + ".",
-             "", "Command that produced the numbers:", "", "```", command, "```", "",
-             f"Device: {env.get('device_name', '?')}, torch {env.get('torch', '?')}. Memory figures are the CUDA "
-             "caching allocator's per-process counters (GiB = 2^30 bytes), each configuration in its own process. "
-             "`ours` = deepspeed-lean with the lean switches on, `lean-off` = the same engine with "
-             "`lean_inplace_flatten`/`lean_eager_grad_release`/`lean_stream_ordered_release` false, `upstream` = "
-             "DeepSpeed 0.19.8 (no ops built, torch AdamW), `FSDP2` = `fully_shard` per block, fp32 params, bf16 "
-             "compute. N > 1 runs use PyTorch's fake process group (rank 0 of N on one GPU: per-rank allocations "
-             "are real, collectives move no data).", ""]
+    lines = [
+        "# Benchmarks: deepspeed-lean vs upstream DeepSpeed vs FSDP2",
+        "",
+        "Generated by `benchmarks/report.py` from "
+        + ", ".join(f"`{Path(p).name}`" for p in paths)
+        + (f" and `{Path(summary).name}` (the last section)" if summary is not None else "")
+        + ".",
+        "",
+        "Command that produced the numbers:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Device: {env.get('device_name', '?')}, torch {env.get('torch', '?')}. Memory figures are the CUDA "
+        "caching allocator's per-process counters (GiB = 2^30 bytes), each configuration in its own process. "
+        "`ours` = deepspeed-lean with the lean switches on, `lean-off` = the same engine with "
+        "`lean_inplace_flatten`/`lean_eager_grad_release`/`lean_stream_ordered_release` false, `upstream` = "
+        "DeepSpeed 0.19.8 (no ops built, torch AdamW), `FSDP2` = `fully_shard` per block, fp32 params, bf16 "
+        "compute. N > 1 runs use PyTorch's fake process group (rank 0 of N on one GPU: per-rank allocations "
+        "are real, collectives move no data).",
+        "",
+    ]
     if ref:
-        lines += [f"S1/throughput model: {ref['model']} ({ref['params'] / 1e9:.2f} B params, "
-                  f"{json.dumps(ref.get('model_cfg'))}), micro-batch 1, activation checkpointing per block, "
-                  "AdamW, clipping 1.0, buckets 5e8, overlap_comm, reduce_scatter, contiguous_gradients.", ""]
-    lines += ["## S1: peak memory over one optimizer step vs gradient accumulation", "",
-              "Floor = model states only (memory_targets.md); peaks also hold activations, logits and buckets. "
-              "‡ = at least one step of that run was skipped by the fp16 loss scaler (the record says how many; the "
-              "measured step follows a warm-up step that was applied unless `skipped_steps` ≥ `warmup_steps`).", ""]
+        lines += [
+            f"S1/throughput model: {ref['model']} ({ref['params'] / 1e9:.2f} B params, "
+            f"{json.dumps(ref.get('model_cfg'))}), micro-batch 1, activation checkpointing per block, "
+            "AdamW, clipping 1.0, buckets 5e8, overlap_comm, reduce_scatter, contiguous_gradients.",
+            "",
+        ]
+    lines += [
+        "## S1: peak memory over one optimizer step vs gradient accumulation",
+        "",
+        "Floor = model states only (memory_targets.md); peaks also hold activations, logits and buckets. "
+        "‡ = at least one step of that run was skipped by the fp16 loss scaler (the record says how many; the "
+        "measured step follows a warm-up step that was applied unless `skipped_steps` ≥ `warmup_steps`).",
+        "",
+    ]
     lines += s1_table(records) + ["", "### Peak growth with GAS (acceptance: ≤ one reduce bucket)", ""]
     lines += s1_gas_growth(records)
-    lines += ["", "## S2: initialisation", "",
-              "Init floor = working params (bp·P) + fp32 master partition (4P/N) + one 5e8-element chunk; FSDP2 row: "
-              "its fp32 params (4P). Param bytes = P × dtype bytes of the model as built.", ""]
+    lines += [
+        "",
+        "## S2: initialisation",
+        "",
+        "Init floor = working params (bp·P) + fp32 master partition (4P/N) + one 5e8-element chunk; FSDP2 row: "
+        "its fp32 params (4P). Param bytes = P × dtype bytes of the model as built.",
+        "",
+    ]
     lines += s2_table(records)
     lines += ["", "## Throughput (solo runs)", ""] + throughput_table(records)
     if any(r.get("scenario") == "throughput" and r.get("checkpoint_reentrant") for r in records):
-        lines += ["", "† reentrant activation checkpointing (`torch.utils.checkpoint(use_reentrant=True)`): upstream's "
-                  "ZeRO-3 fails under the non-reentrant form on the H200 image; every other row is non-reentrant."]
+        lines += [
+            "",
+            "† reentrant activation checkpointing (`torch.utils.checkpoint(use_reentrant=True)`): upstream's "
+            "ZeRO-3 fails under the non-reentrant form on the H200 image; every other row is non-reentrant.",
+        ]
     lines += ["", "## S3: ZeRO-3 (user report 3)", ""] + s3_section(records)
     if plot:
         link = plot_link or plot

@@ -73,6 +73,7 @@ is ``--run-name``, default the folder's name), ``DIR/run_log.txt`` (each worker'
 (+ ``DIR/plots.png`` when matplotlib is there, + one memory-timeline PNG per implementation named in
 ``--trace-png``: the device returns at most 8 files), and a short table on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -250,8 +251,19 @@ CALIBRATED_MARGIN_GIB = 1.0
 
 def calibration_key(r: dict) -> str:
     """The configuration of a spec or record (``report._key``'s fields) as a string."""
-    return json.dumps([r.get("scenario"), r.get("impl"), r.get("stage"), r.get("dtype"), r.get("gas"),
-                       r.get("world_size"), r.get("model"), bool(r.get("offload")), bool(r.get("offload_param"))])
+    return json.dumps(
+        [
+            r.get("scenario"),
+            r.get("impl"),
+            r.get("stage"),
+            r.get("dtype"),
+            r.get("gas"),
+            r.get("world_size"),
+            r.get("model"),
+            bool(r.get("offload")),
+            bool(r.get("offload_param")),
+        ]
+    )
 
 
 def measured_peak_gib(r: dict) -> float | None:
@@ -277,8 +289,11 @@ def write_calibration(paths: list[Path], out: Path = CALIBRATION) -> dict:
                 if v is not None:
                     k = calibration_key(r)
                     peaks[k] = round(max(v, peaks.get(k, 0.0)), 2)
-    data = {"about": "largest measured peak reserved GiB per configuration; written by run_all.py --calibrate",
-            "sources": [Path(p).name for p in paths], "peak_reserved_gib": dict(sorted(peaks.items()))}
+    data = {
+        "about": "largest measured peak reserved GiB per configuration; written by run_all.py --calibrate",
+        "sources": [Path(p).name for p in paths],
+        "peak_reserved_gib": dict(sorted(peaks.items())),
+    }
     out.write_text(json.dumps(data, indent=1) + "\n")
     return data
 
@@ -324,8 +339,16 @@ def _s2_jobs(jobs: _Jobs, impls: list[str], ws: int, model: str) -> None:
         jobs.add("s2", impl="fsdp2", stage=None, dtype="bf16", world_size=ws, model=model)
 
 
-def _s3(jobs: _Jobs, args: argparse.Namespace, impls: list[str], model: str, ws: int, offload: bool = False,
-        offload_param: bool = False, stage: int = 3) -> None:
+def _s3(
+    jobs: _Jobs,
+    args: argparse.Namespace,
+    impls: list[str],
+    model: str,
+    ws: int,
+    offload: bool = False,
+    offload_param: bool = False,
+    stage: int = 3,
+) -> None:
     """S3 jobs; the checkpoint form is ``_harness.default_checkpoint_reentrant`` (reentrant for upstream, whose
     ZeRO-3 fails under torch's non-reentrant checkpoint on the H200 image; non-reentrant for ours and FSDP2)
     unless ``--s3-extra`` sets ``checkpoint_reentrant`` for every implementation."""
@@ -333,9 +356,20 @@ def _s3(jobs: _Jobs, args: argparse.Namespace, impls: list[str], model: str, ws:
     extra = json.loads(args.s3_extra) if args.s3_extra else {}
     for impl in impls:
         png = impl in trace_png and ws == 1 and not offload and stage == 3 and model != "qwen2.5-7b"
-        spec = dict(impl=impl, stage=None if impl == "fsdp2" else stage, dtype="bf16", gas=1, world_size=ws,
-                    model=model, offload=offload, offload_param=offload_param, warmup=1 if offload else 2,
-                    trace_png=png, out_dir=str(Path(args.out).resolve()), **extra)
+        spec = dict(
+            impl=impl,
+            stage=None if impl == "fsdp2" else stage,
+            dtype="bf16",
+            gas=1,
+            world_size=ws,
+            model=model,
+            offload=offload,
+            offload_param=offload_param,
+            warmup=1 if offload else 2,
+            trace_png=png,
+            out_dir=str(Path(args.out).resolve()),
+            **extra,
+        )
         spec["checkpoint_reentrant"] = default_checkpoint_reentrant(spec)
         jobs.add("s3", **spec)
 
@@ -398,11 +432,33 @@ def _specs(args: argparse.Namespace) -> list[Job]:
                     continue  # the lean switches act on ZeRO-1/2/3 only
                 # Upstream's ZeRO-3 fails under the non-reentrant checkpoint on the H200 image (see S3).
                 reentrant = default_checkpoint_reentrant({"impl": impl, "stage": stage})
-                jobs.add("throughput", solo=True, impl=impl, stage=stage, dtype="bf16", gas=1, world_size=1,
-                         model=s1_model, warmup=2, steps=args.tp_steps, checkpoint_reentrant=reentrant)
+                jobs.add(
+                    "throughput",
+                    solo=True,
+                    impl=impl,
+                    stage=stage,
+                    dtype="bf16",
+                    gas=1,
+                    world_size=1,
+                    model=s1_model,
+                    warmup=2,
+                    steps=args.tp_steps,
+                    checkpoint_reentrant=reentrant,
+                )
         if "fsdp2" in impls:
-            jobs.add("throughput", solo=True, impl="fsdp2", stage=None, dtype="bf16", gas=1, world_size=1,
-                     model=s1_model, warmup=2, steps=args.tp_steps, checkpoint_reentrant=False)
+            jobs.add(
+                "throughput",
+                solo=True,
+                impl="fsdp2",
+                stage=None,
+                dtype="bf16",
+                gas=1,
+                world_size=1,
+                model=s1_model,
+                warmup=2,
+                steps=args.tp_steps,
+                checkpoint_reentrant=False,
+            )
     return jobs.jobs
 
 
@@ -432,13 +488,20 @@ def _env(spec: dict, args: argparse.Namespace, port: int, threads: int) -> dict:
     extra = [args.extra_site] if args.extra_site else []
     root = args.upstream_target if spec["impl"] == "upstream" else str(REPO)
     env["PYTHONPATH"] = os.pathsep.join([root] + extra)
-    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", OMP_NUM_THREADS=str(threads), DS_BUILD_OPS="0")
+    env.update(
+        PYTHONUNBUFFERED="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        OMP_NUM_THREADS=str(threads),
+        DS_BUILD_OPS="0",
+    )
     return env
 
 
-def _spawn(job: Job, args: argparse.Namespace, tmp: str, index: int, threads: int, now: float,
-           gated: bool) -> None:
+def _spawn(job: Job, args: argparse.Namespace, tmp: str, index: int, threads: int, now: float, gated: bool) -> None:
     """Start the worker's process; ``gated``: it imports, then waits for ``job.gate`` to exist (``_release``)."""
     job.result_file = os.path.join(tmp, f"r{index}.json")
     job.log_file = os.path.join(tmp, f"l{index}.txt")
@@ -451,8 +514,14 @@ def _spawn(job: Job, args: argparse.Namespace, tmp: str, index: int, threads: in
     with open(job.log_file, "w") as log:
         log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
         log.flush()
-        job.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd="/tmp",
-                                    env=_env(job.spec, args, PORT_BASE + index, threads), start_new_session=False)
+        job.proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd="/tmp",
+            env=_env(job.spec, args, PORT_BASE + index, threads),
+            start_new_session=False,
+        )
     job.spawned = now
 
 
@@ -523,12 +592,14 @@ class _Load:
     def fits(self, job: Job, args: argparse.Namespace, width: int) -> bool:
         if self.busy >= width or (host_heavy(job.spec) and self.offloading >= args.offload_jobs):
             return False
-        return not self.busy or (self.gib + job.est_gib <= args.mem_budget_gib
-                                 and self.host + job.est_host_gib <= args.host_budget_gib)
+        return not self.busy or (
+            self.gib + job.est_gib <= args.mem_budget_gib and self.host + job.est_host_gib <= args.host_budget_gib
+        )
 
 
-def _reservation(head: Job, running: list[Job], load: _Load, now: float, args: argparse.Namespace,
-                 width: int) -> tuple[float, _Load]:
+def _reservation(
+    head: Job, running: list[Job], load: _Load, now: float, args: argparse.Namespace, width: int
+) -> tuple[float, _Load]:
     """When ``head`` (the first job that does not fit now) will fit, by the running jobs' predicted ends, and the
     load it will then add to: a later job may start before it only if it ends by then or fits beside it."""
     after = _Load(load.gib, load.host, load.busy, load.offloading)
@@ -541,8 +612,15 @@ def _reservation(head: Job, running: list[Job], load: _Load, now: float, args: a
     return now, after
 
 
-def _admit(pending: list[Job], running: list[Job], now: float, args: argparse.Namespace, width: int,
-           reserve: float, warm: dict[int, float]) -> tuple[list[Job], list[tuple[Job, str]]]:
+def _admit(
+    pending: list[Job],
+    running: list[Job],
+    now: float,
+    args: argparse.Namespace,
+    width: int,
+    reserve: float,
+    warm: dict[int, float],
+) -> tuple[list[Job], list[tuple[Job, str]]]:
     """Which pending jobs to start now and which can never run (with why); sets ``end_est`` of those started.
 
     Priority order with backfill: the first job that does not fit gets a reservation (when the running jobs'
@@ -560,8 +638,10 @@ def _admit(pending: list[Job], running: list[Job], now: float, args: argparse.Na
     for job in list(pending):
         if job.est_host_gib > args.host_budget_gib:
             pending.remove(job)
-            why = (f"host memory: needs ~{job.est_host_gib:.0f} GiB > --host-budget-gib {args.host_budget_gib:.0f} "
-                   "(the GPU machine has 128 GiB)")
+            why = (
+                f"host memory: needs ~{job.est_host_gib:.0f} GiB > --host-budget-gib {args.host_budget_gib:.0f} "
+                "(the GPU machine has 128 GiB)"
+            )
             dropped.append((job, why))
             continue
         duration = _duration(job, now, warm)
@@ -610,13 +690,14 @@ def plan(jobs: list[Job], args: argparse.Namespace) -> list[tuple[Job, float | N
         width = 1 if phase_solo else args.jobs
         running: list[tuple[Job, float]] = []  # (job, end)
         while pending or running:
-            start, dropped = _admit(pending, [j for j, _ in running], now, args, width,
-                                    0.0 if phase_solo else reserve, warm)
+            start, dropped = _admit(
+                pending, [j for j, _ in running], now, args, width, 0.0 if phase_solo else reserve, warm
+            )
             out += [(j, None, None, why) for j, why in dropped]
             for job in start:
                 running.append((job, job.end_est))
                 out.append((job, now, job.end_est, ""))
-            later = [j for p in phases[k + 1:] for j in p]
+            later = [j for p in phases[k + 1 :] for j in p]
             for job in _to_prelaunch(pending + later, warm, _depth(args, phase_solo)):
                 warm[id(job)] = now
             if running:
@@ -630,19 +711,27 @@ def print_plan(jobs: list[Job], args: argparse.Namespace) -> None:
     rows = plan(jobs, args)
     for job, t, end, note in rows:
         sp = job.spec
-        what = (f"{sp['scenario']:<10} {sp['impl']:<12} st={sp.get('stage')!s:<4} {sp.get('model')} "
-                f"ws={sp.get('world_size')} gas={sp.get('gas', '-')} {sp.get('dtype')}"
-                f"{' offload' if sp.get('offload') else ''}{'+param' if sp.get('offload_param') else ''}"
-                f"{' reentrant' if sp.get('checkpoint_reentrant') else ''}")
+        what = (
+            f"{sp['scenario']:<10} {sp['impl']:<12} st={sp.get('stage')!s:<4} {sp.get('model')} "
+            f"ws={sp.get('world_size')} gas={sp.get('gas', '-')} {sp.get('dtype')}"
+            f"{' offload' if sp.get('offload') else ''}{'+param' if sp.get('offload_param') else ''}"
+            f"{' reentrant' if sp.get('checkpoint_reentrant') else ''}"
+        )
         when = f"{t:6.0f} -> {end:6.0f} s" if t is not None else f"not_run ({note})"
         print(f"{what:<82} est {job.est_s:5.0f} s {job.est_gib:6.1f} GiB host {job.est_host_gib:5.1f}  {when}")
     shared_end = max((e for j, t, e, _ in rows if t is not None and not j.solo), default=0.0)
     solo_end = max((e for j, t, e, _ in rows if t is not None and j.solo), default=shared_end)
     skipped = [n for _, t, _, n in rows if t is None]
-    print(f"plan: {len(rows) - len(skipped)} of {len(rows)} jobs run; shared phase ends at {shared_end:.0f} s, "
-          f"solo phase at {solo_end:.0f} s (--deadline-s {args.deadline_s:.0f}); not_run: {len(skipped)}"
-          + (f" ({sum('host memory' in n for n in skipped)} host memory, "
-             f"{sum('time budget' in n for n in skipped)} time budget)" if skipped else ""))
+    print(
+        f"plan: {len(rows) - len(skipped)} of {len(rows)} jobs run; shared phase ends at {shared_end:.0f} s, "
+        f"solo phase at {solo_end:.0f} s (--deadline-s {args.deadline_s:.0f}); not_run: {len(skipped)}"
+        + (
+            f" ({sum('host memory' in n for n in skipped)} host memory, "
+            f"{sum('time budget' in n for n in skipped)} time budget)"
+            if skipped
+            else ""
+        )
+    )
 
 
 def run_jobs(jobs: list[Job], args: argparse.Namespace, log_path: Path) -> list[dict]:
@@ -688,8 +777,11 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace, log_path: Path) -> list[
                     if job.proc.poll() is not None or over or late:
                         if job.proc.poll() is None:
                             job.proc.kill()
-                            finish(job, f"killed: {'job timeout' if over else 'run deadline'} after "
-                                        f"{time.perf_counter() - job.started:.0f} s")
+                            finish(
+                                job,
+                                f"killed: {'job timeout' if over else 'run deadline'} after "
+                                f"{time.perf_counter() - job.started:.0f} s",
+                            )
                         else:
                             finish(job)
                         running.remove(job)
@@ -704,7 +796,7 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace, log_path: Path) -> list[
                         warm[id(job)] = now
                     _release(job)
                     running.append(job)
-                later = [j for p in phases[k + 1:] for j in p]
+                later = [j for p in phases[k + 1 :] for j in p]
                 for job in _to_prelaunch(pending + later, warm, _depth(args, phase_solo)):
                     _spawn(job, args, tmp, next(counter), _threads(job, args, cores), now, gated=True)
                     warm[id(job)] = now
@@ -718,11 +810,17 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace, log_path: Path) -> list[
 
 
 def _progress(r: dict, t: float) -> None:
-    extra = (f" {r.get('model')}{' offload' if r.get('offload') else ''}{'+param' if r.get('offload_param') else ''}"
-             if r["scenario"] == "s3" else "")
-    print(f"[{t:6.1f}s] {r['scenario']:<10} {r.get('impl'):<12} st={r.get('stage')} "
-          f"{r.get('dtype')} gas={r.get('gas', '-')} ws={r.get('world_size')}{extra} -> {r.get('status')} "
-          f"{str(r.get('error', ''))[:160]}", flush=True)
+    extra = (
+        f" {r.get('model')}{' offload' if r.get('offload') else ''}{'+param' if r.get('offload_param') else ''}"
+        if r["scenario"] == "s3"
+        else ""
+    )
+    print(
+        f"[{t:6.1f}s] {r['scenario']:<10} {r.get('impl'):<12} st={r.get('stage')} "
+        f"{r.get('dtype')} gas={r.get('gas', '-')} ws={r.get('world_size')}{extra} -> {r.get('status')} "
+        f"{str(r.get('error', ''))[:160]}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -738,35 +836,68 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gas", default="1,4,16")
     ap.add_argument("--tp-steps", type=int, default=5)
     ap.add_argument("--jobs", type=int, default=6, help="memory workers sharing the GPU at once")
-    ap.add_argument("--offload-threads", type=int, default=0,
-                    help="OMP_NUM_THREADS of the CPU-bound optimizer-offload workers (0: half the cores); the "
-                    "other shared workers get cores // --jobs, solo workers all cores (recorded as omp_threads)")
-    ap.add_argument("--offload-jobs", type=int, default=1,
-                    help="optimizer-offload workers at once (each is CPU-bound and holds 45-62 GiB of host memory; "
-                    "two would leave the host budget to one other worker)")
-    ap.add_argument("--prelaunch", type=int, default=5,
-                    help="workers started ahead of their turn, held after their imports until released "
-                    "(one during the solo phase; 0: every worker starts cold)")
+    ap.add_argument(
+        "--offload-threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS of the CPU-bound optimizer-offload workers (0: half the cores); the "
+        "other shared workers get cores // --jobs, solo workers all cores (recorded as omp_threads)",
+    )
+    ap.add_argument(
+        "--offload-jobs",
+        type=int,
+        default=1,
+        help="optimizer-offload workers at once (each is CPU-bound and holds 45-62 GiB of host memory; "
+        "two would leave the host budget to one other worker)",
+    )
+    ap.add_argument(
+        "--prelaunch",
+        type=int,
+        default=5,
+        help="workers started ahead of their turn, held after their imports until released "
+        "(one during the solo phase; 0: every worker starts cold)",
+    )
     ap.add_argument("--mem-budget-gib", type=float, default=125.0)
-    ap.add_argument("--host-budget-gib", type=float, default=100.0,
-                    help="sum of the running jobs' host-memory estimates (the GPU machine has 128 GiB)")
+    ap.add_argument(
+        "--host-budget-gib",
+        type=float,
+        default=100.0,
+        help="sum of the running jobs' host-memory estimates (the GPU machine has 128 GiB)",
+    )
     ap.add_argument("--deadline-s", type=float, default=510.0)
     ap.add_argument("--job-timeout-s", type=float, default=300.0)
     # One PNG: with env/stdout.txt, results/summary/run_log/benchmarks/plots that is the 8 files a device call returns
-    ap.add_argument("--trace-png", default="ours",
-                    help="implementations whose S3 qwen2-3b N=1 job writes its memory-timeline PNG into --out")
-    ap.add_argument("--s3-extra", default="", help='JSON merged into every S3 spec, e.g. '
-                    '\'{"checkpoint_early_stop": false}\' or \'{"trace": false}\' (A/B runs: use another --out)')
+    ap.add_argument(
+        "--trace-png",
+        default="ours",
+        help="implementations whose S3 qwen2-3b N=1 job writes its memory-timeline PNG into --out",
+    )
+    ap.add_argument(
+        "--s3-extra",
+        default="",
+        help="JSON merged into every S3 spec, e.g. "
+        "'{\"checkpoint_early_stop\": false}' or '{\"trace\": false}' (A/B runs: use another --out)",
+    )
     ap.add_argument("--plan", action="store_true", help="print the jobs and the predicted schedule; run nothing")
     ap.add_argument("--upstream-target", default="/tmp/upstream_ds")
-    ap.add_argument("--extra-site", default=os.environ.get("BENCH_EXTRA_SITE", ""),
-                    help="site dir with pydantic/hjson (GPU machine: /tmp/site)")
-    ap.add_argument("--rerun", default="", help="comma list of results.jsonl: run only their configurations "
-                    "that have no number (error / not_run)")
+    ap.add_argument(
+        "--extra-site",
+        default=os.environ.get("BENCH_EXTRA_SITE", ""),
+        help="site dir with pydantic/hjson (GPU machine: /tmp/site)",
+    )
+    ap.add_argument(
+        "--rerun",
+        default="",
+        help="comma list of results.jsonl: run only their configurations that have no number (error / not_run)",
+    )
     ap.add_argument("--command-line", default="", help="command recorded in the report (default: this one)")
     ap.add_argument("--run-name", default="", help="the run's name in summary.json (default: the --out folder's name)")
-    ap.add_argument("--calibrate", default="", help="comma list of results.jsonl: write benchmarks/calibration.json "
-                    "(largest measured peak reserved per configuration, used for the device-memory estimates) and exit")
+    ap.add_argument(
+        "--calibrate",
+        default="",
+        help="comma list of results.jsonl: write benchmarks/calibration.json "
+        "(largest measured peak reserved per configuration, used for the device-memory estimates) and exit",
+    )
     args = ap.parse_args(argv)
     if args.calibrate:
         data = write_calibration([Path(p) for p in args.calibrate.split(",")])
@@ -794,8 +925,9 @@ def main(argv: list[str] | None = None) -> int:
 
     summary_path = summary.write_run(records, out / "summary.json", args.run_name or out.resolve().name)
     command = args.command_line or "python benchmarks/run_all.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    report.write_report([out / "results.jsonl"], out / "benchmarks.md", command=command, plots_dir=out,
-                        summary=summary_path)
+    report.write_report(
+        [out / "results.jsonl"], out / "benchmarks.md", command=command, plots_dir=out, summary=summary_path
+    )
     print(report.short_table(records), flush=True)
     return 0
 

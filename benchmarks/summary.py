@@ -14,6 +14,7 @@ so the engines measured on one configuration share it and a row can be matched a
 Within one file a later record of the same configuration replaces an earlier one (a re-run layered over a run,
 as ``report.py`` does); two different configurations that would get the same name are an error, never merged.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,24 +25,50 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
-ROW_KEYS = ("scenario", "engine", "run", "step_s", "peak_alloc_gib", "peak_reserved_gib",
-            "reserved_after_init_gib", "alloc_after_init_gib", "tokens_per_s")
+ROW_KEYS = (
+    "scenario",
+    "engine",
+    "run",
+    "step_s",
+    "peak_alloc_gib",
+    "peak_reserved_gib",
+    "reserved_after_init_gib",
+    "alloc_after_init_gib",
+    "tokens_per_s",
+)
 ENGINES = ("ours", "fsdp2", "upstream")
 # Implementation names of the records -> engine. ``before`` (init_paths.py: an older copy of this package, kept to
 # show what a change replaced) is history, not an engine to compare, and gets no row.
 _ENGINE_OF = {"ours": "ours", "ours_leanoff": "ours", "fsdp2": "fsdp2", "upstream": "upstream"}
 # Record ``scenario`` (or, for init_paths.py, the presence of ``config``) -> name prefix.
-PREFIX = {"s1": "s1", "s2": "s2", "s3": "s3", "throughput": "tp", "pipeline": "pipe", "moe": "moe",
-          "memory_options": "memopt", "init_paths": "init"}
+PREFIX = {
+    "s1": "s1",
+    "s2": "s2",
+    "s3": "s3",
+    "throughput": "tp",
+    "pipeline": "pipe",
+    "moe": "moe",
+    "memory_options": "memopt",
+    "init_paths": "init",
+}
 # ZeRO stage of scenarios whose records do not carry one (moe.py runs ZeRO-2, the pipeline ZeRO-1).
 _DEFAULT_STAGE = {"moe": 2, "pipeline": 1}
 # Model sequence lengths of records that carry neither ``tokens_per_step`` nor ``model_cfg`` (a configuration that
 # never ran records its spec only); the same values as ``models.py``, which needs torch to import.
-_SEQ = {"gpt1.3b": 2048, "gpt2.6b": 2048, "qwen2-3b": 512, "qwen2.5-7b": 512, "quick": 32, "quick-s2": 32,
-        "quick-qwen": 32}
+_SEQ = {
+    "gpt1.3b": 2048,
+    "gpt2.6b": 2048,
+    "qwen2-3b": 512,
+    "qwen2.5-7b": 512,
+    "quick": 32,
+    "quick-s2": 32,
+    "quick-qwen": 32,
+}
 # moe.py's model shapes (FULL / SMOKE there), for its records that failed before recording ``model_cfg``.
-_MOE_SHAPES = {False: {"layers": 8, "hidden": 1024, "seq": 1024, "micro_batch": 4, "experts": 8},
-               True: {"layers": 2, "hidden": 32, "seq": 16, "micro_batch": 2, "experts": 8}}
+_MOE_SHAPES = {
+    False: {"layers": 8, "hidden": 1024, "seq": 1024, "micro_batch": 4, "experts": 8},
+    True: {"layers": 2, "hidden": 32, "seq": 16, "micro_batch": 2, "experts": 8},
+}
 # init_paths.py's configurations: ZeRO stage, training dtype, offload and where the model was built.
 _INIT_CONFIGS = {
     "report3_bf16": {"stage": 3, "dtype": "bf16", "offload": True, "build": "host"},
@@ -112,8 +139,9 @@ def _variant(r: dict, kind: str) -> list[str]:
         parts.append("compiled" if r.get("compiled") else "eager")
     if kind == "init_paths":
         parts.append(f"built{r.get('build')}")
-    if kind in ("s3", "throughput") and bool(r.get("checkpoint_reentrant", _default_reentrant(r))) != \
-            _default_reentrant(r):
+    if kind in ("s3", "throughput") and bool(
+        r.get("checkpoint_reentrant", _default_reentrant(r))
+    ) != _default_reentrant(r):
         parts.append("reentrant" if r["checkpoint_reentrant"] else "nonreentrant")
     return parts
 
@@ -194,8 +222,21 @@ def _identity(r: dict) -> str:
     """Everything about a record's configuration that ``scenario_name`` may read, normalised as it reads it (same
     identity: a re-run of one configuration, which replaces the earlier record)."""
     c = _config(r)
-    keys = ("scenario", "config", "impl", "stage", "dtype", "gas", "world_size", "micro_batch", "seq", "group",
-            "bf16_states", "compiled", "build")
+    keys = (
+        "scenario",
+        "config",
+        "impl",
+        "stage",
+        "dtype",
+        "gas",
+        "world_size",
+        "micro_batch",
+        "seq",
+        "group",
+        "bf16_states",
+        "compiled",
+        "build",
+    )
     ident: dict = {k: c.get(k) for k in keys}
     ident["model"] = model_part(c.get("model_cfg") if _kind(c) == "moe" else c.get("model"))
     ident["offload"], ident["offload_param"] = bool(c.get("offload")), bool(c.get("offload_param"))
@@ -216,8 +257,10 @@ def rows_of(records: Iterable[dict], run: str) -> list[dict]:
     for ident, (name, rec) in by_identity.items():
         engine = _ENGINE_OF[rec["impl"]]
         if (name, engine) in rows:
-            raise ValueError(f"{run}: two configurations are both named {name!r} ({engine}); the naming in "
-                             f"summary.scenario_name must tell them apart: {ident}")
+            raise ValueError(
+                f"{run}: two configurations are both named {name!r} ({engine}); the naming in "
+                f"summary.scenario_name must tell them apart: {ident}"
+            )
         rows[(name, engine)] = {"scenario": name, "engine": engine, "run": run, **figures(rec)}
     return [rows[k] for k in sorted(rows, key=lambda k: (_natural(k[0]), ENGINES.index(k[1])))]
 

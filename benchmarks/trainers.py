@@ -2,6 +2,7 @@
 
 Kept apart from ``_harness`` so that the baselines, which build on the harness, are imported only from here.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@
 Not a timed test. It isolates the parameter manager's per-hook Python cost (fetch, prefetch decisions,
 release), which on a GPU is paid on the CPU while the device waits; one rank, fp32, HF's "auto" ZeRO-3 config.
 """
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 The public surface (``initialize``, ``init_distributed``, ``add_config_arguments``, ``zero``, ``comm``,
 version attributes) matches upstream DeepSpeed; the implementation lives in ``deepspeed._core``.
 """
+
 import os as _os
 
 # Importing must never create a CUDA context (NVML answers device queries instead).
@@ -65,6 +66,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = version
 

@@ -4,6 +4,7 @@ Prints versions (python, torch, deepspeed), CUDA (torch's build, the toolkit), t
 whether ninja and a C++ compiler are found, then one row per op: compatible, built, and whether
 the kernel or a fallback will run (with the reason).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,17 @@ def environment_rows() -> list[tuple[str, str]]:
         ("deepspeed version", f"{deepspeed.__version__} ({os.path.dirname(deepspeed.__file__)})"),
         ("deepspeed git", f"{deepspeed.__git_hash__} ({deepspeed.__git_branch__})"),
         ("accelerator", _accelerator_line()),
-        ("nvcc", f"{nvcc} ({_first_line([nvcc, '--version'])}); torch's CUDA_HOME: {CUDA_HOME}" if nvcc
-         else "not found"),
+        (
+            "nvcc",
+            f"{nvcc} ({_first_line([nvcc, '--version'])}); torch's CUDA_HOME: {CUDA_HOME}" if nvcc else "not found",
+        ),
         ("ninja", f"{GREEN_YES if is_ninja_available() else RED_NO} {shutil.which('ninja') or ''}".rstrip()),
-        ("C++ compiler", f"{GREEN_YES} {_first_line([compiler, '--version'])}" if shutil.which(compiler)
-         else f"{RED_NO} {compiler!r} not on PATH"),
+        (
+            "C++ compiler",
+            f"{GREEN_YES} {_first_line([compiler, '--version'])}"
+            if shutil.which(compiler)
+            else f"{RED_NO} {compiler!r} not on PATH",
+        ),
     ]
 
 

@@ -1,4 +1,5 @@
 """Version and build identity, read by integrations as ``deepspeed.git_version_info``."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -3,6 +3,7 @@
 They exist so that ``import deepspeed`` exposes upstream's surface (integrations probe for the names);
 using one raises :class:`NotImplementedError` naming the feature, never a silent fallback.
 """
+
 from __future__ import annotations
 
 from typing import Any, NoReturn

@@ -16,6 +16,7 @@ Rank 0 prints one ``LEAN_SUMMARY {json}`` line at the end (logged losses, global
 from, the DeepSpeed config the engine received) and, with ``--summary_file``, writes the same JSON there; the
 integration tests read it. The exit status is non-zero if the loss did not decrease.
 """
+
 from __future__ import annotations
 
 import json

@@ -14,6 +14,7 @@ machine without GPUs).
 The script prints the loss on rank 0 and exits non-zero when training did not reduce it. ``--save_dir`` writes a
 checkpoint at the end (per-layer files, one model-states file per stage, ZeRO-1 shards).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,7 @@ def rotary_tables(seq: int, dim: int, base: float = 10000.0) -> tuple[torch.Tens
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` channels of ``x`` ``[batch, heads, seq, head_dim]``; keep the rest."""
-    rot, keep = x[..., : cos.shape[-1]], x[..., cos.shape[-1]:]
+    rot, keep = x[..., : cos.shape[-1]], x[..., cos.shape[-1] :]
     half = rot.shape[-1] // 2
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
@@ -117,9 +118,11 @@ def gpt_neox_layers(vocab: int, hidden: int, heads: int, layers: int, seq: int) 
     """The model as a pipeline layer list (nothing is built here)."""
     from deepspeed.pipe import LayerSpec
 
-    return ([LayerSpec(EmbeddingPipe, vocab, hidden)]
-            + [LayerSpec(TransformerLayerPipe, hidden, heads, seq) for _ in range(layers)]
-            + [LayerSpec(NormPipe, hidden), LayerSpec(HeadPipe, hidden, vocab)])
+    return (
+        [LayerSpec(EmbeddingPipe, vocab, hidden)]
+        + [LayerSpec(TransformerLayerPipe, hidden, heads, seq) for _ in range(layers)]
+        + [LayerSpec(NormPipe, hidden), LayerSpec(HeadPipe, hidden, vocab)]
+    )
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -172,13 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = load_config(args)
     deepspeed.init_distributed()
-    module = PipelineModule(gpt_neox_layers(args.vocab, args.hidden, args.heads, args.layers, args.seq),
-                            num_stages=args.pipe_parallel_size, loss_fn=lm_loss, seed_layers=True,
-                            partition_method="type:TransformerLayerPipe", activation_checkpoint_interval=1)
+    module = PipelineModule(
+        gpt_neox_layers(args.vocab, args.hidden, args.heads, args.layers, args.seq),
+        num_stages=args.pipe_parallel_size,
+        loss_fn=lm_loss,
+        seed_layers=True,
+        partition_method="type:TransformerLayerPipe",
+        activation_checkpoint_interval=1,
+    )
     # Megatron/NeoX style: activation checkpointing configured with the pipeline grid as the mpu.
     deepspeed.checkpointing.configure(module.mpu(), deepspeed_config=config)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
-                                                                           if p.requires_grad], config=config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config
+    )
     grid = module.mpu()
     data = synthetic_batches(args.vocab, args.seq, seed=grid.get_data_parallel_rank())
     losses = []
@@ -186,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         loss = float(engine.train_batch(data_iter=data))
         losses.append(loss)
         if deepspeed.comm.get_rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
-            deepspeed.logger.info(f"step {step}: loss {loss:.4f} (stage {module.stage_id}/{module.num_stages}, "
-                                  f"layers {module.parts})")
+            deepspeed.logger.info(
+                f"step {step}: loss {loss:.4f} (stage {module.stage_id}/{module.num_stages}, layers {module.parts})"
+            )
     if args.save_dir:
         engine.save_checkpoint(args.save_dir)
     first, last = losses[0], sum(losses[-3:]) / len(losses[-3:])

@@ -12,6 +12,7 @@ the launcher starts CPU processes (gloo) and "memory" is each process's resident
 
 Exits non-zero when the held-out loss did not fall.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,7 +78,7 @@ def load_splits(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def sample(data: torch.Tensor, count: int, seq: int, seed: int) -> torch.Tensor:
     """``count`` random windows of ``seq + 1`` tokens (inputs plus the next-token targets)."""
     starts = torch.randint(0, len(data) - seq - 1, (count,), generator=torch.Generator().manual_seed(seed))
-    return torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+    return torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
 
 
 def held_out_loss(engine: deepspeed.DeepSpeedEngine, batches: list[torch.Tensor]) -> float:
@@ -111,8 +112,12 @@ def engine_config(path: str, out: Path) -> dict:
     return config
 
 
-def train(args: argparse.Namespace, engine: deepspeed.DeepSpeedEngine, train_data: torch.Tensor,
-          val_batches: list[torch.Tensor]) -> list[dict]:
+def train(
+    args: argparse.Namespace,
+    engine: deepspeed.DeepSpeedEngine,
+    train_data: torch.Tensor,
+    val_batches: list[torch.Tensor],
+) -> list[dict]:
     """The loop: one optimizer step per ``gradient_accumulation_steps`` micro-batches; periodic evaluation."""
     rank, micro = deepspeed.comm.get_rank(), engine.train_micro_batch_size_per_gpu()
     history = [{"step": 0, "val_loss": held_out_loss(engine, val_batches)}]
@@ -126,12 +131,20 @@ def train(args: argparse.Namespace, engine: deepspeed.DeepSpeedEngine, train_dat
             engine.backward(loss)
             engine.step()
         if step % args.eval_every == 0 or step == args.steps:
-            history.append({"step": step, "train_loss": loss.item(), "val_loss": held_out_loss(engine, val_batches),
-                            "seconds": round(time.perf_counter() - start, 1)})
+            history.append(
+                {
+                    "step": step,
+                    "train_loss": loss.item(),
+                    "val_loss": held_out_loss(engine, val_batches),
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
+            )
             if rank == 0:
                 h = history[-1]
-                print(f"step {step}: train loss {h['train_loss']:.3f}, held-out loss {h['val_loss']:.3f} "
-                      f"({h['seconds']} s)")
+                print(
+                    f"step {step}: train loss {h['train_loss']:.3f}, held-out loss {h['val_loss']:.3f} "
+                    f"({h['seconds']} s)"
+                )
     return history
 
 
@@ -173,13 +186,20 @@ def report(args: argparse.Namespace, engine: deepspeed.DeepSpeedEngine, history:
     summary = memory_summary(records)
     print(f"memory per phase ({what}, rank 0, largest over the run):")
     for phase, m in summary.items():
-        print(f"  {phase:<17} {m['allocated_gib']:8.3f} GiB (peak {m['peak_gib']:.3f}); "
-              f"model-state floor {m['floor_gib']:.4f} GiB")
-    (args.out / "metrics.json").write_text(json.dumps({"history": history, "memory_per_phase": summary,
-                                                       "memory_measure": what, "records": records}, indent=1))
+        print(
+            f"  {phase:<17} {m['allocated_gib']:8.3f} GiB (peak {m['peak_gib']:.3f}); "
+            f"model-state floor {m['floor_gib']:.4f} GiB"
+        )
+    (args.out / "metrics.json").write_text(
+        json.dumps(
+            {"history": history, "memory_per_phase": summary, "memory_measure": what, "records": records}, indent=1
+        )
+    )
     drawn = plot_phases(records, args.out / "memory_phases.png", what)
-    print(f"wrote {args.out / 'metrics.json'}" + (f" and {args.out / 'memory_phases.png'}" if drawn else
-                                                  " (pip install matplotlib for memory_phases.png)"))
+    print(
+        f"wrote {args.out / 'metrics.json'}"
+        + (f" and {args.out / 'memory_phases.png'}" if drawn else " (pip install matplotlib for memory_phases.png)")
+    )
 
 
 def main() -> None:
@@ -195,8 +215,10 @@ def main() -> None:
     rank = deepspeed.comm.get_rank()
     if rank == 0:
         n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
-        print(f"GPT: {n / 1e6:.2f}M parameters, {args.layers} layers, dim {args.dim}, context {args.seq} bytes; "
-              f"ZeRO stage {engine.zero_optimization_stage()} over {deepspeed.comm.get_world_size()} ranks")
+        print(
+            f"GPT: {n / 1e6:.2f}M parameters, {args.layers} layers, dim {args.dim}, context {args.seq} bytes; "
+            f"ZeRO stage {engine.zero_optimization_stage()} over {deepspeed.comm.get_world_size()} ranks"
+        )
     val_batches = [sample(val_data, 16, args.seq, seed=10_000 + i) for i in range(4)]
     history = train(args, engine, train_data, val_batches)
     if rank == 0:

@@ -5,6 +5,7 @@
 On a machine without GPUs the launcher starts CPU processes over gloo. The script prints the loss of
 the first and last step on rank 0 and exits non-zero if training did not reduce the loss.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -26,6 +26,7 @@ Cost: processes are forked from a ``forkserver`` that has already imported torch
 call pays the ~2-4 s import; later calls cost roughly a fork plus a gloo rendezvous. Set
 ``DS_TEST_START_METHOD=spawn`` to debug with fully fresh interpreters.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -58,9 +59,16 @@ class DistributedTimeout(DistributedTestError):
 
 
 # ---------------------------------------------------------------------- parent side
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-                    backend: str = "gloo", init_distributed: bool = True, env: dict[str, str] | None = None,
-                    fn_kwargs: dict[str, Any] | None = None) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    backend: str = "gloo",
+    init_distributed: bool = True,
+    env: dict[str, str] | None = None,
+    fn_kwargs: dict[str, Any] | None = None,
+) -> list[Any]:
     """Run ``fn(*args, **fn_kwargs)`` in ``world_size`` ranks and return their results in rank order.
 
     Args:
@@ -80,15 +88,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     except Exception as err:
         raise TypeError(f"arguments passed to ranks must be picklable: {err}") from err
     port = _free_port()
-    base = {"fn": target, "payload": payload, "backend": backend, "init": init_distributed,
-            "sys_path": list(sys.path), "world_size": world_size}
+    base = {
+        "fn": target,
+        "payload": payload,
+        "backend": backend,
+        "init": init_distributed,
+        "sys_path": list(sys.path),
+        "world_size": world_size,
+    }
     ctx = _context()
     procs, conns = [], []
     log_dir = tempfile.mkdtemp(prefix="ds-test-ranks-")
     try:
         for rank in range(world_size):
-            spec = dict(base, rank=rank, env=_rank_env(rank, world_size, port, env),
-                        log_path=os.path.join(log_dir, f"rank{rank}.log"))
+            spec = dict(
+                base,
+                rank=rank,
+                env=_rank_env(rank, world_size, port, env),
+                log_path=os.path.join(log_dir, f"rank{rank}.log"),
+            )
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank_main, args=(sender, spec), name=f"ds-test-rank{rank}")
             proc.start()
@@ -131,8 +149,10 @@ def warm_up() -> None:
 def _function_ref(fn: Callable[..., Any]) -> dict[str, str | None]:
     qualname = getattr(fn, "__qualname__", "")
     if "<" in qualname or not getattr(fn, "__module__", None):
-        raise TypeError(f"{fn!r} is not a module-level function; ranks import it by name, so define it at module "
-                        "scope of an importable module")
+        raise TypeError(
+            f"{fn!r} is not a module-level function; ranks import it by name, so define it at module "
+            "scope of an importable module"
+        )
     module = sys.modules.get(fn.__module__)
     return {"module": fn.__module__, "qualname": qualname, "file": getattr(module, "__file__", None)}
 
@@ -146,8 +166,14 @@ def _free_port() -> int:
 def _rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     env.update(extra or {})
     return env
 
@@ -160,8 +186,10 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float) -> list[
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise DistributedTimeout(f"ranks {sorted(pending)} did not finish within {timeout:.0f}s (stalled "
-                                     f"collective or hang); ranks {sorted(results)} finished")
+            raise DistributedTimeout(
+                f"ranks {sorted(pending)} did not finish within {timeout:.0f}s (stalled "
+                f"collective or hang); ranks {sorted(results)} finished"
+            )
         waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
         ready = set(wait(waitables, timeout=remaining))
         for rank in sorted(pending):
@@ -313,11 +341,23 @@ def run_test_item(pyfuncitem: Any) -> bool | None:
     cls = pyfuncitem.cls
     kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     module = pyfuncitem.module
-    ref = {"module": module.__name__, "file": getattr(module, "__file__", None),
-           "cls": cls.__qualname__ if cls is not None else None, "name": pyfuncitem.originalname}
+    ref = {
+        "module": module.__name__,
+        "file": getattr(module, "__file__", None),
+        "cls": cls.__qualname__ if cls is not None else None,
+        "name": pyfuncitem.originalname,
+    }
     options = cls if cls is not None and issubclass(cls, DistributedTest) else DistributedTest
-    run_distributed(_run_test_in_rank, world_size, ref, world_size, kwargs, timeout=options.exec_timeout,
-                    backend=options.backend, init_distributed=options.init_distributed)
+    run_distributed(
+        _run_test_in_rank,
+        world_size,
+        ref,
+        world_size,
+        kwargs,
+        timeout=options.exec_timeout,
+        backend=options.backend,
+        init_distributed=options.init_distributed,
+    )
     return True
 
 

@@ -1,4 +1,5 @@
 """Session-wide test setup: CPU accelerator by default, markers, GPU skips, distributed-test hooks."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,10 @@ def _gpu_skip_reason() -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``gpu``-marked tests when no CUDA accelerator is selected; pre-start the rank forkserver if needed."""
-    if any("dist" in item.path.parts or _harness.WORLD_SIZE_FIXTURE in getattr(item, "callspec", _NO_PARAMS).params
-           for item in items):
+    if any(
+        "dist" in item.path.parts or _harness.WORLD_SIZE_FIXTURE in getattr(item, "callspec", _NO_PARAMS).params
+        for item in items
+    ):
         _harness.warm_up()
     if not any(item.get_closest_marker("gpu") for item in items):
         return

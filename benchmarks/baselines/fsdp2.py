@@ -12,6 +12,7 @@ device (S3 at N > 1, so the full model never exists on the rank) is materialised
 and a random normal fill.
 :func:`layer_unsharded` is the S3 probe: does an FSDP2 unit hold unsharded (gathered) parameters right now?
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -88,5 +89,4 @@ class FSDP2Trainer(Trainer):
 
     def info(self) -> dict[str, Any]:
         where = "on the CPU (CPUOffloadPolicy, pinned)" if self.offload else ""
-        return {"optimizer_class": f"torch.optim.AdamW(fused) on FSDP2 fp32 shards {where}".strip(),
-                "skipped_steps": 0}
+        return {"optimizer_class": f"torch.optim.AdamW(fused) on FSDP2 fp32 shards {where}".strip(), "skipped_steps": 0}

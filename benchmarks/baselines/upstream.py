@@ -23,6 +23,7 @@ directory instead of this repository. The GPU machine has no registry access, so
    and the workers run with ``PYTHONPATH=/tmp/upstream_ds:<site of .whl>`` (see ``worker_env``). Upstream
    JIT-compiles ops only when one is used; the scenarios pass a torch AdamW, so none is built.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,15 @@ def prepare(dl_dir: str = "/tmp/upstream_sdist") -> Path:
     """Download the sdist and build the no-ops wheel into ``.whl_upstream/`` (needs a registry and torch)."""
     WHEEL_DIR.mkdir(exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run(pip + ["download", "--no-deps", "--no-binary", ":all:", f"deepspeed=={UPSTREAM_VERSION}",
-                          "-d", dl_dir], check=True)
+    subprocess.run(
+        pip + ["download", "--no-deps", "--no-binary", ":all:", f"deepspeed=={UPSTREAM_VERSION}", "-d", dl_dir],
+        check=True,
+    )
     sdist = glob.glob(os.path.join(dl_dir, f"deepspeed-{UPSTREAM_VERSION}.tar.gz"))[0]
     env = dict(os.environ, DS_BUILD_OPS="0")
-    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEEL_DIR), sdist], check=True,
-                   env=env)
+    subprocess.run(
+        pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEEL_DIR), sdist], check=True, env=env
+    )
     return wheel_path()
 
 
@@ -61,8 +65,24 @@ def wheel_path() -> Path:
 
 def install(target: str = DEFAULT_TARGET) -> None:
     """Install the prepared wheel into ``target`` without touching any registry."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", target, str(wheel_path())], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            target,
+            str(wheel_path()),
+        ],
+        check=True,
+    )
 
 
 def worker_env(base: dict, target: str, extra_site: str | None) -> dict:
@@ -77,8 +97,14 @@ def worker_env(base: dict, target: str, extra_site: str | None) -> dict:
 def check(target: str) -> str:
     """Import upstream from ``target`` in a clean subprocess and return '<version> <file>'."""
     env = worker_env(os.environ, target, os.environ.get("BENCH_EXTRA_SITE"))
-    out = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__, deepspeed.__file__)"],
-                         env=env, cwd="/", capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import deepspeed; print(deepspeed.__version__, deepspeed.__file__)"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 

@@ -9,6 +9,7 @@ auto-detection and writes one JSON record to ``OUT/cuda_import_check.jsonl``: ``
 after the imports, the accelerator DeepSpeed picked, device count, versions. Exit status 1 when a context exists
 (or, without ``--smoke``, when no CUDA device is visible).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,12 @@ def main() -> None:
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RECORD ")]
     record = json.loads(lines[-1][7:]) if lines else {"error": (done.stdout + done.stderr)[-4000:]}
     record["mode"] = "smoke" if args.smoke else "gpu"
-    record["ok"] = bool(lines) and not record["initialized_after_import"] and \
-        not record["initialized_after_get_accelerator"] and (args.smoke or record["cuda_available"])
+    record["ok"] = (
+        bool(lines)
+        and not record["initialized_after_import"]
+        and not record["initialized_after_get_accelerator"]
+        and (args.smoke or record["cuda_available"])
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "cuda_import_check.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")

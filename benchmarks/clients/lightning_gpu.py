@@ -11,6 +11,7 @@ losses, the global step before and after resuming, the engine's and optimizer's 
 weights equal the trained module's, and the error when a phase failed. The smoke mode runs the same module and
 loop in plain PyTorch on the CPU (Lightning's DeepSpeed strategy requires CUDA) and records ``"mode": "smoke"``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,16 +68,24 @@ def _module_class(pl):
 
 
 def _trainer(pl, strategy: str, steps: int, root: Path):
-    return pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, precision="bf16-mixed",
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root)
+    return pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=root,
+    )
 
 
 def run_strategy(strategy: str, workdir: Path) -> dict:
     """Fit, save, resume, convert under one strategy (in this process); the record says how far it got."""
     import deepspeed
 
-    record: dict = {"strategy": strategy, "mode": "gpu", "deepspeed": deepspeed.__version__,
-                    "torch": torch.__version__}
+    record: dict = {"strategy": strategy, "mode": "gpu", "deepspeed": deepspeed.__version__, "torch": torch.__version__}
     loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False)
     try:
         pl = _lightning()
@@ -85,10 +94,14 @@ def run_strategy(strategy: str, workdir: Path) -> dict:
         module, trainer = regression(), _trainer(pl, strategy, STEPS, workdir)
         trainer.fit(module, loader)
         engine = trainer.strategy.deepspeed_engine
-        record.update(phase="fit", losses=module.losses, global_step=trainer.global_step,
-                      engine_is_deepspeed_engine=isinstance(engine, deepspeed.DeepSpeedEngine),
-                      optimizer_class=f"{type(engine.optimizer).__module__}.{type(engine.optimizer).__name__}",
-                      zero_stage=engine.zero_optimization_stage())
+        record.update(
+            phase="fit",
+            losses=module.losses,
+            global_step=trainer.global_step,
+            engine_is_deepspeed_engine=isinstance(engine, deepspeed.DeepSpeedEngine),
+            optimizer_class=f"{type(engine.optimizer).__module__}.{type(engine.optimizer).__name__}",
+            zero_stage=engine.zero_optimization_stage(),
+        )
         saved = _full_state(engine, module)
         ckpt = workdir / f"{strategy}.ckpt"
         trainer.save_checkpoint(ckpt)
@@ -119,8 +132,13 @@ def _convert(ckpt: Path, out_file: Path, saved: dict) -> dict:
     state = torch.load(out_file, map_location="cpu", weights_only=False)["state_dict"]
     common = [k for k in state if k in saved]
     diff = max((float((state[k].float() - saved[k]).abs().max()) for k in common), default=None)
-    return {"phase": "convert", "converted_keys": sorted(state), "saved_keys": sorted(saved),
-            "keys_compared": len(common), "converted_vs_saved_max_abs_diff": diff}
+    return {
+        "phase": "convert",
+        "converted_keys": sorted(state),
+        "saved_keys": sorted(saved),
+        "keys_compared": len(common),
+        "converted_vs_saved_max_abs_diff": diff,
+    }
 
 
 def smoke(workdir: Path) -> dict:
@@ -161,12 +179,23 @@ def main() -> None:
 def _in_subprocess(strategy: str, out: Path) -> dict:
     """One strategy per fresh process: a failure in one cannot leave state behind for the other."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, "--out", str(out), "--strategy", strategy], capture_output=True,
-                          text=True, timeout=280)
+    done = subprocess.run(
+        [sys.executable, __file__, "--out", str(out), "--strategy", strategy],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RECORD ")]
-    record = json.loads(lines[-1][7:]) if lines else {"strategy": strategy, "ok": False,
-                                                       "error": f"exit {done.returncode}, no record",
-                                                       "output_tail": (done.stdout + done.stderr)[-4000:]}
+    record = (
+        json.loads(lines[-1][7:])
+        if lines
+        else {
+            "strategy": strategy,
+            "ok": False,
+            "error": f"exit {done.returncode}, no record",
+            "output_tail": (done.stdout + done.stderr)[-4000:],
+        }
+    )
     record["seconds"] = round(time.perf_counter() - start, 1)
     return record
 

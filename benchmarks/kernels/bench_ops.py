@@ -16,6 +16,7 @@ Writes <out>/bench_ops.jsonl (one JSON object per measurement) and <out>/bench_o
 table last. Targets (issue 7): flatten/unflatten >= 85% of copy bandwidth and faster than torch.cat;
 fused Adam >= torch fused AdamW; CPU Adam >= 3x torch CPU AdamW.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,8 +117,13 @@ def run_checks() -> bool:
             record("check", check.__name__, ok=True, seconds=round(time.time() - t0, 2))
         except Exception as err:  # noqa: BLE001 (every check runs and reports)
             ok = False
-            record("check", check.__name__, ok=False, error=f"{type(err).__name__}: {err}",
-                   trace=traceback.format_exc()[-2000:])
+            record(
+                "check",
+                check.__name__,
+                ok=False,
+                error=f"{type(err).__name__}: {err}",
+                trace=traceback.format_exc()[-2000:],
+            )
     return ok
 
 
@@ -133,8 +139,9 @@ def bench_copy(total_bytes: int, args: argparse.Namespace) -> float:
     dst = torch.empty_like(src)
     ms, single = cuda_time_ms(lambda: dst.copy_(src), args.warmup, args.reps)
     gbs = 2 * total_bytes / ms / 1e6
-    record("bandwidth", "d2d_copy", bytes=total_bytes, ms=round(ms, 4), ms_single_call=round(single, 4),
-           gb_s=round(gbs, 1))
+    record(
+        "bandwidth", "d2d_copy", bytes=total_bytes, ms=round(ms, 4), ms_single_call=round(single, 4), gb_s=round(gbs, 1)
+    )
     return gbs
 
 
@@ -162,8 +169,16 @@ def bench_flatten(modules: dict, copy_gbs: float, args: argparse.Namespace, dtyp
     for name, fn in candidates.items():
         ms, single = cuda_time_ms(fn, args.warmup, args.reps)
         gbs = moved / ms / 1e6
-        record("flatten", f"{name}[{tag}]", tensors=len(sizes), bytes_moved=moved, ms=round(ms, 4),
-               ms_single_call=round(single, 4), gb_s=round(gbs, 1), frac_copy_bw=round(gbs / copy_gbs, 3))
+        record(
+            "flatten",
+            f"{name}[{tag}]",
+            tensors=len(sizes),
+            bytes_moved=moved,
+            ms=round(ms, 4),
+            ms_single_call=round(single, 4),
+            gb_s=round(gbs, 1),
+            frac_copy_bw=round(gbs / copy_gbs, 3),
+        )
 
 
 def _adam_setup(dtype: torch.dtype, sizes: list[int]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
@@ -188,13 +203,18 @@ def bench_fused_adam(modules: dict, copy_gbs: float, args: argparse.Namespace, d
     foreach = torch.optim.AdamW(ref, lr=1e-4, weight_decay=0.01, foreach=True)
     kernel = modules.get("fused_adam")
     opt.step()  # creates the state so the raw-kernel timing can reuse it
-    lists = [[p.grad for p in ours], list(ours), [opt.state[p]["exp_avg"] for p in ours],
-             [opt.state[p]["exp_avg_sq"] for p in ours]]
+    lists = [
+        [p.grad for p in ours],
+        list(ours),
+        [opt.state[p]["exp_avg"] for p in ours],
+        [opt.state[p]["exp_avg_sq"] for p in ours],
+    ]
     noop = torch.zeros(1, dtype=torch.int32, device="cuda")
     candidates = {
         "ours_FusedAdam.step": opt.step,
-        "ours_multi_tensor_adam_raw": lambda: kernel.multi_tensor_adam(65536, noop, lists, 1e-4, 0.9, 0.999, 1e-8, 10,
-                                                                       1, 1, 0.01),
+        "ours_multi_tensor_adam_raw": lambda: kernel.multi_tensor_adam(
+            65536, noop, lists, 1e-4, 0.9, 0.999, 1e-8, 10, 1, 1, 0.01
+        ),
         "torch_AdamW_fused": fused.step,
         "torch_AdamW_foreach": foreach.step,
     }
@@ -202,8 +222,16 @@ def bench_fused_adam(modules: dict, copy_gbs: float, args: argparse.Namespace, d
     for name, fn in candidates.items():
         ms, single = cuda_time_ms(fn, args.warmup, max(10, args.reps // 3), batch=5)
         gbs = moved / ms / 1e6
-        record("fused_adam", f"{name}[{tag}]", params=len(sizes), numel=numel, ms=round(ms, 4),
-               ms_single_call=round(single, 4), gb_s=round(gbs, 1), frac_copy_bw=round(gbs / copy_gbs, 3))
+        record(
+            "fused_adam",
+            f"{name}[{tag}]",
+            params=len(sizes),
+            numel=numel,
+            ms=round(ms, 4),
+            ms_single_call=round(single, 4),
+            gb_s=round(gbs, 1),
+            frac_copy_bw=round(gbs / copy_gbs, 3),
+        )
 
 
 def bench_cpu_adam(args: argparse.Namespace) -> None:
@@ -212,12 +240,14 @@ def bench_cpu_adam(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.cpu_threads)
     sizes = [args.cpu_numel] + [4096] * 64
+
     def setup() -> list[torch.nn.Parameter]:
         gen = torch.Generator().manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
         for p in ps:
             p.grad = torch.randn(p.shape, generator=gen)
         return ps
+
     variants = {
         "ours_DeepSpeedCPUAdam": lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, weight_decay=0.01),
         "torch_AdamW_default": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
@@ -236,8 +266,14 @@ def bench_cpu_adam(args: argparse.Namespace) -> None:
             record("cpu_adam", name, ok=False, error=f"{type(err).__name__}: {err}")
     base = timings.get("torch_AdamW_default")
     for name, ms in timings.items():
-        record("cpu_adam", name, threads=args.cpu_threads, numel=sum(sizes), ms=round(ms, 3),
-               speedup_vs_torch_default=round(base / ms, 2) if base else None)
+        record(
+            "cpu_adam",
+            name,
+            threads=args.cpu_threads,
+            numel=sum(sizes),
+            ms=round(ms, 3),
+            speedup_vs_torch_default=round(base / ms, 2) if base else None,
+        )
 
 
 def write_reports(out_dir: Path) -> str:
@@ -245,8 +281,10 @@ def write_reports(out_dir: Path) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "bench_ops.jsonl", "w") as fh:
         fh.writelines(json.dumps(row) + "\n" for row in RESULTS)
-    lines = ["| kind | name | ms | ms (1 call) | GB/s | frac copy BW | speedup | ok |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| kind | name | ms | ms (1 call) | GB/s | frac copy BW | speedup | ok |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in RESULTS:
         if r["kind"] == "check" and r.get("ok"):
             continue

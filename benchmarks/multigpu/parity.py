@@ -9,6 +9,7 @@ then trains the unsharded reference (fp32, one process, all micro-batches) and c
 without GPUs the launcher starts CPU processes over gloo, so the script can be smoke-tested anywhere.
 Writes one JSON line per case and exits non-zero if any case misses its tolerance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,6 +44,8 @@ CASES += [(3, "fp32+gas1+offload"), (3, "bf16+gas1+offload")]
 
 def _gas(prec: str) -> int:
     return 1 if "+gas1" in prec else GAS
+
+
 # Stage pairs that reduce the same way (0/1: fp32 accumulation, then all-reduce / reduce-scatter; 2/3: per
 # micro-step reduce-scatter into bf16 shards) must match each other far more tightly than the reference.
 SAME_PATH = {((0, "bf16"), (1, "bf16")): 1e-3, ((2, "bf16"), (3, "bf16")): 1e-3}
@@ -137,8 +140,9 @@ def main() -> None:
             diff = max(float((results[b][k] - v).norm() / v.norm()) for k, v in results[a].items())
             ok = diff < tol
             failures += not ok
-            row = dict(check=f"stage {b[0]} vs stage {a[0]} ({a[1]})", world_size=world, max_rel_diff=diff, tol=tol,
-                       ok=ok)
+            row = dict(
+                check=f"stage {b[0]} vs stage {a[0]} ({a[1]})", world_size=world, max_rel_diff=diff, tol=tol, ok=ok
+            )
             print(json.dumps(row), flush=True)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

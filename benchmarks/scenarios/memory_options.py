@@ -23,6 +23,7 @@ writes ``DIR/memory_options.jsonl`` (one record per worker, then one ``summary``
 ratios and targets). ``--smoke`` runs the same protocol on CPU with tiny models in seconds (memory counters read 0
 there; it checks the code paths, not the numbers). A worker is ``--spec JSON --result FILE`` (``_harness.worker_main``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -118,8 +119,14 @@ def _run_bf16(spec: dict) -> dict:
     reset_peak()
     times, _ = _timed_steps(trainer, batches, 3)
     m = mem()
-    return {"params": n, "peak_alloc_gib": m["peak_alloc"], "peak_reserved_gib": m["peak_reserved"],
-            "step_times_s": times, "median_step_s": _median(times), **trainer.info()}
+    return {
+        "params": n,
+        "peak_alloc_gib": m["peak_alloc"],
+        "peak_reserved_gib": m["peak_reserved"],
+        "step_times_s": times,
+        "median_step_s": _median(times),
+        **trainer.info(),
+    }
 
 
 def _offload_cycle(trainer: DeepSpeedTrainer) -> dict:
@@ -133,8 +140,13 @@ def _offload_cycle(trainer: DeepSpeedTrainer) -> dict:
     t0 = time.perf_counter()
     trainer.engine.reload_states()
     sync()
-    return {"alloc_before_offload_gib": before / GiB, "alloc_after_offload_gib": held / GiB, "offload_s": offload_s,
-            "reload_s": time.perf_counter() - t0, "held_bytes": held}
+    return {
+        "alloc_before_offload_gib": before / GiB,
+        "alloc_after_offload_gib": held / GiB,
+        "offload_s": offload_s,
+        "reload_s": time.perf_counter() - t0,
+        "held_bytes": held,
+    }
 
 
 def _run_offload(spec: dict) -> dict:
@@ -167,9 +179,17 @@ def _run_compile(spec: dict) -> dict:
 
         counters = dict(dynamo_counters["stats"])
     tokens = mb * cfg.seq
-    return {"params": n, "tokens_per_step": tokens, "warmup_s": warmup_s, "step_times_s": times,
-            "median_step_s": _median(times), "tokens_per_s": tokens / _median(times), "dynamo_stats": counters,
-            "peak_alloc_gib": mem()["peak_alloc"], **trainer.info()}
+    return {
+        "params": n,
+        "tokens_per_step": tokens,
+        "warmup_s": warmup_s,
+        "step_times_s": times,
+        "median_step_s": _median(times),
+        "tokens_per_s": tokens / _median(times),
+        "dynamo_stats": counters,
+        "peak_alloc_gib": mem()["peak_alloc"],
+        **trainer.info(),
+    }
 
 
 def run(spec: dict) -> dict:
@@ -188,13 +208,25 @@ def specs(groups: list[str], smoke: bool, impls: list[str]) -> list[dict]:
         if "bf16" in groups:
             out += [{**base, "group": "bf16", "model": s1, "stage": 2, "bf16_states": flag} for flag in (False, True)]
         if "offload" in groups:
-            out += [{**base, "group": "offload", "model": s3, "stage": 3, "offload_states": flag}
-                    for flag in (False, True)]
+            out += [
+                {**base, "group": "offload", "model": s3, "stage": 3, "offload_states": flag} for flag in (False, True)
+            ]
         if "compile" in groups:
             # The smoke run uses aot_eager: inductor's C++ code generation takes minutes on a small CPU.
-            out += [{**base, "group": "compile", "model": s1, "stage": stage, "micro_batch": micro, "compiled": c,
-                     "backend": "aot_eager" if smoke and c else None, "steps": 2 if smoke else 5}
-                    for stage in (2, 3) for c in (False, True)]
+            out += [
+                {
+                    **base,
+                    "group": "compile",
+                    "model": s1,
+                    "stage": stage,
+                    "micro_batch": micro,
+                    "compiled": c,
+                    "backend": "aot_eager" if smoke and c else None,
+                    "steps": 2 if smoke else 5,
+                }
+                for stage in (2, 3)
+                for c in (False, True)
+            ]
     return out
 
 
@@ -207,8 +239,14 @@ def _run_worker(spec: dict, args: argparse.Namespace, tmp: str, index: int) -> d
     cmd = [sys.executable, __file__, "--spec", json.dumps(spec), "--result", result]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=_env(spec["impl"], args, 29700 + index), cwd="/" if spec["impl"] == "upstream"
-                              else str(REPO), capture_output=True, text=True, timeout=args.job_timeout_s)
+        proc = subprocess.run(
+            cmd,
+            env=_env(spec["impl"], args, 29700 + index),
+            cwd="/" if spec["impl"] == "upstream" else str(REPO),
+            capture_output=True,
+            text=True,
+            timeout=args.job_timeout_s,
+        )
         tail = (proc.stdout + proc.stderr)[-3000:]
     except subprocess.TimeoutExpired:
         return {**spec, "scenario": "memory_options", "status": "error", "error": "timeout"}
@@ -239,29 +277,59 @@ def summarize(records: list[dict], impls: list[str]) -> list[dict]:
     failed; ``meets_target`` is ``None`` on CPU)."""
     out = []
     for impl in impls:
-        fp32, low = _find(records, impl=impl, group="bf16", bf16_states=False), _find(
-            records, impl=impl, group="bf16", bf16_states=True)
+        fp32, low = (
+            _find(records, impl=impl, group="bf16", bf16_states=False),
+            _find(records, impl=impl, group="bf16", bf16_states=True),
+        )
         if fp32 and low:
             ratio = low["peak_alloc_gib"] / fp32["peak_alloc_gib"] if fp32["peak_alloc_gib"] else None
-            out.append({"summary": "bf16_states", "impl": impl, "peak_ratio": ratio,
-                        "step_time_ratio": low["median_step_s"] / fp32["median_step_s"],
-                        "meets_target": _judged(low, ratio is not None and ratio <= TARGET_BF16_PEAK_RATIO
-                                                and low["median_step_s"] <= fp32["median_step_s"] * 1.02)})
-        plain, cycled = _find(records, impl=impl, group="offload", offload_states=False), _find(
-            records, impl=impl, group="offload", offload_states=True)
+            out.append(
+                {
+                    "summary": "bf16_states",
+                    "impl": impl,
+                    "peak_ratio": ratio,
+                    "step_time_ratio": low["median_step_s"] / fp32["median_step_s"],
+                    "meets_target": _judged(
+                        low,
+                        ratio is not None
+                        and ratio <= TARGET_BF16_PEAK_RATIO
+                        and low["median_step_s"] <= fp32["median_step_s"] * 1.02,
+                    ),
+                }
+            )
+        plain, cycled = (
+            _find(records, impl=impl, group="offload", offload_states=False),
+            _find(records, impl=impl, group="offload", offload_states=True),
+        )
         if plain and cycled:
             frac = cycled["held_fraction_of_model_states"]
-            out.append({"summary": "offload_states", "impl": impl, "held_fraction": frac,
-                        "offload_s": cycled["offload_s"], "reload_s": cycled["reload_s"],
-                        "bit_exact": plain["loss_bits"] == cycled["loss_bits"],
-                        "meets_target": _judged(cycled, frac <= TARGET_OFFLOAD_HELD_FRACTION)})
+            out.append(
+                {
+                    "summary": "offload_states",
+                    "impl": impl,
+                    "held_fraction": frac,
+                    "offload_s": cycled["offload_s"],
+                    "reload_s": cycled["reload_s"],
+                    "bit_exact": plain["loss_bits"] == cycled["loss_bits"],
+                    "meets_target": _judged(cycled, frac <= TARGET_OFFLOAD_HELD_FRACTION),
+                }
+            )
         for stage in (2, 3):
-            eager, comp = _find(records, impl=impl, group="compile", stage=stage, compiled=False), _find(
-                records, impl=impl, group="compile", stage=stage, compiled=True)
+            eager, comp = (
+                _find(records, impl=impl, group="compile", stage=stage, compiled=False),
+                _find(records, impl=impl, group="compile", stage=stage, compiled=True),
+            )
             if eager and comp:
-                out.append({"summary": "compile", "impl": impl, "stage": stage,
-                            "speedup": comp["tokens_per_s"] / eager["tokens_per_s"],
-                            "tokens_per_s_eager": eager["tokens_per_s"], "tokens_per_s_compiled": comp["tokens_per_s"]})
+                out.append(
+                    {
+                        "summary": "compile",
+                        "impl": impl,
+                        "stage": stage,
+                        "speedup": comp["tokens_per_s"] / eager["tokens_per_s"],
+                        "tokens_per_s_eager": eager["tokens_per_s"],
+                        "tokens_per_s_compiled": comp["tokens_per_s"],
+                    }
+                )
     return out
 
 

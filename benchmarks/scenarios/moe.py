@@ -14,6 +14,7 @@ throughput is only meaningful at world size 1. Every record holds ``deepspeed_fi
 tokens/s (median step), peak allocated/reserved GiB over the timed steps and the parameter counts. ``--smoke`` is a
 seconds-long CPU run of the same code with a tiny model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,30 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 REPO = HERE.parents[2]
-FULL = {"vocab": 32000, "hidden": 1024, "layers": 8, "heads": 16, "seq": 1024, "micro_batch": 4,
-        "experts": 8, "k": 2, "steps": 6, "warmup": 2}
-SMOKE = {"vocab": 256, "hidden": 32, "layers": 2, "heads": 4, "seq": 16, "micro_batch": 2,
-         "experts": 8, "k": 2, "steps": 2, "warmup": 1}
+FULL = {
+    "vocab": 32000,
+    "hidden": 1024,
+    "layers": 8,
+    "heads": 16,
+    "seq": 1024,
+    "micro_batch": 4,
+    "experts": 8,
+    "k": 2,
+    "steps": 6,
+    "warmup": 2,
+}
+SMOKE = {
+    "vocab": 256,
+    "hidden": 32,
+    "layers": 2,
+    "heads": 4,
+    "seq": 16,
+    "micro_batch": 2,
+    "experts": 8,
+    "k": 2,
+    "steps": 2,
+    "warmup": 1,
+}
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -51,8 +72,16 @@ class _Block(torch.nn.Module):
         self.proj = torch.nn.Linear(h, h)
         self.ln2 = torch.nn.LayerNorm(h)
         expert = torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
-        self.moe = MoE(h, expert, num_experts=cfg["experts"], ep_size=ep_size, k=cfg["k"], capacity_factor=1.25,
-                       eval_capacity_factor=1.25, min_capacity=4)
+        self.moe = MoE(
+            h,
+            expert,
+            num_experts=cfg["experts"],
+            ep_size=ep_size,
+            k=cfg["k"],
+            capacity_factor=1.25,
+            eval_capacity_factor=1.25,
+            min_capacity=4,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, h = x.shape
@@ -90,8 +119,14 @@ def _config(cfg: dict, dtype: str) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": int(5e8), "allgather_bucket_size": int(5e8),
-                              "overlap_comm": True, "reduce_scatter": True, "contiguous_gradients": True},
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": int(5e8),
+            "allgather_bucket_size": int(5e8),
+            "overlap_comm": True,
+            "reduce_scatter": True,
+            "contiguous_gradients": True,
+        },
     }
     if dtype == "bf16":
         out["bf16"] = {"enabled": True}
@@ -160,13 +195,18 @@ def _env(impl: str, args: argparse.Namespace, port: int) -> dict:
 def _run_one(spec: dict, args: argparse.Namespace, port: int, tmp: str) -> dict:
     result = os.path.join(tmp, f"r{port}.json")
     cmd = [sys.executable, str(HERE), "--spec", json.dumps(spec), "--result", result]
-    proc = subprocess.run(cmd, env=_env(spec["impl"], args, port), cwd="/tmp", capture_output=True, text=True,
-                          timeout=args.job_timeout_s)
+    proc = subprocess.run(
+        cmd, env=_env(spec["impl"], args, port), cwd="/tmp", capture_output=True, text=True, timeout=args.job_timeout_s
+    )
     if os.path.exists(result):
         with open(result) as f:
             return json.load(f)
-    return {**spec, "status": "error", "error": f"worker exited {proc.returncode}", "log_tail": proc.stdout[-2000:]
-            + proc.stderr[-2000:]}
+    return {
+        **spec,
+        "status": "error",
+        "error": f"worker exited {proc.returncode}",
+        "log_tail": proc.stdout[-2000:] + proc.stderr[-2000:],
+    }
 
 
 def driver(argv: list[str]) -> None:
@@ -187,8 +227,14 @@ def driver(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for world in [int(w) for w in args.world_sizes.split(",")]:
             for impl in args.impls.split(","):
-                spec = {"scenario": "moe", "impl": impl, "world_size": world, "ep_size": min(world, experts),
-                        "dtype": "fp32" if args.smoke else args.dtype, "smoke": bool(args.smoke)}
+                spec = {
+                    "scenario": "moe",
+                    "impl": impl,
+                    "world_size": world,
+                    "ep_size": min(world, experts),
+                    "dtype": "fp32" if args.smoke else args.dtype,
+                    "smoke": bool(args.smoke),
+                }
                 port += 1
                 try:
                     record = _run_one(spec, args, port, tmp)
@@ -196,8 +242,15 @@ def driver(argv: list[str]) -> None:
                     record = {**spec, "status": "error", "error": f"timed out after {args.job_timeout_s} s"}
                 with open(out_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-                print(json.dumps({k: record.get(k) for k in ("impl", "world_size", "ep_size", "status",
-                                                             "tokens_per_s", "memory_gib", "error")}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            k: record.get(k)
+                            for k in ("impl", "world_size", "ep_size", "status", "tokens_per_s", "memory_gib", "error")
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

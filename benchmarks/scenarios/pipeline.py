@@ -35,6 +35,7 @@ layer inputs of the stage plus its output, ``(layers + 1) x seq x hidden x 2`` b
 ``peak(2) - peak(1)`` is recorded next to it); both at or below upstream at every G; tokens/s at G=16 at least
 upstream's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,9 @@ class StoreWire:
 
         self.td, self.rank = td, rank
         # The driver hosts the store, so it outlives whichever stage finishes first.
-        self.store = td.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                                 wait_for_workers=False)
+        self.store = td.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         self.namespace = ""
         self.sent: dict[int, int] = {}
         self.received: dict[int, int] = {}
@@ -110,8 +112,7 @@ class StoreWire:
         else:
             self.store.set(key, b"")
 
-    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
-             **_: Any) -> int:
+    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any) -> int:
         if src is None:
             raise RuntimeError("StoreWire: recv needs an explicit source rank")
         data = self.store.get(self._key(src, self.rank, self.received, src))
@@ -126,8 +127,7 @@ class StoreWire:
         self.send(tensor, dst, group, tag)
         return _Done()
 
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
-              **_: Any) -> Any:
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any) -> Any:
         self.recv(tensor, src, group, tag)
         return _Done()
 
@@ -167,8 +167,14 @@ def ds_config(spec: dict) -> dict:
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": 1, "allgather_bucket_size": BUCKET, "reduce_bucket_size": BUCKET,
-                              "overlap_comm": True, "reduce_scatter": True, "contiguous_gradients": True},
+        "zero_optimization": {
+            "stage": 1,
+            "allgather_bucket_size": BUCKET,
+            "reduce_bucket_size": BUCKET,
+            "overlap_comm": True,
+            "reduce_scatter": True,
+            "contiguous_gradients": True,
+        },
         **_precision(spec.get("dtype", "fp16")),
         "activation_checkpointing": {"partition_activations": bool(spec.get("partition_activations", False))},
     }
@@ -176,8 +182,15 @@ def ds_config(spec: dict) -> dict:
 
 def _precision(dtype: str) -> dict:
     if dtype == "fp16":
-        return {"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 1000, "hysteresis": 2,
-                         "min_loss_scale": 1}}
+        return {
+            "fp16": {
+                "enabled": True,
+                "initial_scale_power": 12,
+                "loss_scale_window": 1000,
+                "hysteresis": 2,
+                "min_loss_scale": 1,
+            }
+        }
     if dtype == "bf16":  # for a CPU check of upstream, which refuses fp16 on the CPU
         return {"bf16": {"enabled": True}}
     raise ValueError(f"--dtype {dtype!r}: valid fp16, bf16")
@@ -213,8 +226,13 @@ def _build_engine(spec: dict) -> Any:
 def _batches(spec: dict, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     m = spec["model"]
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, m["vocab"], (1, m["seq"]), generator=gen),
-             torch.randint(0, m["vocab"], (1, m["seq"]), generator=gen)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, m["vocab"], (1, m["seq"]), generator=gen),
+            torch.randint(0, m["vocab"], (1, m["seq"]), generator=gen),
+        )
+        for _ in range(n)
+    ]
 
 
 def _set_gas(engine: Any, gas: int) -> None:
@@ -245,11 +263,17 @@ def measure(engine: Any, spec: dict, gas: int) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    return {"peak_alloc_gib": measured["peak_alloc"], "peak_reserved_gib": measured["peak_reserved"],
-            "alloc_before_gib": before["alloc"], "alloc_after_gib": measured["alloc"],
-            "alloc_retries": measured["alloc_retries"], "step_s": step_s, "step_times_s": times,
-            "tokens_per_s": gas * spec["model"]["seq"] / step_s,
-            "skipped_steps_total": int(getattr(engine, "skipped_steps", 0) or 0)}
+    return {
+        "peak_alloc_gib": measured["peak_alloc"],
+        "peak_reserved_gib": measured["peak_reserved"],
+        "alloc_before_gib": before["alloc"],
+        "alloc_after_gib": measured["alloc"],
+        "alloc_retries": measured["alloc_retries"],
+        "step_s": step_s,
+        "step_times_s": times,
+        "tokens_per_s": gas * spec["model"]["seq"] / step_s,
+        "skipped_steps_total": int(getattr(engine, "skipped_steps", 0) or 0),
+    }
 
 
 def run_stage(spec: dict, emit: Any) -> None:
@@ -263,8 +287,9 @@ def run_stage(spec: dict, emit: Any) -> None:
     stage, world = int(spec["stage"]), int(spec["model"]["stages"])
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
-    wire = StoreWire(stage, int(spec["port"]), float(spec.get("wire_timeout_s", 300)),
-                     int(spec.get("small_message", SMALL_MESSAGE)))
+    wire = StoreWire(
+        stage, int(spec["port"]), float(spec.get("wire_timeout_s", 300)), int(spec.get("small_message", SMALL_MESSAGE))
+    )
     wire.install()
     _init_fake_group(spec["impl"], stage, world)
     gases = [int(g) for g in spec["gases"]]
@@ -310,11 +335,14 @@ def _stage_layers(module: Any) -> int:
 def worker(spec_json: str, result: str) -> None:
     """Run :func:`run_stage`, appending one JSON line per G to ``result``."""
     spec = json.loads(spec_json)
-    base: dict[str, Any] = {"scenario": "pipeline", **{k: v for k, v in spec.items()
-                                                        if k not in ("port", "gases", "deadline")}}
+    base: dict[str, Any] = {
+        "scenario": "pipeline",
+        **{k: v for k, v in spec.items() if k not in ("port", "gases", "deadline")},
+    }
     base["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     base["torch"] = torch.__version__
     with open(result, "a") as f:
+
         def emit(rec: dict) -> None:
             f.write(json.dumps({**base, **rec}, default=str) + "\n")
             f.flush()
@@ -322,8 +350,14 @@ def worker(spec_json: str, result: str) -> None:
         try:
             run_stage(spec, emit)
         except Exception as exc:  # noqa: BLE001 - set-up failures are recorded too
-            emit({"gas": None, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000],
-                  "traceback": traceback.format_exc()[-4000:]})
+            emit(
+                {
+                    "gas": None,
+                    "status": "error",
+                    "error": f"{type(exc).__name__}: {exc}"[:2000],
+                    "traceback": traceback.format_exc()[-4000:],
+                }
+            )
     sys.stdout.flush()
     os._exit(0)  # no teardown of the fake group and the store
 
@@ -336,8 +370,9 @@ def _free_port() -> int:
 
 
 def _env(impl: str, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DS_BUILD_OPS="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", DS_BUILD_OPS="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+    )
     root = args.upstream_target if impl == "upstream" else str(REPO)
     env["PYTHONPATH"] = os.pathsep.join([root] + ([args.extra_site] if args.extra_site else []))
     if not torch.cuda.is_available():
@@ -346,21 +381,33 @@ def _env(impl: str, args: argparse.Namespace) -> dict:
     return env
 
 
-def run_impl(impl: str, gases: list[int], args: argparse.Namespace, model: dict, tmp: Path, port: int,
-             deadline: float) -> list[dict]:
+def run_impl(
+    impl: str, gases: list[int], args: argparse.Namespace, model: dict, tmp: Path, port: int, deadline: float
+) -> list[dict]:
     """Both stages of ``impl`` (one process each, all G in turn), started together; returns their records."""
     env = _env(impl, args)
     procs = []
     for stage in range(model["stages"]):
-        spec = {"impl": impl, "gases": gases, "stage": stage, "model": model, "port": port, "deadline": deadline,
-                "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps,
-                "partition_activations": args.partition_activations, "wire_timeout_s": args.stall_s,
-                "small_message": 300 if args.smoke else SMALL_MESSAGE, "dtype": args.dtype}
+        spec = {
+            "impl": impl,
+            "gases": gases,
+            "stage": stage,
+            "model": model,
+            "port": port,
+            "deadline": deadline,
+            "warmup_steps": args.warmup_steps,
+            "timed_steps": args.timed_steps,
+            "partition_activations": args.partition_activations,
+            "wire_timeout_s": args.stall_s,
+            "small_message": 300 if args.smoke else SMALL_MESSAGE,
+            "dtype": args.dtype,
+        }
         result, log_path = tmp / f"{impl}_s{stage}.jsonl", tmp / f"{impl}_s{stage}.log"
         log = open(log_path, "w")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--result", str(result)]
-        procs.append((subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=log, stderr=subprocess.STDOUT), result,
-                      log, stage))
+        procs.append(
+            (subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=log, stderr=subprocess.STDOUT), result, log, stage)
+        )
     # Stage processes stop by themselves at the budget; the grace covers the G that was running then.
     hard_stop = deadline + args.grace_s
     for proc, _, log, _ in procs:
@@ -375,9 +422,17 @@ def run_impl(impl: str, gases: list[int], args: argparse.Namespace, model: dict,
         found = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []
         records += found
         if not any(r.get("status") == "ok" for r in found) and not any(r.get("status") == "error" for r in found):
-            records.append({"scenario": "pipeline", "impl": impl, "stage": stage, "gas": None, "status": "error",
-                            "error": f"no result (rc {proc.returncode})",
-                            "log_tail": Path(log.name).read_text()[-3000:]})
+            records.append(
+                {
+                    "scenario": "pipeline",
+                    "impl": impl,
+                    "stage": stage,
+                    "gas": None,
+                    "status": "error",
+                    "error": f"no result (rc {proc.returncode})",
+                    "log_tail": Path(log.name).read_text()[-3000:],
+                }
+            )
     return records
 
 
@@ -403,13 +458,18 @@ def summarize(records: list[dict], model: dict) -> dict:
                     row[f"s{stage}"] = None
                     continue
                 growth = (rec["peak_alloc_gib"] - base["peak_alloc_gib"]) * 2**30 if base else None
-                row[f"s{stage}"] = {"peak_alloc_gib": rec["peak_alloc_gib"], "peak_reserved_gib":
-                                    rec["peak_reserved_gib"], "growth_bytes": growth, "step_s": rec["step_s"],
-                                    "tokens_per_s": rec["tokens_per_s"]}
+                row[f"s{stage}"] = {
+                    "peak_alloc_gib": rec["peak_alloc_gib"],
+                    "peak_reserved_gib": rec["peak_reserved_gib"],
+                    "growth_bytes": growth,
+                    "step_s": rec["step_s"],
+                    "tokens_per_s": rec["tokens_per_s"],
+                }
                 act = activation_bytes(model, rec["stage_layers"])
                 allowed = (min(P - stage, gas) - 1) * act if stage < P - 1 else BUCKET * 2
-                row[f"s{stage}"].update(allowed_growth_bytes=allowed,
-                                        meets_target=None if growth is None else growth <= allowed)
+                row[f"s{stage}"].update(
+                    allowed_growth_bytes=allowed, meets_target=None if growth is None else growth <= allowed
+                )
             rows.append(row)
         out["per_impl"][impl] = rows
     out["vs_upstream"] = _versus(ok, gases, P) if "upstream" in impls and "ours" in impls else None
@@ -437,9 +497,13 @@ def _versus(ok: dict, gases: list[int], P: int) -> list[dict]:
 
 def to_markdown(summary: dict, records: list[dict]) -> str:
     """The per-stage table and the comparison, as Markdown."""
-    lines = [f"# Pipeline benchmark (P={summary['model']['stages']}, model {summary['model']})", "",
-             "| impl | G | stage | peak alloc GiB | peak reserved GiB | growth vs G=1 MiB | allowed MiB | target | "
-             "step s | tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Pipeline benchmark (P={summary['model']['stages']}, model {summary['model']})",
+        "",
+        "| impl | G | stage | peak alloc GiB | peak reserved GiB | growth vs G=1 MiB | allowed MiB | target | "
+        "step s | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for impl, rows in summary["per_impl"].items():
         for row in rows:
             for key in sorted(k for k in row if k.startswith("s")):
@@ -448,15 +512,18 @@ def to_markdown(summary: dict, records: list[dict]) -> str:
                     lines.append(f"| {impl} | {row['gas']} | {key[1:]} | failed | | | | | | |")
                     continue
                 growth = "" if c["growth_bytes"] is None else f"{c['growth_bytes'] / 2**20:.1f}"
-                lines.append(f"| {impl} | {row['gas']} | {key[1:]} | {c['peak_alloc_gib']:.3f} | "
-                             f"{c['peak_reserved_gib']:.3f} | {growth} | {c['allowed_growth_bytes'] / 2**20:.3f} | "
-                             f"{c['meets_target']} | {c['step_s']:.3f} | {c['tokens_per_s']:.0f} |")
+                lines.append(
+                    f"| {impl} | {row['gas']} | {key[1:]} | {c['peak_alloc_gib']:.3f} | "
+                    f"{c['peak_reserved_gib']:.3f} | {growth} | {c['allowed_growth_bytes'] / 2**20:.3f} | "
+                    f"{c['meets_target']} | {c['step_s']:.3f} | {c['tokens_per_s']:.0f} |"
+                )
     if summary.get("vs_upstream"):
         lines += ["", "## ours vs upstream", "", "```", json.dumps(summary["vs_upstream"], indent=1), "```"]
     failed = [r for r in records if r.get("status") != "ok"]
     if failed:
-        lines += ["", "## failures", ""] + [f"- {r['impl']} G={r['gas']} stage {r['stage']}: {r.get('error')}"
-                                           for r in failed]
+        lines += ["", "## failures", ""] + [
+            f"- {r['impl']} G={r['gas']} stage {r['stage']}: {r.get('error')}" for r in failed
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -469,12 +536,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp16", help="fp16 (the report's) or bf16 (upstream on a CPU)")
     ap.add_argument("--warmup-steps", type=int, default=1)
     ap.add_argument("--timed-steps", type=int, default=2)
-    ap.add_argument("--partition-activations", action="store_true",
-                    help="partition_activations (the report's setting; with model parallel size 1 it splits nothing)")
+    ap.add_argument(
+        "--partition-activations",
+        action="store_true",
+        help="partition_activations (the report's setting; with model parallel size 1 it splits nothing)",
+    )
     ap.add_argument("--upstream-target", default="/tmp/upstream_ds")
     ap.add_argument("--extra-site", default=None)
-    ap.add_argument("--max-seconds", type=float, default=230.0,
-                    help="wall budget of the whole run: no G is started after it; what finished is written")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=230.0,
+        help="wall budget of the whole run: no G is started after it; what finished is written",
+    )
     ap.add_argument("--grace-s", type=float, default=60.0, help="time a G already running may take past the budget")
     ap.add_argument("--stall-s", type=float, default=240.0, help="a store read waiting longer fails the stage")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -504,8 +578,9 @@ def _drive(args: argparse.Namespace, model: dict, impls: list[str], gases: list[
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     port = _free_port()
-    store = td.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                        timeout=datetime.timedelta(seconds=args.stall_s))
+    store = td.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.stall_s)
+    )
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="pipeline_bench_") as tmp_name:
         tmp = Path(tmp_name)
@@ -515,8 +590,11 @@ def _drive(args: argparse.Namespace, model: dict, impls: list[str], gases: list[
             t0 = time.time()
             got = run_impl(impl, gases, args, model, tmp, port, deadline)
             records += got
-            print(f"pipeline {impl}: {[(r.get('stage'), r.get('gas'), r.get('status')) for r in got]} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"pipeline {impl}: {[(r.get('stage'), r.get('gas'), r.get('status')) for r in got]} "
+                f"({time.time() - t0:.0f} s)",
+                flush=True,
+            )
             with open(out / "pipeline.jsonl", "w") as f:  # rewritten after each implementation
                 f.writelines(json.dumps(r) + "\n" for r in records)
         _write_logs(tmp, out / "pipeline_workers_log.txt")

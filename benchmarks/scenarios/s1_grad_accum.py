@@ -9,6 +9,7 @@ One worker = one (implementation, ZeRO stage, dtype, GAS, world size). Protocol:
 Step times come from workers that may share the GPU with other workers (run_all --jobs > 1): read the solo
 throughput scenario for speed.
 """
+
 from __future__ import annotations
 
 import sys

@@ -7,6 +7,7 @@ the process's resident set size. Recorded: device peak during initialise, alloca
 reserved − allocated (the memory the allocator keeps but nobody uses: report 2's doubled reservation), host RSS
 growth (end and peak), wall time. Then one training step shows where the first step starts from.
 """
+
 from __future__ import annotations
 
 import sys

@@ -27,6 +27,7 @@ parameter manager records its own boundary samples, and on CUDA a memory-history
 of its other parameters is gathered; ``layer-equivalents`` = gathered elements / one layer's elements. FSDP2: a
 layer counts when its ``fully_shard`` unit is unsharded or has an all-gather pending.
 """
+
 from __future__ import annotations
 
 import sys
@@ -124,8 +125,9 @@ class LayerProbe:
         if self.kind is None:
             return
         self._not_available = _not_available_status()
-        self._tracked = [[p for p in layer.parameters() if not getattr(p, "ds_persist", False)]
-                         for layer in self.layers]
+        self._tracked = [
+            [p for p in layer.parameters() if not getattr(p, "ds_persist", False)] for layer in self.layers
+        ]
         self._layer_numel = max(1, sum(int(getattr(p, "ds_numel", p.numel())) for p in self._tracked[0]))
         for index, layer in enumerate(self.layers):
             for sub in layer.modules():
@@ -176,11 +178,13 @@ class LayerProbe:
     def _make_hook(self, layer_index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
             self._sample(layer_index)
+
         return hook
 
     def _make_bwd_hook(self, layer_index: int) -> Any:
         def hook(module: torch.nn.Module, grad_output: Any) -> None:
             self._sample(layer_index)
+
         return hook
 
     def summary(self) -> dict:
@@ -194,7 +198,8 @@ class LayerProbe:
             out[f"gathered_layer_equiv_{phase}_max"] = round(max(r[1] for r in rows), 3) if ok else None
             out[f"gathered_samples_{phase}"] = len(rows)
             out[f"gathered_layers_{phase}_at_layer_boundaries"] = (
-                self.layer_boundaries[phase][:BOUNDARY_LIST_MAX] if ok else None)
+                self.layer_boundaries[phase][:BOUNDARY_LIST_MAX] if ok else None
+            )
         return out
 
     def remove(self) -> None:
@@ -220,7 +225,8 @@ def _manager_summary(mgr: Any, samples: list, layer_params: int) -> dict:
         out[f"manager_units_alive_{phase}_max"] = max((s.units_alive for s in rows), default=None)
         out[f"manager_units_active_{phase}_max"] = max((s.units_active for s in rows), default=None)
         out[f"manager_layer_equiv_{phase}_max"] = (
-            round(max(s.numel_alive for s in rows) / layer_params, 3) if rows else None)
+            round(max(s.numel_alive for s in rows) / layer_params, 3) if rows else None
+        )
     after = mgr.count_gathered("after_step")
     out["manager_params_alive_after_step"] = after.params_alive
     out["manager_units_alive_after_step"] = after.units_alive
@@ -361,8 +367,13 @@ def _ratios(rec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- protocol
-def _one_step(trainer: Any, batch: tuple[torch.Tensor, torch.Tensor], probe: LayerProbe | None = None,
-              early_stop: bool = True, marks: list[dict] | None = None) -> None:
+def _one_step(
+    trainer: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    probe: LayerProbe | None = None,
+    early_stop: bool = True,
+    marks: list[dict] | None = None,
+) -> None:
     """forward, backward, step; ``probe.phase`` follows along, ``marks`` gets the phase times of a trace."""
     ids, labels = batch
 
@@ -399,15 +410,23 @@ def _measured_step(trainer: Any, batch: tuple, spec: dict) -> dict:
         sync()
         step_s = time.perf_counter() - t0
     after = mem()
-    return {"alloc_before_step_gib": before["alloc"], "reserved_before_step_gib": before["reserved"],
-            "peak_alloc_gib": after["peak_alloc"], "peak_reserved_gib": after["peak_reserved"],
-            "alloc_after_step_gib": after["alloc"], "reserved_after_step_gib": after["reserved"],
-            "step_time_s": step_s, "alloc_retries": after["alloc_retries"],
-            "_rss_peak": rss.peak, "_rss_end": rss.end_rss}
+    return {
+        "alloc_before_step_gib": before["alloc"],
+        "reserved_before_step_gib": before["reserved"],
+        "peak_alloc_gib": after["peak_alloc"],
+        "peak_reserved_gib": after["peak_reserved"],
+        "alloc_after_step_gib": after["alloc"],
+        "reserved_after_step_gib": after["reserved"],
+        "step_time_s": step_s,
+        "alloc_retries": after["alloc_retries"],
+        "_rss_peak": rss.peak,
+        "_rss_end": rss.end_rss,
+    }
 
 
-def _instrumented_step(trainer: Any, module: torch.nn.Module, spec: dict, batch: tuple, unit_bytes: int,
-                       layer_params: int) -> dict:
+def _instrumented_step(
+    trainer: Any, module: torch.nn.Module, spec: dict, batch: tuple, unit_bytes: int, layer_params: int
+) -> dict:
     """One more step with the layer probe, ours' manager samples and (CUDA) the memory-history trace."""
     probe = LayerProbe(module, spec["impl"])
     mgr = _manager(trainer)
@@ -417,8 +436,13 @@ def _instrumented_step(trainer: Any, module: torch.nn.Module, spec: dict, batch:
     out: dict[str, Any] = {}
     try:
         if spec.get("trace", True):
-            out["trace"] = _traced_step(lambda marks: _one_step(trainer, batch, probe, _early_stop(spec), marks),
-                                        spec, unit_bytes, module, trainer)
+            out["trace"] = _traced_step(
+                lambda marks: _one_step(trainer, batch, probe, _early_stop(spec), marks),
+                spec,
+                unit_bytes,
+                module,
+                trainer,
+            )
         else:
             _one_step(trainer, batch, probe, _early_stop(spec))
             out["trace"] = {"skipped": "trace disabled in the spec"}
@@ -469,10 +493,16 @@ def run(spec: dict) -> dict:
     layer_params = cfg.layer_params()
     rec: dict[str, Any] = {
         "checkpoint_reentrant": reentrant,
-        "params": n_params, "params_expected": cfg.num_params(), "layer_params": layer_params,
-        "layers": cfg.layers, "model_cfg": cfg.to_dict(), "tokens_per_step": cfg.seq * int(spec.get("micro_batch", 1)),
-        "alloc_after_init_gib": after_init["alloc"], "reserved_after_init_gib": after_init["reserved"],
-        "warmup_steps": int(spec.get("warmup", 2)), "warmup_s": warm_s,
+        "params": n_params,
+        "params_expected": cfg.num_params(),
+        "layer_params": layer_params,
+        "layers": cfg.layers,
+        "model_cfg": cfg.to_dict(),
+        "tokens_per_step": cfg.seq * int(spec.get("micro_batch", 1)),
+        "alloc_after_init_gib": after_init["alloc"],
+        "reserved_after_init_gib": after_init["reserved"],
+        "warmup_steps": int(spec.get("warmup", 2)),
+        "warmup_s": warm_s,
         **{k: v for k, v in measured.items() if not k.startswith("_")},
         "host_rss_before_build_gib": rss_before / GiB,
         "host_rss_after_init_gib": init_rss.end_rss / GiB,

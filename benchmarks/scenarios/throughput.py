@@ -4,6 +4,7 @@ One worker = one (implementation, stage). run_all runs these workers one at a ti
 so the GPU is not shared. ``warmup`` optimizer steps are discarded, then ``steps`` steps are timed with the host
 clock around a device synchronisation; tokens/s = steps × GAS × micro-batch × sequence / time.
 """
+
 from __future__ import annotations
 
 import sys

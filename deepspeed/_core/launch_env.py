@@ -11,6 +11,7 @@ every process believe it is rank 0 and either train alone or fight over the rend
 
 It imports nothing heavy (no torch), so the launcher's per-rank shim can use it before the user's program starts.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,15 +36,31 @@ class LauncherVars:
 
 
 TORCH = LauncherVars("torchrun / deepspeed launcher", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-OPEN_MPI = LauncherVars("Open MPI", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
-                        "OMPI_COMM_WORLD_LOCAL_SIZE")
+OPEN_MPI = LauncherVars(
+    "Open MPI",
+    "OMPI_COMM_WORLD_RANK",
+    ("OMPI_COMM_WORLD_SIZE",),
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+)
 PMI = LauncherVars("MPICH / Intel MPI (PMI)", "PMI_RANK", ("PMI_SIZE",), "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-MVAPICH = LauncherVars("MVAPICH2", "MV2_COMM_WORLD_RANK", ("MV2_COMM_WORLD_SIZE",), "MV2_COMM_WORLD_LOCAL_RANK",
-                       "MV2_COMM_WORLD_LOCAL_SIZE")
+MVAPICH = LauncherVars(
+    "MVAPICH2",
+    "MV2_COMM_WORLD_RANK",
+    ("MV2_COMM_WORLD_SIZE",),
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+)
 # srun exports SLURM_PROCID only to the tasks it starts (an sbatch/salloc shell has SLURM_NTASKS but no task id
 # of its own that means "one of N"), so SLURM_PROCID is what marks a SLURM task.
-SLURM = LauncherVars("SLURM (srun)", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), "SLURM_LOCALID",
-                     "SLURM_NTASKS_PER_NODE", local_rank_required=True)
+SLURM = LauncherVars(
+    "SLURM (srun)",
+    "SLURM_PROCID",
+    ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    local_rank_required=True,
+)
 MPI_FLAVOURS = (OPEN_MPI, PMI, MVAPICH)
 TOOLS = (*MPI_FLAVOURS, SLURM)
 
@@ -68,8 +85,13 @@ class LaunchEnv:
 
     def torch_env(self) -> dict[str, str]:
         """The torch/DeepSpeed names for this layout (``MASTER_ADDR`` only when known)."""
-        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
-               "LOCAL_SIZE": str(self.local_size), "LOCAL_WORLD_SIZE": str(self.local_size)}
+        env = {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_SIZE": str(self.local_size),
+            "LOCAL_WORLD_SIZE": str(self.local_size),
+        }
         if self.master_addr is not None:
             env["MASTER_ADDR"] = self.master_addr
         return env
@@ -113,7 +135,7 @@ def _expand_one(name: str, spec: str) -> list[str]:
     match = re.search(r"\[([^\[\]]*)\]", name)
     if match is None:
         return [name]
-    head, tail = name[: match.start()], name[match.end():]
+    head, tail = name[: match.start()], name[match.end() :]
     expanded: list[str] = []
     for part in match.group(1).split(","):
         bounds = part.strip().split("-")
@@ -155,7 +177,8 @@ def _read(launcher: LauncherVars, environ: Mapping[str, str]) -> LaunchEnv | Non
             f"incomplete {launcher.name} environment: {', '.join(present)} set but {', '.join(missing)} missing. "
             "Start every process with the launcher (torchrun, deepspeed, mpirun, srun), or export RANK, "
             "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself; unset the stray variables to run a "
-            "single process")
+            "single process"
+        )
     rank, world = _int_var(environ, launcher.rank), _int_var(environ, size_name)
     if not 0 <= rank < world:
         raise LaunchEnvError(f"{launcher.rank}={rank} is not a valid rank for {size_name}={world}")
@@ -163,8 +186,7 @@ def _read(launcher: LauncherVars, environ: Mapping[str, str]) -> LaunchEnv | Non
     local_size = world
     if launcher.local_size is not None and launcher.local_size in environ:
         local_size = _int_var(environ, launcher.local_size)
-    return LaunchEnv(launcher, rank, world, local_rank, local_size, _master_addr(launcher, environ, world,
-                                                                                 local_size))
+    return LaunchEnv(launcher, rank, world, local_rank, local_size, _master_addr(launcher, environ, world, local_size))
 
 
 def _master_addr(launcher: LauncherVars, environ: Mapping[str, str], world: int, local_size: int) -> str | None:

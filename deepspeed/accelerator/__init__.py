@@ -1,4 +1,5 @@
 """``deepspeed.accelerator``: the device abstraction every component uses instead of ``torch.cuda``."""
+
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.real_accelerator import get_accelerator, is_current_accelerator_supported, set_accelerator
 

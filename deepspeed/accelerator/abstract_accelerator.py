@@ -4,6 +4,7 @@ Method names and signatures follow upstream DeepSpeed because integrations (Mega
 training scripts) call them directly. Device-specific behaviour is abstract; the few pieces that are the same
 on every device (tensor factories, compile backend bookkeeping, op-builder lookup) live here once.
 """
+
 from __future__ import annotations
 
 import abc
@@ -190,13 +191,15 @@ class DeepSpeedAccelerator(abc.ABC):
         ``max_entries`` bounds the history (a ring buffer: older entries are dropped). Read the history with
         :meth:`memory_snapshot` before stopping.
         """
-        raise NotImplementedError(f"{type(self).__name__} has no allocator history to record; "
-                                  "memory_timeline needs a CUDA device")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no allocator history to record; memory_timeline needs a CUDA device"
+        )
 
     def memory_snapshot(self) -> dict[str, Any] | None:
         """The allocator's segments and recorded history in ``torch.cuda.memory._snapshot()`` format."""
-        raise NotImplementedError(f"{type(self).__name__} has no allocator snapshot; memory_timeline needs a CUDA "
-                                  "device")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no allocator snapshot; memory_timeline needs a CUDA device"
+        )
 
     # ------------------------------------------------------------------ dtypes
     @abc.abstractmethod

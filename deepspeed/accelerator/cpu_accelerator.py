@@ -7,6 +7,7 @@ Memory numbers are *process* numbers, not allocator numbers: ``memory_allocated`
 resident set size (RSS) of this process (psutil when installed, else ``/proc/self/statm``). The "max" variants are
 the highest RSS seen by any memory query since the last reset -- a sampled peak, not an exact one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -351,4 +352,3 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     def visible_devices_envs(self) -> list[str]:
         """None: CPU processes see every core."""
         return []
-

@@ -4,6 +4,7 @@ Nothing here runs at import time, so importing the package never creates a CUDA 
 (``deepspeed/__init__`` also sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` so :func:`cuda_is_available` asks NVML
 instead of initialising the driver).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -193,8 +194,10 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
             record(enabled=None)
             return
         options: dict[str, Any] = {"context": "all", "stacks": "python", "max_entries": max_entries}
-        if "clear_history" in inspect.signature(getattr(torch.cuda.memory, "_record_memory_history_impl",
-                                                        record)).parameters:
+        if (
+            "clear_history"
+            in inspect.signature(getattr(torch.cuda.memory, "_record_memory_history_impl", record)).parameters
+        ):
             options["clear_history"] = True
         record(enabled="all", **options)
 

@@ -3,6 +3,7 @@
 Order: an object given to :func:`set_accelerator`; else ``DS_ACCELERATOR`` (``cuda`` or ``cpu``); else CUDA when a
 device is visible, CPU otherwise. The choice is made once, on the first :func:`get_accelerator` call.
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@
 Saving and loading themselves are engine methods (``DeepSpeedEngine.save_checkpoint`` /
 ``load_checkpoint``); consolidation into a single fp32 state dict is ``deepspeed.utils.zero_to_fp32``.
 """
+
 from deepspeed.checkpoint import constants
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 

@@ -1,4 +1,5 @@
 """Checkpoint helpers at upstream's import path (``deepspeed.checkpoint.utils``)."""
+
 from __future__ import annotations
 
 from typing import Any

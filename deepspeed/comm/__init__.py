@@ -1,4 +1,5 @@
 """``deepspeed.comm``: import as ``from deepspeed import comm as dist``; mirrors torch.distributed's free functions."""
+
 from deepspeed.comm.backend import ProcessGroup  # noqa: F401
 from deepspeed.comm.comm import (  # noqa: F401
     all_gather,

@@ -11,6 +11,7 @@ Portability rules kept here so callers can use one verb on any backend:
 * The ``fake`` backend (``torch.testing._internal.distributed.fake_pg``) simulates any world size in one process:
   collectives return immediately without moving data. Benchmarks use it to build large-world layouts on one GPU.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -161,8 +162,15 @@ def _destroy_default_group_at_exit() -> None:
 class TorchBackend:
     """``deepspeed.comm`` backend over torch.distributed process groups."""
 
-    def __init__(self, backend: str | None, timeout: timedelta, init_method: str | None, rank: int = -1,
-                 world_size: int = -1, name: str = "torch") -> None:
+    def __init__(
+        self,
+        backend: str | None,
+        timeout: timedelta,
+        init_method: str | None,
+        rank: int = -1,
+        world_size: int = -1,
+        name: str = "torch",
+    ) -> None:
         self.name = name
         self.using_mpi = backend == "mpi"
         self.has_all_reduce_coalesced = True
@@ -172,8 +180,9 @@ class TorchBackend:
             self.init_process_group(backend, timeout, init_method, rank, world_size)
         _register_teardown()
 
-    def init_process_group(self, backend: str | None, timeout: timedelta, init_method: str | None, rank: int,
-                           world_size: int) -> None:
+    def init_process_group(
+        self, backend: str | None, timeout: timedelta, init_method: str | None, rank: int, world_size: int
+    ) -> None:
         """Create the default process group (``backend='fake'`` builds a simulated one, see module docstring)."""
         if backend == FAKE_BACKEND:
             _init_fake_process_group(rank, world_size, timeout)
@@ -249,8 +258,13 @@ class TorchBackend:
             return _td.ReduceOp.SUM, True
         return to_torch_op(op), False
 
-    def _issue(self, verb: str, group: ProcessGroup | None, native: Callable[[], Any],
-               fallback: Callable[[], tuple[Any, Post | None]]) -> tuple[Any, Post | None]:
+    def _issue(
+        self,
+        verb: str,
+        group: ProcessGroup | None,
+        native: Callable[[], Any],
+        fallback: Callable[[], tuple[Any, Post | None]],
+    ) -> tuple[Any, Post | None]:
         key = (verb, self.get_backend(group))
         if self._native.get(key, True):
             try:
@@ -263,21 +277,28 @@ class TorchBackend:
         return fallback()
 
     # ------------------------------------------------------------------ reductions
-    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-                   async_op: bool = False) -> Any:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
         """In-place all-reduce of ``tensor``."""
         wire_op, host_avg = self._wire_op(op, group)
         work = _td.all_reduce(tensor, op=wire_op, group=group, async_op=True)
         post = (lambda: _divide_(tensor, self.get_world_size(group))) if host_avg else None
         return _finish([work], async_op, post)
 
-    def inference_all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                             group: ProcessGroup | None = None) -> None:
+    def inference_all_reduce(
+        self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None
+    ) -> None:
         """Blocking all-reduce (upstream routes this to a low-latency kernel; plain all-reduce here)."""
         return self.all_reduce(tensor, op, group, async_op=False)
 
-    def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
-                             group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def all_reduce_coalesced(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: Any = ReduceOp.SUM,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """All-reduce many tensors with one collective per dtype (flatten, reduce, copy back)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
@@ -289,8 +310,14 @@ class TorchBackend:
             posts.append(_copy_back_fn(flat, members))
         return _finish(works, async_op, _run_all(posts))
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-               async_op: bool = False) -> Any:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        op: Any = ReduceOp.SUM,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Reduce ``tensor`` onto global rank ``dst``."""
         wire_op, host_avg = self._wire_op(op, group)
         work = _td.reduce(tensor, dst, op=wire_op, group=group, async_op=True)
@@ -299,8 +326,14 @@ class TorchBackend:
             post = lambda: _divide_(tensor, self.get_world_size(group))  # noqa: E731
         return _finish([work], async_op, post)
 
-    def reduce_scatter_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                              group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def reduce_scatter_tensor(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        op: Any = ReduceOp.SUM,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Reduce ``input_tensor`` (world_size * output numel) and keep this rank's slice in ``output_tensor``."""
         wire_op, host_avg = self._wire_op(op, group)
 
@@ -319,8 +352,14 @@ class TorchBackend:
         avg = (lambda: _divide_(output_tensor, self.get_world_size(group))) if host_avg else None
         return _finish([work], async_op, _then(copy_out, avg))
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
-                       group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: Sequence[torch.Tensor],
+        op: Any = ReduceOp.SUM,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Reduce the i-th entry of every rank's ``input_list`` into rank i's ``output``."""
         wire_op, host_avg = self._wire_op(op, group)
 
@@ -340,13 +379,23 @@ class TorchBackend:
         return _finish([work], async_op, _then(copy_out, avg))
 
     # ------------------------------------------------------------------ gathers
-    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None,
-                   async_op: bool = False) -> Any:
+    def all_gather(
+        self,
+        tensor_list: list[torch.Tensor],
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Gather every rank's ``tensor`` into ``tensor_list``."""
         return _td.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
-    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                               group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def all_gather_into_tensor(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Concatenate every rank's ``input_tensor`` (rank order) into ``output_tensor``."""
 
         def native() -> Any:
@@ -359,8 +408,13 @@ class TorchBackend:
         work, _ = self._issue("all_gather_into_tensor", group, native, fallback)
         return _finish([work], async_op)
 
-    def all_gather_coalesced(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
-                             group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def all_gather_coalesced(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """``all_gather_into_tensor`` for each (output, input) pair, completed by one handle."""
         works = [
             self.all_gather_into_tensor(o, i, group, async_op=True)
@@ -372,26 +426,50 @@ class TorchBackend:
         """Gather a picklable object from every rank."""
         return _td.all_gather_object(object_list, obj, group=group)
 
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
-               group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list[torch.Tensor] | None = None,
+        dst: int = 0,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
         return _td.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
 
-    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
-                group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list[torch.Tensor] | None = None,
+        src: int = 0,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Send the i-th entry of ``scatter_list`` on ``src`` to rank i's ``tensor``."""
         return _td.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
 
     # ------------------------------------------------------------------ all-to-all
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
-                          group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Split ``input`` across ranks and concatenate what each rank sent into ``output``."""
-        return _td.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                     async_op=async_op)
+        return _td.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
 
-    def all_to_all(self, output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
-                   group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    def all_to_all(
+        self,
+        output_tensor_list: list[torch.Tensor],
+        input_tensor_list: list[torch.Tensor],
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Send ``input_tensor_list[i]`` to rank i and receive rank i's tensor into ``output_tensor_list[i]``."""
 
         def native() -> Any:
@@ -409,13 +487,15 @@ class TorchBackend:
         return _finish([work], async_op, copy_out)
 
     # ------------------------------------------------------------------ point-to-point and broadcast
-    def broadcast(self, tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
-                  async_op: bool = False) -> Any:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
         """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
         return _td.broadcast(tensor, src, group=group, async_op=async_op)
 
-    def broadcast_object_list(self, object_list: list[Any], src: int, group: ProcessGroup | None = None,
-                              device: Any = None) -> None:
+    def broadcast_object_list(
+        self, object_list: list[Any], src: int, group: ProcessGroup | None = None, device: Any = None
+    ) -> None:
         """Broadcast picklable objects from global rank ``src``."""
         return _td.broadcast_object_list(object_list, src, group=group, device=device)
 
@@ -423,8 +503,9 @@ class TorchBackend:
         """Blocking send to global rank ``dst``."""
         return _td.send(tensor, dst, group=group, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None,
-             tag: int = 0) -> int:
+    def recv(
+        self, tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+    ) -> int:
         """Blocking receive; returns the sender's rank."""
         return _td.recv(tensor, src, group=group, tag=tag)
 
@@ -432,18 +513,21 @@ class TorchBackend:
         """Non-blocking send; returns a work handle."""
         return _td.isend(tensor, dst, group=group, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None,
-              tag: int = 0) -> Any:
+    def irecv(
+        self, tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+    ) -> Any:
         """Non-blocking receive; returns a work handle."""
         return _td.irecv(tensor, src, group=group, tag=tag)
 
-    def barrier(self, group: ProcessGroup | None = None, async_op: bool = False,
-                device_ids: list[int] | None = None) -> Any:
+    def barrier(
+        self, group: ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None
+    ) -> Any:
         """Block until every rank of ``group`` arrives."""
         return _td.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
-    def monitored_barrier(self, group: ProcessGroup | None = None, timeout: timedelta | None = None,
-                          wait_all_ranks: bool = False) -> Any:
+    def monitored_barrier(
+        self, group: ProcessGroup | None = None, timeout: timedelta | None = None, wait_all_ranks: bool = False
+    ) -> Any:
         """Barrier that names the missing ranks on timeout (gloo only; a plain barrier elsewhere)."""
         if self.get_backend(group) != "gloo":
             return _td.barrier(group=group)

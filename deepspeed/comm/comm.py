@@ -9,6 +9,7 @@ Fake process groups: ``init_distributed(dist_backend="fake", rank=r, world_size=
 in an ``n``-rank job, collectives return at once without moving data. Use it to exercise sharding layouts and
 memory footprints of large worlds on a single device; never for numerics.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,13 +52,24 @@ def _assert_initialized() -> TorchBackend:
 
 
 # ---------------------------------------------------------------------- comms logger
-def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
-              prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
+def configure(
+    deepspeed_config: Any = None,
+    enabled: bool | None = None,
+    prof_all: bool | None = None,
+    prof_ops: list[str] | None = None,
+    verbose: bool | None = None,
+    debug: bool | None = None,
+) -> None:
     """Configure the comms logger from a ``DeepSpeedConfig`` (its ``comms_config``) and/or explicit values."""
     if deepspeed_config is not None:
         _configure_from_config(deepspeed_config)
-    for name, value in (("enabled", enabled), ("prof_all", prof_all), ("prof_ops", prof_ops),
-                        ("verbose", verbose), ("debug", debug)):
+    for name, value in (
+        ("enabled", enabled),
+        ("prof_all", prof_all),
+        ("prof_ops", prof_ops),
+        ("verbose", verbose),
+        ("debug", debug),
+    ):
         if value is not None:
             setattr(comms_logger, name, value)
 
@@ -125,8 +137,9 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
     """Log the comms-logger table on rank 0 (all ranks synchronise); optionally return it as a dict."""
     backend = _assert_initialized()
     barrier(log_name="log_summary_barrier")
-    result = comms_logger.log_all(print_log=backend.get_rank() == 0, show_straggler=show_straggler,
-                                  return_dict=return_dict)
+    result = comms_logger.log_all(
+        print_log=backend.get_rank() == 0, show_straggler=show_straggler, return_dict=return_dict
+    )
     barrier(log_name="log_summary_barrier")
     return result
 
@@ -235,198 +248,356 @@ def initialize_mesh_device(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[st
 
 # ---------------------------------------------------------------------- collectives
 @timed_op
-def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False,
-              prof: bool = False, log_name: str = "broadcast", debug: str | None = None) -> Any:
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "broadcast",
+    debug: str | None = None,
+) -> Any:
     """Copy ``tensor`` from global rank ``src`` to all ranks of ``group``."""
     return _assert_initialized().broadcast(tensor=tensor, src=src, group=group, async_op=async_op)
 
 
 @timed_op
-def broadcast_object_list(object_list: list[Any], src: int, group: ProcessGroup | None = None,
-                          device: Any = None) -> None:
+def broadcast_object_list(
+    object_list: list[Any], src: int, group: ProcessGroup | None = None, device: Any = None
+) -> None:
     """Broadcast picklable objects in place from global rank ``src``."""
     return _assert_initialized().broadcast_object_list(object_list=object_list, src=src, group=group, device=device)
 
 
 @timed_op
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None,
-               async_op: bool = False, prof: bool = False, log_name: str = "all_gather",
-               debug: str | None = None) -> Any:
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_gather",
+    debug: str | None = None,
+) -> Any:
     """Gather every rank's ``tensor`` into ``tensor_list``."""
     return _assert_initialized().all_gather(tensor_list=tensor_list, tensor=tensor, group=group, async_op=async_op)
 
 
 @timed_op
-def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None, prof: bool = False,
-                      log_name: str = "all_gather_object", debug: str | None = None) -> None:
+def all_gather_object(
+    object_list: list[Any],
+    obj: Any,
+    group: ProcessGroup | None = None,
+    prof: bool = False,
+    log_name: str = "all_gather_object",
+    debug: str | None = None,
+) -> None:
     """Gather one picklable object per rank into ``object_list``."""
     return _assert_initialized().all_gather_object(object_list=object_list, obj=obj, group=group)
 
 
 @timed_op
-def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None = None,
-                           async_op: bool = False, prof: bool = False, log_name: str = "all_gather_into_tensor",
-                           debug: str | None = None) -> Any:
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_gather_into_tensor",
+    debug: str | None = None,
+) -> Any:
     """Concatenate every rank's ``tensor`` (in rank order) into ``output_tensor``."""
-    return _assert_initialized().all_gather_into_tensor(output_tensor=output_tensor, input_tensor=tensor,
-                                                        group=group, async_op=async_op)
+    return _assert_initialized().all_gather_into_tensor(
+        output_tensor=output_tensor, input_tensor=tensor, group=group, async_op=async_op
+    )
 
 
-def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup | None = None,
-                 async_op: bool = False, debug: str | None = None) -> Any:
+def allgather_fn(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    debug: str | None = None,
+) -> Any:
     """Flat all-gather on any backend (kept for callers written against older torch versions)."""
     return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op, debug=debug)
 
 
-def all_gather_coalesced(output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
-                         group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+def all_gather_coalesced(
+    output_tensors: Sequence[torch.Tensor],
+    input_tensors: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
     """Flat all-gather of several (output, input) pairs under one handle."""
     return _assert_initialized().all_gather_coalesced(output_tensors, input_tensors, group=group, async_op=async_op)
 
 
 @timed_op
-def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: ProcessGroup | None = None, async_op: bool = False, prof: bool = False,
-                          log_name: str = "reduce_scatter_tensor", debug: str | None = None) -> Any:
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce_scatter_tensor",
+    debug: str | None = None,
+) -> Any:
     """Reduce ``tensor`` across ranks and leave this rank's equal-sized slice in ``output_tensor``."""
-    return _assert_initialized().reduce_scatter_tensor(output_tensor=output_tensor, input_tensor=tensor, op=op,
-                                                       group=group, async_op=async_op)
+    return _assert_initialized().reduce_scatter_tensor(
+        output_tensor=output_tensor, input_tensor=tensor, op=op, group=group, async_op=async_op
+    )
 
 
-def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                      group: ProcessGroup | None = None, async_op: bool = False, prof: bool = False,
-                      debug: str | None = None) -> Any:
+def reduce_scatter_fn(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    debug: str | None = None,
+) -> Any:
     """Flat reduce-scatter on any backend (kept for callers written against older torch versions)."""
-    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof,
-                                 debug=debug)
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof, debug=debug)
 
 
 @timed_op
-def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
-                   group: ProcessGroup | None = None, async_op: bool = False, prof: bool = False,
-                   log_name: str = "reduce_scatter", debug: str | None = None) -> Any:
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: Sequence[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce_scatter",
+    debug: str | None = None,
+) -> Any:
     """Reduce entry i of every rank's ``input_list`` into rank i's ``output``."""
-    return _assert_initialized().reduce_scatter(output=output, input_list=input_list, op=op, group=group,
-                                                async_op=async_op)
+    return _assert_initialized().reduce_scatter(
+        output=output, input_list=input_list, op=op, group=group, async_op=async_op
+    )
 
 
 @timed_op
-def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
-                      async_op: bool = False, prof: bool = False, log_name: str = "all_to_all_single",
-                      debug: str | None = None) -> Any:
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_to_all_single",
+    debug: str | None = None,
+) -> Any:
     """Scatter slices of ``tensor`` to all ranks and gather theirs into ``output``."""
-    return _assert_initialized().all_to_all_single(output=output, input=tensor,
-                                                   output_split_sizes=output_split_sizes,
-                                                   input_split_sizes=input_split_sizes, group=group,
-                                                   async_op=async_op)
+    return _assert_initialized().all_to_all_single(
+        output=output,
+        input=tensor,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=async_op,
+    )
 
 
 @timed_op
-def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
-               group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+def all_to_all(
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
     """Send ``input_tensor_list[i]`` to rank i; receive rank i's into ``output_tensor_list[i]``."""
     return _assert_initialized().all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
 @timed_op
-def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0, prof: bool = False,
-         log_name: str = "send", debug: str | None = None) -> None:
+def send(
+    tensor: torch.Tensor,
+    dst: int,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "send",
+    debug: str | None = None,
+) -> None:
     """Blocking send to global rank ``dst``."""
     return _assert_initialized().send(tensor=tensor, dst=dst, group=group, tag=tag)
 
 
 @timed_op
-def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         prof: bool = False, log_name: str = "recv", debug: str | None = None) -> int:
+def recv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "recv",
+    debug: str | None = None,
+) -> int:
     """Blocking receive into ``tensor``; returns the sender's rank."""
     return _assert_initialized().recv(tensor=tensor, src=src, group=group, tag=tag)
 
 
 @timed_op
-def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0, prof: bool = False,
-          log_name: str = "isend", debug: str | None = None) -> Any:
+def isend(
+    tensor: torch.Tensor,
+    dst: int,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "isend",
+    debug: str | None = None,
+) -> Any:
     """Non-blocking send; returns a handle with ``wait()``."""
     return _assert_initialized().isend(tensor=tensor, dst=dst, group=group, tag=tag)
 
 
 @timed_op
-def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          prof: bool = False, log_name: str = "irecv", debug: str | None = None) -> Any:
+def irecv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "irecv",
+    debug: str | None = None,
+) -> Any:
     """Non-blocking receive; returns a handle with ``wait()``."""
     return _assert_initialized().irecv(tensor=tensor, src=src, group=group, tag=tag)
 
 
 @timed_op
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
-           group: ProcessGroup | None = None, async_op: bool = False, prof: bool = False, log_name: str = "gather",
-           debug: str | None = None) -> Any:
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "gather",
+    debug: str | None = None,
+) -> Any:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
-    return _assert_initialized().gather(tensor=tensor, gather_list=gather_list, dst=dst, group=group,
-                                        async_op=async_op)
+    return _assert_initialized().gather(tensor=tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
 
 
 @timed_op
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
-            group: ProcessGroup | None = None, async_op: bool = False, prof: bool = False, log_name: str = "scatter",
-            debug: str | None = None) -> Any:
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "scatter",
+    debug: str | None = None,
+) -> Any:
     """Send ``scatter_list[i]`` from global rank ``src`` into rank i's ``tensor``."""
-    return _assert_initialized().scatter(tensor=tensor, scatter_list=scatter_list, src=src, group=group,
-                                         async_op=async_op)
+    return _assert_initialized().scatter(
+        tensor=tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op
+    )
 
 
 @timed_op
-def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None,
-            prof: bool = False, log_name: str = "barrier", debug: str | None = None) -> Any:
+def barrier(
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    device_ids: list[int] | None = None,
+    prof: bool = False,
+    log_name: str = "barrier",
+    debug: str | None = None,
+) -> Any:
     """Block until all ranks of ``group`` arrive."""
     return _assert_initialized().barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
 @timed_op
-def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | None = None,
-                      wait_all_ranks: bool = False, prof: bool = False, log_name: str = "monitored_barrier",
-                      debug: str | None = None) -> Any:
+def monitored_barrier(
+    group: ProcessGroup | None = None,
+    timeout: timedelta | None = None,
+    wait_all_ranks: bool = False,
+    prof: bool = False,
+    log_name: str = "monitored_barrier",
+    debug: str | None = None,
+) -> Any:
     """Barrier that reports which ranks failed to arrive within ``timeout`` (gloo)."""
     return _assert_initialized().monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 @timed_op
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-           async_op: bool = False, prof: bool = False, log_name: str = "reduce", debug: str | None = None) -> Any:
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce",
+    debug: str | None = None,
+) -> Any:
     """Reduce ``tensor`` onto global rank ``dst``."""
     return _assert_initialized().reduce(tensor=tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 
 @timed_op
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-               async_op: bool = False, prof: bool = False, log_name: str = "all_reduce",
-               debug: str | None = None) -> Any:
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
+    debug: str | None = None,
+) -> Any:
     """Reduce ``tensor`` in place across all ranks of ``group``."""
     return _assert_initialized().all_reduce(tensor, op, group, async_op)
 
 
 @timed_op
-def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-                         async_op: bool = False, prof: bool = False, log_name: str = "all_reduce",
-                         debug: str | None = None) -> None:
+def inference_all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
+    debug: str | None = None,
+) -> None:
     """Blocking all-reduce used by inference paths."""
     return _assert_initialized().inference_all_reduce(tensor, op, group)
 
 
 @timed_op
-def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
-                         group: ProcessGroup | None = None, async_op: bool = False, prof: bool = False,
-                         log_name: str = "all_reduce", debug: str | None = None) -> Any:
+def all_reduce_coalesced(
+    tensors: Sequence[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
+    debug: str | None = None,
+) -> Any:
     """All-reduce a list of tensors with one collective per dtype."""
     return _assert_initialized().all_reduce_coalesced(tensors, op, group, async_op)
 
 
 # ---------------------------------------------------------------------- initialisation
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int | str = TORCH_DISTRIBUTED_DEFAULT_PORT, verbose: bool = True,
-                     timeout: timedelta = default_pg_timeout, init_method: str | None = None,
-                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
-                     world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int | str = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: timedelta = default_pg_timeout,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Create (or adopt) the default process group and make it the ``deepspeed.comm`` backend.
 
     Args:
@@ -450,19 +621,30 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         # The user created the torch process group; wrap it rather than initialising again.
         cdb = TorchBackend(dist_backend, timeout, init_method)
     elif dist_init_required is False:
-        assert is_initialized(), ("Distributed backend is not initialized. Please set dist_init_required to True "
-                                  "or initialize before calling deepspeed.initialize()")
+        assert is_initialized(), (
+            "Distributed backend is not initialized. Please set dist_init_required to True "
+            "or initialize before calling deepspeed.initialize()"
+        )
     elif not is_initialized():
-        _initialize_backend(dist_backend, auto_mpi_discovery, int(distributed_port), verbose, timeout, init_method,
-                            rank, world_size)
+        _initialize_backend(
+            dist_backend, auto_mpi_discovery, int(distributed_port), verbose, timeout, init_method, rank, world_size
+        )
     elif verbose and _assert_initialized().get_rank() == 0:
         logger.info("Distributed backend already initialized")
     backend = _assert_initialized()
     comms_logger.rank, comms_logger.world_size = backend.get_rank(), backend.get_world_size()
 
 
-def _initialize_backend(dist_backend: str | None, auto_mpi_discovery: bool, distributed_port: int, verbose: bool,
-                        timeout: timedelta, init_method: str | None, rank: int, world_size: int) -> None:
+def _initialize_backend(
+    dist_backend: str | None,
+    auto_mpi_discovery: bool,
+    distributed_port: int,
+    verbose: bool,
+    timeout: timedelta,
+    init_method: str | None,
+    rank: int,
+    world_size: int,
+) -> None:
     global cdb
     assert isinstance(timeout, timedelta), f"timeout must be a datetime.timedelta, got {type(timeout).__name__}"
     uses_env = init_method in (None, "env://") and dist_backend != FAKE_BACKEND
@@ -497,7 +679,8 @@ def _fill_launcher_env(distributed_port: int, verbose: bool) -> None:
     if found.master_addr is None:
         raise launch_env.LaunchEnvError(
             f"{found.launcher.name}: rank {found.rank} of {found.world_size} does not know where rank 0 runs; "
-            "export MASTER_ADDR=<address of rank 0>")
+            "export MASTER_ADDR=<address of rank 0>"
+        )
     for name, value in found.torch_env().items():
         if found.launcher is launch_env.TORCH:
             os.environ.setdefault(name, value)
@@ -505,9 +688,11 @@ def _fill_launcher_env(distributed_port: int, verbose: bool) -> None:
             os.environ[name] = value
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     if verbose and found.launcher is not launch_env.TORCH:
-        logger.info(f"Discovered {found.launcher.name} settings: rank={found.rank}, local_rank={found.local_rank}, "
-                    f"world_size={found.world_size}, master_addr={found.master_addr}, "
-                    f"master_port={os.environ['MASTER_PORT']}")
+        logger.info(
+            f"Discovered {found.launcher.name} settings: rank={found.rank}, local_rank={found.local_rank}, "
+            f"world_size={found.world_size}, master_addr={found.master_addr}, "
+            f"master_port={os.environ['MASTER_PORT']}"
+        )
 
 
 def _mpi4py_world() -> dict[str, Any] | None:
@@ -525,8 +710,13 @@ def _mpi4py_world() -> dict[str, Any] | None:
     hosts = comm.allgather(host)
     master = comm.bcast(socket.gethostbyname(socket.gethostname()) if comm.Get_rank() == 0 else None, root=0)
     rank = comm.Get_rank()
-    return {"rank": rank, "world_size": comm.Get_size(), "local_rank": hosts[:rank].count(host),
-            "local_size": hosts.count(host), "master_addr": master}
+    return {
+        "rank": rank,
+        "world_size": comm.Get_size(),
+        "local_rank": hosts[:rank].count(host),
+        "local_size": hosts.count(host),
+        "master_addr": master,
+    }
 
 
 def _mpi_layout() -> dict[str, Any] | None:
@@ -534,8 +724,12 @@ def _mpi_layout() -> dict[str, Any] | None:
     found = launch_env.detect(os.environ, tool_first=True)
     if found is None or found.launcher not in launch_env.MPI_FLAVOURS:
         return _mpi4py_world()
-    layout = {"rank": found.rank, "world_size": found.world_size, "local_rank": found.local_rank,
-              "master_addr": found.master_addr}
+    layout = {
+        "rank": found.rank,
+        "world_size": found.world_size,
+        "local_rank": found.local_rank,
+        "master_addr": found.master_addr,
+    }
     if layout["master_addr"] is None:
         layout["master_addr"] = (_mpi4py_world() or {}).get("master_addr")
     return layout
@@ -549,22 +743,28 @@ def mpi_discovery(distributed_port: int | str = TORCH_DISTRIBUTED_DEFAULT_PORT, 
     """
     layout = _mpi_layout()
     if layout is None:
-        raise RuntimeError("mpi_discovery found no MPI environment (OMPI_COMM_WORLD_*, PMI_* or MV2_COMM_WORLD_* "
-                           "variables); launch with mpirun, the deepspeed launcher or torchrun, or export RANK/"
-                           "WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT")
+        raise RuntimeError(
+            "mpi_discovery found no MPI environment (OMPI_COMM_WORLD_*, PMI_* or MV2_COMM_WORLD_* "
+            "variables); launch with mpirun, the deepspeed launcher or torchrun, or export RANK/"
+            "WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT"
+        )
     master = layout["master_addr"]
     if master is None:
-        raise RuntimeError("multi-node MPI launch without MASTER_ADDR: export MASTER_ADDR=<address of rank 0> "
-                           "(or install mpi4py so it can be discovered)")
+        raise RuntimeError(
+            "multi-node MPI launch without MASTER_ADDR: export MASTER_ADDR=<address of rank 0> "
+            "(or install mpi4py so it can be discovered)"
+        )
     os.environ["RANK"] = str(layout["rank"])
     os.environ["WORLD_SIZE"] = str(layout["world_size"])
     os.environ["LOCAL_RANK"] = str(layout["local_rank"])
     os.environ["MASTER_ADDR"] = master
     os.environ.setdefault("MASTER_PORT", str(int(distributed_port)))
     if verbose:
-        logger.info(f"Discovered MPI settings of world_rank={layout['rank']}, local_rank={layout['local_rank']}, "
-                    f"world_size={layout['world_size']}, master_addr={master}, "
-                    f"master_port={os.environ['MASTER_PORT']}")
+        logger.info(
+            f"Discovered MPI settings of world_rank={layout['rank']}, local_rank={layout['local_rank']}, "
+            f"world_size={layout['world_size']}, master_addr={master}, "
+            f"master_port={os.environ['MASTER_PORT']}"
+        )
     if is_initialized():
         backend = _assert_initialized()
         assert backend.get_rank() == layout["rank"], f"MPI rank {layout['rank']} != torch rank {backend.get_rank()}"

@@ -1,4 +1,5 @@
 """``comms_logger`` config block (upstream keys). The rest of ``deepspeed.comm`` lives in sibling modules."""
+
 from __future__ import annotations
 
 from typing import ClassVar

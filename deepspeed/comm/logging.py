@@ -4,6 +4,7 @@ Configured by the ``comms_logger`` config block (``enabled``, ``verbose``, ``pro
 or by ``deepspeed.comm.configure(...)``. Bandwidth follows the usual convention: ``algbw`` is bytes over time;
 ``busbw`` rescales it by the fraction of data each rank actually sends for that collective.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -143,16 +144,19 @@ class CommsLogger:
         """
         summary = self._summary()
         if print_log:
-            lines = [f"{'Comm. Op':<24}{'Message Size':<16}{'Count':<8}{'Total Latency(ms)':<20}"
-                     f"{'Avg Latency(ms)':<18}{'tput_avg (Gbps)':<18}{'busbw_avg (Gbps)':<18}"]
+            lines = [
+                f"{'Comm. Op':<24}{'Message Size':<16}{'Count':<8}{'Total Latency(ms)':<20}"
+                f"{'Avg Latency(ms)':<18}{'tput_avg (Gbps)':<18}{'busbw_avg (Gbps)':<18}"
+            ]
             for name, by_size in summary.items():
                 for row in by_size.values():
-                    lines.append(f"{name:<24}{row['msg_size_str']:<16}{row['count']:<8}"
-                                 f"{row['total_latency_ms']:<20.2f}{row['avg_latency_ms']:<18.2f}"
-                                 f"{row['tput_avg_gbps']:<18.2f}{row['busbw_avg_gbps']:<18.2f}")
+                    lines.append(
+                        f"{name:<24}{row['msg_size_str']:<16}{row['count']:<8}"
+                        f"{row['total_latency_ms']:<20.2f}{row['avg_latency_ms']:<18.2f}"
+                        f"{row['tput_avg_gbps']:<18.2f}{row['busbw_avg_gbps']:<18.2f}"
+                    )
             logger.info("\n" + "\n".join(lines))
         if not return_dict:
             return None
-        metadata = {"world_size": self.world_size, "rank": self.rank,
-                    "timestamp": datetime.datetime.now().isoformat()}
+        metadata = {"world_size": self.world_size, "rank": self.rank, "timestamp": datetime.datetime.now().isoformat()}
         return {"summary": summary, "straggler_analysis": None, "metadata": metadata}

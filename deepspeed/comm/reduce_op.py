@@ -2,6 +2,7 @@
 
 The backend converts these to ``torch.distributed.ReduceOp``; a torch ``ReduceOp`` is also accepted as-is.
 """
+
 from __future__ import annotations
 
 from enum import Enum

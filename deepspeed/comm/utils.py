@@ -1,4 +1,5 @@
 """Launcher-environment helpers and comms-logger argument helpers (no torch.distributed here)."""
+
 from __future__ import annotations
 
 import inspect

@@ -332,6 +332,5 @@ class SlurmRunner(MultiNodeRunner):
 
 
 RUNNERS: dict[str, type[MultiNodeRunner]] = {
-    runner.name: runner
-    for runner in (PDSHRunner, OpenMPIRunner, MPICHRunner, IMPIRunner, MVAPICHRunner, SlurmRunner)
+    runner.name: runner for runner in (PDSHRunner, OpenMPIRunner, MPICHRunner, IMPIRunner, MVAPICHRunner, SlurmRunner)
 }

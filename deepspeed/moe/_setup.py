@@ -3,6 +3,7 @@
 Runs on every rank before any optimizer is built; everything it rejects is rejected identically on all
 ranks before the first group-creating collective, so no rank is left waiting.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,9 @@ from deepspeed._core.moe.params import ExpertGroup, moe_layers
 from deepspeed.utils import groups
 
 
-def configure_moe(module: torch.nn.Module, zero_stage: int, mpu: Any,
-                  use_data_before_expert_parallel: bool = False) -> dict[str, ExpertGroup]:
+def configure_moe(
+    module: torch.nn.Module, zero_stage: int, mpu: Any, use_data_before_expert_parallel: bool = False
+) -> dict[str, ExpertGroup]:
     """Create the expert-parallel groups of ``module``'s MoE layers; ``{}`` without MoE layers.
 
     Args:
@@ -52,6 +54,7 @@ def configure_moe(module: torch.nn.Module, zero_stage: int, mpu: Any,
 def moe_checkpoint_layout(module: torch.nn.Module) -> MoECheckpointLayout:
     """Where this rank's experts go in a checkpoint (ranks in each layer's expert groups)."""
     names = {layer.expert_group_name for layer in moe_layers(module)}
-    ranks_of = {name: (groups._get_expert_parallel_rank(name), groups._get_expert_data_parallel_rank(name))
-                for name in names}
+    ranks_of = {
+        name: (groups._get_expert_parallel_rank(name), groups._get_expert_data_parallel_rank(name)) for name in names
+    }
     return describe(module, MoECore, ranks_of, groups._get_max_expert_size_name())

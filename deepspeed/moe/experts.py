@@ -1,4 +1,5 @@
 """Local experts container (upstream path ``deepspeed.moe.experts``)."""
+
 from deepspeed._core.moe.layer import Experts
 
 __all__ = ["Experts"]

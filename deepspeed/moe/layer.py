@@ -1,4 +1,5 @@
 """The public MoE layer (``deepspeed.moe.layer.MoE``)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -53,11 +54,28 @@ class MoE(MoECore):
         enable_expert_tensor_parallelism: bool = False,
         top2_2nd_expert_sampling: bool = True,
     ) -> None:
-        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
-                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
-                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
-        log_dist(f"Creating MoE layer with num_experts: {num_experts} | num_local_experts: "
-                 f"{self.num_local_experts} | expert_parallel_size: {ep_size}", ranks=[0])
+        super().__init__(
+            hidden_size,
+            expert,
+            num_experts,
+            ep_size,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            use_residual,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            use_tutel,
+            enable_expert_tensor_parallelism,
+            top2_2nd_expert_sampling,
+        )
+        log_dist(
+            f"Creating MoE layer with num_experts: {num_experts} | num_local_experts: "
+            f"{self.num_local_experts} | expert_parallel_size: {ep_size}",
+            ranks=[0],
+        )
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Create (once per size, collectively) the expert groups and install this layer's group."""

@@ -1,4 +1,5 @@
 """Gating and the dispatch/combine layer (upstream path ``deepspeed.moe.sharded_moe``)."""
+
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,16 @@ import torch
 from deepspeed._core.moe.gating import TopKGate, capacity, gumbel_rsample, multiplicative_jitter, top1gating, top2gating
 from deepspeed._core.moe.layer import MOELayer, _AllToAll
 
-__all__ = ["TopKGate", "MOELayer", "top1gating", "top2gating", "gumbel_rsample", "multiplicative_jitter",
-           "_AllToAll", "_capacity"]
+__all__ = [
+    "TopKGate",
+    "MOELayer",
+    "top1gating",
+    "top2gating",
+    "gumbel_rsample",
+    "multiplicative_jitter",
+    "_AllToAll",
+    "_capacity",
+]
 
 
 def _capacity(gates: torch.Tensor, capacity_factor: torch.Tensor | float, min_capacity: torch.Tensor | int) -> int:

@@ -1,4 +1,5 @@
 """Helpers to tell expert parameters apart and build MoE optimizer groups (``deepspeed.moe.utils``)."""
+
 from deepspeed._core.moe.params import (
     configure_moe_param_groups,
     has_moe_layers,

@@ -1,4 +1,5 @@
 """Monitor config blocks: top-level ``tensorboard``, ``wandb``, ``csv_monitor`` and ``comet`` (upstream keys)."""
+
 from __future__ import annotations
 
 from typing import ClassVar
@@ -109,8 +110,9 @@ class DeepSpeedMonitorConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _any_enabled(self) -> DeepSpeedMonitorConfig:
         # Derived, not a JSON key: stored outside the field set so it never round-trips into a config dump.
-        self.__dict__["enabled"] = any(block.enabled for block in (self.tensorboard, self.wandb, self.csv_monitor,
-                                                                   self.comet))
+        self.__dict__["enabled"] = any(
+            block.enabled for block in (self.tensorboard, self.wandb, self.csv_monitor, self.comet)
+        )
         return self
 
 

@@ -2,6 +2,7 @@
 
 Submodules are imported on access so ``import deepspeed.ops`` stays cheap.
 """
+
 from __future__ import annotations
 
 import importlib

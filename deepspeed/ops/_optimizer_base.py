@@ -3,6 +3,7 @@
 State keys follow torch (``step``, ``exp_avg``, ``exp_avg_sq``) so checkpoints look familiar;
 ``step`` is a Python int per parameter.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -4,6 +4,7 @@ Every function updates lists of same-dtype tensors in place with ``torch._foreac
 its arithmetic in the dtype of the optimizer states; low-precision params are upcast, updated and
 written back. The operation order follows ``torch.optim.Adam/AdamW`` so results agree closely.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,9 @@ def _as_state_dtype(tensors: TensorList, like: torch.Tensor) -> TensorList:
     return [t if t.dtype == like.dtype else t.to(like.dtype) for t in tensors]
 
 
-def adam_update(params: TensorList, grads: TensorList, exp_avgs: TensorList,
-                exp_avg_sqs: TensorList, hp: AdamStep) -> None:
+def adam_update(
+    params: TensorList, grads: TensorList, exp_avgs: TensorList, exp_avg_sqs: TensorList, hp: AdamStep
+) -> None:
     """One Adam/AdamW step over same-dtype lists, in place."""
     if not params:
         return
@@ -78,8 +80,9 @@ def _write_back(params: TensorList, work: TensorList) -> None:
         torch._foreach_copy_([p for p, _ in changed], [w for _, w in changed])
 
 
-def adagrad_update(params: TensorList, grads: TensorList, sums: TensorList,
-                   lr: float, eps: float, weight_decay: float) -> None:
+def adagrad_update(
+    params: TensorList, grads: TensorList, sums: TensorList, lr: float, eps: float, weight_decay: float
+) -> None:
     """One Adagrad step (no lr decay), in place, matching ``torch.optim.Adagrad``."""
     if not params:
         return
@@ -94,8 +97,15 @@ def adagrad_update(params: TensorList, grads: TensorList, sums: TensorList,
     _write_back(params, work)
 
 
-def lion_update(params: TensorList, grads: TensorList, exp_avgs: TensorList,
-                lr: float, beta1: float, beta2: float, weight_decay: float) -> None:
+def lion_update(
+    params: TensorList,
+    grads: TensorList,
+    exp_avgs: TensorList,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
     """One Lion step, in place: ``p -= lr * (sign(lerp(m, g, 1 - beta1)) + wd * p)``; ``m = lerp(m, g, 1 - beta2)``."""
     if not params:
         return

@@ -5,6 +5,7 @@ CUDA inputs use the one-launch kernel from ``UtilsBuilder`` when it is built (it
 first use); everything else uses torch (``torch._foreach_copy_`` over slice views), and one log
 line says so. Both paths validate the same way and raise ``ValueError`` on bad input.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -68,12 +69,15 @@ def _validate(op: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, offs
         if not t.is_contiguous():
             raise ValueError(f"{op}: tensor {i} is not contiguous")
         if off < 0 or off + t.numel() > capacity:
-            raise ValueError(f"{op}: tensor {i} with {t.numel()} elements at offset {off} does not fit "
-                             f"in a flat buffer of {capacity} elements")
+            raise ValueError(
+                f"{op}: tensor {i} with {t.numel()} elements at offset {off} does not fit "
+                f"in a flat buffer of {capacity} elements"
+            )
 
 
-def _slices(tensors: Sequence[torch.Tensor], flat: torch.Tensor,
-            offsets: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _slices(
+    tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     flat1d = flat.view(-1)
     pairs = [
         (flat1d.narrow(0, off, t.numel()), t.view(-1)) for t, off in zip(tensors, offsets, strict=True) if t.numel() > 0
@@ -88,8 +92,9 @@ def _use_kernel(flat: torch.Tensor) -> ModuleType | None:
     return _cuda_kernel()
 
 
-def flatten_into(tensors: Sequence[torch.Tensor], out: torch.Tensor,
-                 offsets: Sequence[int] | None = None) -> torch.Tensor:
+def flatten_into(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int] | None = None
+) -> torch.Tensor:
     """Copy each tensor into ``out`` starting at its element offset (packed from 0 by default).
 
     Args:

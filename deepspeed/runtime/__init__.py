@@ -1,4 +1,5 @@
 """``deepspeed.runtime``: engine, config and ZeRO façades (upstream import paths)."""
+
 from __future__ import annotations
 
 import importlib

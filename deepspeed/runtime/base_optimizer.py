@@ -5,6 +5,7 @@ Every optimizer the engine wraps derives from the core's
 it, so ``isinstance(engine.optimizer, DeepSpeedOptimizer)`` and ``isinstance(..., ZeROOptimizer)`` hold
 for every stage.
 """
+
 from __future__ import annotations
 
 from deepspeed._core.optim.base import EngineOptimizer

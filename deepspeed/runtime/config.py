@@ -14,6 +14,7 @@ Flow (see docs/config.md); each step is its own module beside this one:
 ``DeepSpeedConfig`` itself only holds those results and exposes upstream attribute names as properties. The names
 that used to be defined here (the blocks, the input and batch helpers) are re-exported from this module.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,13 +66,36 @@ from deepspeed.runtime.precision_config import DtypeEnum, to_torch_dtype
 from deepspeed.utils.logging import logger
 
 __all__ = [
-    "DeepSpeedConfig", "DeepSpeedConfigError", "DtypeEnum", "load_config_dict", "resolve_batch", "check_batch",
-    "data_parallel_world_size", "AioConfig", "CheckpointConfig", "CheckpointParallelWriteConfig",
-    "DeepSpeedFlopsProfilerConfig", "MemoryTimelineConfig", "OptimizerBlockConfig", "SchedulerBlockConfig",
-    "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
-    "ZERO_ONE_ADAM_OPTIMIZER", "ONEBIT_LAMB_OPTIMIZER", "MUADAM_OPTIMIZER", "MUADAMW_OPTIMIZER", "MUSGD_OPTIMIZER",
-    "LION_OPTIMIZER", "MUON_OPTIMIZER", "DEEPSPEED_OPTIMIZERS", "TORCH_ADAM_PARAM", "ADAM_W_MODE",
-    "ADAM_W_MODE_DEFAULT"
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+    "DtypeEnum",
+    "load_config_dict",
+    "resolve_batch",
+    "check_batch",
+    "data_parallel_world_size",
+    "AioConfig",
+    "CheckpointConfig",
+    "CheckpointParallelWriteConfig",
+    "DeepSpeedFlopsProfilerConfig",
+    "MemoryTimelineConfig",
+    "OptimizerBlockConfig",
+    "SchedulerBlockConfig",
+    "ADAGRAD_OPTIMIZER",
+    "ADAM_OPTIMIZER",
+    "ADAMW_OPTIMIZER",
+    "LAMB_OPTIMIZER",
+    "ONEBIT_ADAM_OPTIMIZER",
+    "ZERO_ONE_ADAM_OPTIMIZER",
+    "ONEBIT_LAMB_OPTIMIZER",
+    "MUADAM_OPTIMIZER",
+    "MUADAMW_OPTIMIZER",
+    "MUSGD_OPTIMIZER",
+    "LION_OPTIMIZER",
+    "MUON_OPTIMIZER",
+    "DEEPSPEED_OPTIMIZERS",
+    "TORCH_ADAM_PARAM",
+    "ADAM_W_MODE",
+    "ADAM_W_MODE_DEFAULT",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -113,12 +137,21 @@ class DeepSpeedConfig:
         self._model = _RootConfig.from_dict(self._param_dict)
         enforce_surface(self._model, self._param_dict)
         self.world_size = data_parallel_world_size(mpu, mesh_device, self._model.sequence_parallel_size)
-        self._batch = resolve_batch(self._model.train_batch_size, self._model.train_micro_batch_size_per_gpu,
-                                    self._model.gradient_accumulation_steps, self.world_size)
-        self.monitor_config = DeepSpeedMonitorConfig(tensorboard=self._model.tensorboard, wandb=self._model.wandb,
-                                                     csv_monitor=self._model.csv_monitor, comet=self._model.comet)
-        self.comms_config = DeepSpeedCommsConfig.from_block(self._model.comms_logger,
-                                                            "comms_logger" in self._model.model_fields_set)
+        self._batch = resolve_batch(
+            self._model.train_batch_size,
+            self._model.train_micro_batch_size_per_gpu,
+            self._model.gradient_accumulation_steps,
+            self.world_size,
+        )
+        self.monitor_config = DeepSpeedMonitorConfig(
+            tensorboard=self._model.tensorboard,
+            wandb=self._model.wandb,
+            csv_monitor=self._model.csv_monitor,
+            comet=self._model.comet,
+        )
+        self.comms_config = DeepSpeedCommsConfig.from_block(
+            self._model.comms_logger, "comms_logger" in self._model.model_fields_set
+        )
         self._plan: RunPlan | None = None
 
     @property
@@ -191,16 +224,18 @@ class DeepSpeedConfig:
     bf16_master_weights_and_grads = _ModelView("bf16.bf16_master_weights_and_grads", "bf16 master weights.")
     bf16_optimizer_states = _ModelView("bf16.bf16_optimizer_states", "bf16 optimizer states.")
     mics_shard_size = _ModelView("zero_optimization.mics_shard_size", "MiCS shard size (-1 = off).")
-    mics_hierarchial_params_gather = _ModelView("zero_optimization.mics_hierarchical_params_gather",
-                                                "MiCS hierarchical gather (upstream attribute spelling).")
+    mics_hierarchial_params_gather = _ModelView(
+        "zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather (upstream attribute spelling)."
+    )
     grad_accum_dtype = _ModelView("data_types.grad_accum_dtype", "Gradient-accumulation dtype name, or None.")
     activation_checkpointing_config = _ModelView("activation_checkpointing", "The activation_checkpointing block.")
     flops_profiler_config = _ModelView("flops_profiler", "The flops_profiler block.")
     checkpoint_config = _ModelView("checkpoint", "The checkpoint block.")
     load_universal_checkpoint = _ModelView("checkpoint.load_universal", "Load a universal checkpoint.")
     use_node_local_storage = _ModelView("checkpoint.use_node_local_storage", "Per-node checkpoint writers.")
-    checkpoint_parallel_write_pipeline = _ModelView("checkpoint.parallel_write.pipeline_stage",
-                                                    "Pipeline stages write in parallel.")
+    checkpoint_parallel_write_pipeline = _ModelView(
+        "checkpoint.parallel_write.pipeline_stage", "Pipeline stages write in parallel."
+    )
 
     # Derived values.
     @property

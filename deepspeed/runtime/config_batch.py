@@ -3,6 +3,7 @@
 Any two corners determine the third; :func:`resolve_batch` fills it in and :func:`check_batch` checks the invariant
 (also after the engine's batch-size setters change a corner).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def data_parallel_world_size(mpu: Any = None, mesh_device: Any = None, sequence_
         world = int(raw)
     if mesh_device is None and sequence_parallel_size > 1:
         if world % sequence_parallel_size:
-            raise DeepSpeedConfigError(f"sequence_parallel_size ({sequence_parallel_size}) must divide the world "
-                                       f"size ({world})")
+            raise DeepSpeedConfigError(
+                f"sequence_parallel_size ({sequence_parallel_size}) must divide the world size ({world})"
+            )
         world //= sequence_parallel_size
     return world
 
@@ -53,8 +55,9 @@ def _comm_world_size(mesh_device: Any) -> int | None:
     return int(get_world_size())
 
 
-def resolve_batch(train_batch_size: int | None, micro_batch: int | None, grad_acc: int | None,
-                  world_size: int) -> BatchPlan:
+def resolve_batch(
+    train_batch_size: int | None, micro_batch: int | None, grad_acc: int | None, world_size: int
+) -> BatchPlan:
     """Fill in the missing corner of the batch triangle and check it.
 
     Any two of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``
@@ -64,8 +67,11 @@ def resolve_batch(train_batch_size: int | None, micro_batch: int | None, grad_ac
         DeepSpeedConfigError: neither batch size is given, a value is not positive, or
             ``train_batch_size != micro * accumulation * world_size``.
     """
-    for key, value in (("train_batch_size", train_batch_size), ("train_micro_batch_size_per_gpu", micro_batch),
-                       ("gradient_accumulation_steps", grad_acc)):
+    for key, value in (
+        ("train_batch_size", train_batch_size),
+        ("train_micro_batch_size_per_gpu", micro_batch),
+        ("gradient_accumulation_steps", grad_acc),
+    ):
         if value is not None and value <= 0:
             raise DeepSpeedConfigError(f"{key}: {value} has to be greater than 0")
     derived = sum(value is None for value in (train_batch_size, micro_batch, grad_acc)) > 0
@@ -98,4 +104,5 @@ def check_batch(plan: BatchPlan, derived: bool = False) -> None:
         "Check batch related parameters: train_batch_size must equal train_micro_batch_size_per_gpu * "
         "gradient_accumulation_steps * data-parallel world size, but "
         f"{plan.train_batch_size} != {plan.micro_batch_per_gpu} * {plan.gradient_accumulation_steps} * "
-        f"{plan.dp_world_size}{hint}")
+        f"{plan.dp_world_size}{hint}"
+    )

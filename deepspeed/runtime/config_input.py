@@ -1,4 +1,5 @@
 """Input forms of a DeepSpeed config: a dict, a JSON/hjson file, a raw JSON string or urlsafe-base64 JSON."""
+
 from __future__ import annotations
 
 import base64
@@ -33,8 +34,10 @@ def load_config_dict(config: str | os.PathLike | dict) -> dict:
         if os.path.isfile(config):
             return _read_config_file(config)
         return _decode_config_string(config)
-    raise DeepSpeedConfigError("DeepSpeed config must be a dict, a path to a JSON/hjson file, or a (base64) JSON "
-                               f"string; got {type(config).__name__}")
+    raise DeepSpeedConfigError(
+        "DeepSpeed config must be a dict, a path to a JSON/hjson file, or a (base64) JSON "
+        f"string; got {type(config).__name__}"
+    )
 
 
 def _read_config_file(path: str) -> dict:
@@ -54,8 +57,9 @@ def _decode_config_string(text: str) -> dict:
     stripped = text.strip()
     if stripped.startswith("{"):
         try:
-            return _require_object(json.loads(stripped, object_pairs_hook=dict_raise_error_on_duplicate_keys),
-                                   "DeepSpeed config string")
+            return _require_object(
+                json.loads(stripped, object_pairs_hook=dict_raise_error_on_duplicate_keys), "DeepSpeed config string"
+            )
         except json.JSONDecodeError as err:
             raise DeepSpeedConfigError(f"DeepSpeed config string looks like JSON but does not parse: {err}") from err
     try:
@@ -64,8 +68,10 @@ def _decode_config_string(text: str) -> dict:
     except (binascii.Error, UnicodeError, ValueError) as err:
         if stripped.endswith((".json", ".hjson", ".conf")) or os.sep in stripped:
             raise DeepSpeedConfigError(f"DeepSpeed config file not found: '{text}'") from err
-        raise DeepSpeedConfigError("DeepSpeed config string is neither an existing file path, a JSON object, nor "
-                                   f"urlsafe-base64 encoded JSON: {text[:80]!r}") from err
+        raise DeepSpeedConfigError(
+            "DeepSpeed config string is neither an existing file path, a JSON object, nor "
+            f"urlsafe-base64 encoded JSON: {text[:80]!r}"
+        ) from err
     return _require_object(parsed, "decoded base64 DeepSpeed config")
 
 

@@ -15,6 +15,7 @@ keys, aliases, deprecations resolved), and ``_core`` never imports a façade mod
 Keys that change nothing in this package have no plan field; what users are told about them is the config surface
 (``deepspeed/_core/config/surface.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,47 +41,78 @@ from deepspeed.runtime.precision_config import DeepSpeedFP16Config, to_torch_dty
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
 
-__all__ = ["run_plan", "zero_plan", "stage3_policy", "offload_policy", "precision_policy", "grad_policy",
-           "loss_scale_policy"]
+__all__ = [
+    "run_plan",
+    "zero_plan",
+    "stage3_policy",
+    "offload_policy",
+    "precision_policy",
+    "grad_policy",
+    "loss_scale_policy",
+]
 
 
 def loss_scale_policy(fp16: DeepSpeedFP16Config) -> LossScalePolicy | None:
     """The fp16 block's loss scaling, or ``None`` when fp16 is off."""
     if not fp16.enabled:
         return None
-    return LossScalePolicy(dynamic=fp16.dynamic_loss_scale, static_scale=float(fp16.loss_scale or 1.0),
-                           initial_scale_power=fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
-                           hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-                           min_scale=float(fp16.min_loss_scale))
+    return LossScalePolicy(
+        dynamic=fp16.dynamic_loss_scale,
+        static_scale=float(fp16.loss_scale or 1.0),
+        initial_scale_power=fp16.initial_scale_power,
+        scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_scale=float(fp16.min_loss_scale),
+    )
 
 
-def precision_policy(param_dtype: torch.dtype, *, grad_accum_dtype: torch.dtype | None = None,
-                     comm_dtype: torch.dtype | None = None, buffer_dtype: torch.dtype | None = None,
-                     loss_scale: LossScalePolicy | None = None, auto_cast: bool = False,
-                     fp16_master_weights_and_grads: bool = False, bf16_master_weights_and_grads: bool = False,
-                     check_grad_overflow: bool = True) -> PrecisionPolicy:
+def precision_policy(
+    param_dtype: torch.dtype,
+    *,
+    grad_accum_dtype: torch.dtype | None = None,
+    comm_dtype: torch.dtype | None = None,
+    buffer_dtype: torch.dtype | None = None,
+    loss_scale: LossScalePolicy | None = None,
+    auto_cast: bool = False,
+    fp16_master_weights_and_grads: bool = False,
+    bf16_master_weights_and_grads: bool = False,
+    check_grad_overflow: bool = True,
+) -> PrecisionPolicy:
     """Working dtypes from the working parameter dtype and the precision settings.
 
     Unset accumulation and communication dtypes follow ``param_dtype``. Master weights are fp32 unless the master
     flag of the working 16-bit dtype is set. ``check_grad_overflow`` matters under bf16 only (fp16 always checks,
     fp32 never), so it is recorded as true elsewhere.
     """
-    low_precision_master = ((param_dtype == torch.float16 and fp16_master_weights_and_grads)
-                            or (param_dtype == torch.bfloat16 and bf16_master_weights_and_grads))
-    return PrecisionPolicy(param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype or param_dtype,
-                           comm_dtype=comm_dtype or param_dtype, buffer_dtype=buffer_dtype, loss_scale=loss_scale,
-                           auto_cast=auto_cast, master_dtype=param_dtype if low_precision_master else torch.float32,
-                           check_grad_overflow=bool(check_grad_overflow) if param_dtype == torch.bfloat16 else True)
+    low_precision_master = (param_dtype == torch.float16 and fp16_master_weights_and_grads) or (
+        param_dtype == torch.bfloat16 and bf16_master_weights_and_grads
+    )
+    return PrecisionPolicy(
+        param_dtype=param_dtype,
+        grad_accum_dtype=grad_accum_dtype or param_dtype,
+        comm_dtype=comm_dtype or param_dtype,
+        buffer_dtype=buffer_dtype,
+        loss_scale=loss_scale,
+        auto_cast=auto_cast,
+        master_dtype=param_dtype if low_precision_master else torch.float32,
+        check_grad_overflow=bool(check_grad_overflow) if param_dtype == torch.bfloat16 else True,
+    )
 
 
 def grad_policy(*, clip_norm: float, prescale: bool, predivide_factor: float, reduce_op: ReduceOp | str) -> GradPolicy:
     """Gradient clipping, pre-division and reduction op."""
-    return GradPolicy(clip_norm=float(clip_norm), prescale=bool(prescale), predivide_factor=float(predivide_factor),
-                      reduce_op=ReduceOp(reduce_op))
+    return GradPolicy(
+        clip_norm=float(clip_norm),
+        prescale=bool(prescale),
+        predivide_factor=float(predivide_factor),
+        reduce_op=ReduceOp(reduce_op),
+    )
 
 
-def offload_policy(block: DeepSpeedZeroOffloadParamConfig | DeepSpeedZeroOffloadOptimizerConfig | None
-                   ) -> OffloadPolicy:
+def offload_policy(
+    block: DeepSpeedZeroOffloadParamConfig | DeepSpeedZeroOffloadOptimizerConfig | None,
+) -> OffloadPolicy:
     """One validated offload block (``offload_param`` / ``offload_optimizer``), or ``None`` for no offload."""
     if block is None:
         return OffloadPolicy()
@@ -90,41 +122,61 @@ def offload_policy(block: DeepSpeedZeroOffloadParamConfig | DeepSpeedZeroOffload
 def stage3_policy(zero: DeepSpeedZeroConfig) -> Stage3Policy:
     """The ZeRO-3 fetch/release knobs of a validated ``zero_optimization`` block."""
     leaf = zero.leaf_module
-    return Stage3Policy(prefetch_bucket_size=zero.prefetch_bucket_size, max_live_parameters=zero.max_live_parameters,
-                        max_reuse_distance=zero.max_reuse_distance,
-                        param_persistence_threshold=zero.param_persistence_threshold,
-                        model_persistence_threshold=zero.model_persistence_threshold,
-                        gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
-                        module_granularity_threshold=zero.module_granularity_threshold,
-                        leaf_module=LeafModulePolicy(classes=tuple(leaf.classes), names=tuple(leaf.names),
-                                                     name_suffixes=tuple(leaf.name_suffixes)))
+    return Stage3Policy(
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_live_parameters=zero.max_live_parameters,
+        max_reuse_distance=zero.max_reuse_distance,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        model_persistence_threshold=zero.model_persistence_threshold,
+        gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
+        module_granularity_threshold=zero.module_granularity_threshold,
+        leaf_module=LeafModulePolicy(
+            classes=tuple(leaf.classes), names=tuple(leaf.names), name_suffixes=tuple(leaf.name_suffixes)
+        ),
+    )
 
 
 def _lean_policy(zero: DeepSpeedZeroConfig) -> LeanPolicy:
-    return LeanPolicy(inplace_flatten=zero.lean_inplace_flatten, eager_grad_release=zero.lean_eager_grad_release,
-                      stream_ordered_release=zero.lean_stream_ordered_release,
-                      grads_in_param_shards=zero.lean_grads_in_param_shards,
-                      pipeline_release=zero.lean_pipeline_release)
+    return LeanPolicy(
+        inplace_flatten=zero.lean_inplace_flatten,
+        eager_grad_release=zero.lean_eager_grad_release,
+        stream_ordered_release=zero.lean_stream_ordered_release,
+        grads_in_param_shards=zero.lean_grads_in_param_shards,
+        pipeline_release=zero.lean_pipeline_release,
+    )
 
 
 def zero_plan(zero: DeepSpeedZeroConfig) -> ZeroPlan:
     """Everything the ZeRO optimizers read, from a validated ``zero_optimization`` block."""
-    buckets = BucketPolicy(reduce_bucket_size=zero.reduce_bucket_size, allgather_bucket_size=zero.allgather_bucket_size,
-                           overlap_comm=bool(zero.overlap_comm), reduce_scatter=zero.reduce_scatter)
-    return ZeroPlan(stage=int(zero.stage), buckets=buckets, offload_optimizer=offload_policy(zero.offload_optimizer),
-                    offload_param=offload_policy(zero.offload_param), lean=_lean_policy(zero),
-                    stage3=stage3_policy(zero), load_from_fp32_weights=zero.load_from_fp32_weights)
+    buckets = BucketPolicy(
+        reduce_bucket_size=zero.reduce_bucket_size,
+        allgather_bucket_size=zero.allgather_bucket_size,
+        overlap_comm=bool(zero.overlap_comm),
+        reduce_scatter=zero.reduce_scatter,
+    )
+    return ZeroPlan(
+        stage=int(zero.stage),
+        buckets=buckets,
+        offload_optimizer=offload_policy(zero.offload_optimizer),
+        offload_param=offload_policy(zero.offload_param),
+        lean=_lean_policy(zero),
+        stage3=stage3_policy(zero),
+        load_from_fp32_weights=zero.load_from_fp32_weights,
+    )
 
 
 def _root_precision(root: _RootConfig) -> PrecisionPolicy:
-    return precision_policy(mode_dtype(root), grad_accum_dtype=to_torch_dtype(root.data_types.grad_accum_dtype),
-                            comm_dtype=to_torch_dtype(root.communication_data_type),
-                            buffer_dtype=to_torch_dtype(root.data_types.buffer_dtype),
-                            loss_scale=loss_scale_policy(root.fp16),
-                            auto_cast=root.fp16.enabled and root.fp16.auto_cast,
-                            fp16_master_weights_and_grads=root.fp16.fp16_master_weights_and_grads,
-                            bf16_master_weights_and_grads=root.bf16.bf16_master_weights_and_grads,
-                            check_grad_overflow=root.bf16.check_grad_overflow)
+    return precision_policy(
+        mode_dtype(root),
+        grad_accum_dtype=to_torch_dtype(root.data_types.grad_accum_dtype),
+        comm_dtype=to_torch_dtype(root.communication_data_type),
+        buffer_dtype=to_torch_dtype(root.data_types.buffer_dtype),
+        loss_scale=loss_scale_policy(root.fp16),
+        auto_cast=root.fp16.enabled and root.fp16.auto_cast,
+        fp16_master_weights_and_grads=root.fp16.fp16_master_weights_and_grads,
+        bf16_master_weights_and_grads=root.bf16.bf16_master_weights_and_grads,
+        check_grad_overflow=root.bf16.check_grad_overflow,
+    )
 
 
 def _memory_timeline_policy(block: MemoryTimelineConfig) -> MemoryTimelinePolicy:
@@ -133,13 +185,22 @@ def _memory_timeline_policy(block: MemoryTimelineConfig) -> MemoryTimelinePolicy
 
 def run_plan(root: _RootConfig, batch: BatchPlan) -> RunPlan:
     """The frozen :class:`RunPlan` of a validated top-level config and its resolved batch triangle."""
-    grads = grad_policy(clip_norm=root.gradient_clipping, prescale=root.prescale_gradients,
-                        predivide_factor=root.gradient_predivide_factor, reduce_op=root.gradient_allreduce_op)
-    return RunPlan(batch=batch, precision=_root_precision(root), grads=grads, zero=zero_plan(root.zero_optimization),
-                   steps_per_print=root.steps_per_print,
-                   wall_clock_breakdown=root.wall_clock_breakdown or root.flops_profiler.enabled,
-                   memory_breakdown=root.memory_breakdown,
-                   zero_allow_untested_optimizer=root.zero_allow_untested_optimizer,
-                   zero_force_ds_cpu_optimizer=root.zero_force_ds_cpu_optimizer,
-                   dataloader_drop_last=root.dataloader_drop_last,
-                   memory_timeline=_memory_timeline_policy(root.memory_timeline))
+    grads = grad_policy(
+        clip_norm=root.gradient_clipping,
+        prescale=root.prescale_gradients,
+        predivide_factor=root.gradient_predivide_factor,
+        reduce_op=root.gradient_allreduce_op,
+    )
+    return RunPlan(
+        batch=batch,
+        precision=_root_precision(root),
+        grads=grads,
+        zero=zero_plan(root.zero_optimization),
+        steps_per_print=root.steps_per_print,
+        wall_clock_breakdown=root.wall_clock_breakdown or root.flops_profiler.enabled,
+        memory_breakdown=root.memory_breakdown,
+        zero_allow_untested_optimizer=root.zero_allow_untested_optimizer,
+        zero_force_ds_cpu_optimizer=root.zero_force_ds_cpu_optimizer,
+        dataloader_drop_last=root.dataloader_drop_last,
+        memory_timeline=_memory_timeline_policy(root.memory_timeline),
+    )

@@ -5,6 +5,7 @@ packages (``zero_optimization``, ``fp16``/``bf16``, ``comms_logger``, the monito
 are imported from their upstream modules, and the small blocks upstream reads key by key are defined here. Unknown
 top-level keys are ignored with one warning; unknown keys inside strict blocks are errors (see docs/config.md).
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -123,8 +124,10 @@ class OptimizerBlockConfig(DeepSpeedLenientConfigModel):
     @classmethod
     def _no_max_grad_norm(cls, value: dict[str, Any]) -> dict[str, Any]:
         if "max_grad_norm" in value:
-            raise ValueError("'max_grad_norm' is not supported as an optimizer parameter; use the top-level "
-                             "'gradient_clipping' key instead")
+            raise ValueError(
+                "'max_grad_norm' is not supported as an optimizer parameter; use the top-level "
+                "'gradient_clipping' key instead"
+            )
         return value
 
 
@@ -159,12 +162,34 @@ class MemoryTimelineConfig(DeepSpeedConfigModel):
 # The whole config.
 
 # Upstream top-level keys this package accepts without modelling; they never trigger the unknown-key warning.
-_TOLERATED_TOP_LEVEL_KEYS = frozenset({
-    "amp", "torch_autocast", "pipeline", "elasticity", "autotuning", "compression_training", "data_efficiency",
-    "curriculum_learning", "eigenvalue", "progressive_layer_drop", "sparse_attention", "compile", "timers", "nebula",
-    "weight_quantization", "hybrid_engine", "tensor_parallel", "data_parallel_size", "quantize_training",
-    "use_data_before_expert_parallelism", "bfloat16", "zenflow", "deepcompile", "expert_parallel"
-})
+_TOLERATED_TOP_LEVEL_KEYS = frozenset(
+    {
+        "amp",
+        "torch_autocast",
+        "pipeline",
+        "elasticity",
+        "autotuning",
+        "compression_training",
+        "data_efficiency",
+        "curriculum_learning",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "sparse_attention",
+        "compile",
+        "timers",
+        "nebula",
+        "weight_quantization",
+        "hybrid_engine",
+        "tensor_parallel",
+        "data_parallel_size",
+        "quantize_training",
+        "use_data_before_expert_parallelism",
+        "bfloat16",
+        "zenflow",
+        "deepcompile",
+        "expert_parallel",
+    }
+)
 
 
 class _RootConfig(DeepSpeedLenientConfigModel):
@@ -234,7 +259,8 @@ class _RootConfig(DeepSpeedLenientConfigModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """The ``checkpoint`` block."""
     activation_checkpointing: DeepSpeedActivationCheckpointingConfig = Field(
-        default_factory=DeepSpeedActivationCheckpointingConfig)
+        default_factory=DeepSpeedActivationCheckpointingConfig
+    )
     """The ``activation_checkpointing`` block."""
     flops_profiler: DeepSpeedFlopsProfilerConfig = Field(default_factory=DeepSpeedFlopsProfilerConfig)
     """The ``flops_profiler`` block."""
@@ -253,8 +279,9 @@ class _RootConfig(DeepSpeedLenientConfigModel):
     memory_timeline: MemoryTimelineConfig = Field(default_factory=MemoryTimelineConfig)
     """The ``memory_timeline`` block (allocator history of one step, by category)."""
 
-    _dtype_names_valid = field_validator("communication_data_type",
-                                         "seq_parallel_communication_data_type")(validate_float_dtype_name)
+    _dtype_names_valid = field_validator("communication_data_type", "seq_parallel_communication_data_type")(
+        validate_float_dtype_name
+    )
 
     @classmethod
     def _rewrite_legacy_input(cls, data: dict) -> dict:
@@ -279,8 +306,10 @@ class _RootConfig(DeepSpeedLenientConfigModel):
             raise ValueError("fp16.enabled and bf16.enabled cannot both be true; enable at most one")
         wanted = to_torch_dtype(self.data_types.param_dtype)
         if wanted is not None and wanted != mode_dtype(self):
-            raise ValueError(f"data_types.param_dtype={self.data_types.param_dtype!r} disagrees with the fp16/bf16 "
-                             f"blocks, which select {mode_dtype(self)}")
+            raise ValueError(
+                f"data_types.param_dtype={self.data_types.param_dtype!r} disagrees with the fp16/bf16 "
+                f"blocks, which select {mode_dtype(self)}"
+            )
         if self.gradient_allreduce_op == ReduceOp.SUM and self.zero_optimization.stage == ZeroStageEnum.weights:
             raise ValueError("gradient_allreduce_op='sum' is not supported with zero_optimization.stage 3; use 'mean'")
         return self
@@ -293,4 +322,3 @@ def mode_dtype(root: _RootConfig) -> torch.dtype:
     if root.fp16.enabled:
         return torch.float16
     return torch.float32
-

@@ -5,6 +5,7 @@ so a refused key fails every rank alike before any collective. Keys accepted wit
 key per process. :func:`render_status_table` produces the status table of docs/config.md (``python -m
 deepspeed.runtime.config_surface`` prints it).
 """
+
 from __future__ import annotations
 
 import typing
@@ -99,8 +100,13 @@ def enforce_block_surface(block: BaseModel, prefix: str) -> None:
         block: the validated block model.
         prefix: its dotted place in a config, with the trailing dot (``"zero_optimization."``).
     """
-    _apply(judge(dict(_flatten(block, prefix, given_only=True)), dict(model_keys(type(block), prefix)),
-                 dict(_flatten(block, prefix, given_only=False))))
+    _apply(
+        judge(
+            dict(_flatten(block, prefix, given_only=True)),
+            dict(model_keys(type(block), prefix)),
+            dict(_flatten(block, prefix, given_only=False)),
+        )
+    )
 
 
 def _apply(verdict: Verdict) -> None:

@@ -11,6 +11,7 @@ class owns the input rules that integrations depend on, so each block only decla
 * every validation failure is re-raised as :class:`DeepSpeedConfigError` (a ``ValueError``) whose message names
   the dotted key path, so users see ``zero_optimization.reduce_bucket_size`` rather than a pydantic dump.
 """
+
 from __future__ import annotations
 
 import collections.abc
@@ -120,8 +121,7 @@ class DeepSpeedConfigModel(BaseModel):
 
     def _validate_into(self, data: dict, strict: bool) -> None:
         try:
-            self.__pydantic_validator__.validate_python(data, self_instance=self,
-                                                        context={_STRICT_CONTEXT_KEY: strict})
+            self.__pydantic_validator__.validate_python(data, self_instance=self, context={_STRICT_CONTEXT_KEY: strict})
         except ValidationError as err:
             raise DeepSpeedConfigError(describe_validation_error(err, self.config_block)) from err
 
@@ -195,8 +195,10 @@ def _apply_deprecations(model_cls: type[BaseModel], data: dict) -> dict:
         if not new_param or not extra.get("set_new_param", True):
             continue
         if _present_key(data, model_cls, new_param) is not None:
-            raise ValueError(f"'{old_key}' is deprecated and cannot be given together with its replacement "
-                             f"'{new_param}'; keep only '{new_param}'")
+            raise ValueError(
+                f"'{old_key}' is deprecated and cannot be given together with its replacement "
+                f"'{new_param}'; keep only '{new_param}'"
+            )
         convert = extra.get("new_param_fn")  # pydantic types the extra as JSON; upstream puts a function here
         data[new_param] = convert(data[old_key]) if callable(convert) else data[old_key]
     return data

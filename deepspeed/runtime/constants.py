@@ -3,6 +3,7 @@
 Plain constants only: parsing and validation live in the pydantic models (``deepspeed.runtime.config`` and the
 block modules). Values here are the JSON keys and defaults DeepSpeed documents; they must not drift from them.
 """
+
 from __future__ import annotations
 
 # Engine forward routes.
@@ -46,8 +47,18 @@ MUSGD_OPTIMIZER = "musgd"
 LION_OPTIMIZER = "lion"
 MUON_OPTIMIZER = "muon"
 DEEPSPEED_OPTIMIZERS = [
-    ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER,
-    ZERO_ONE_ADAM_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    LAMB_OPTIMIZER,
+    ONEBIT_ADAM_OPTIMIZER,
+    ONEBIT_LAMB_OPTIMIZER,
+    ZERO_ONE_ADAM_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUON_OPTIMIZER,
 ]
 TORCH_ADAM_PARAM = "torch_adam"
 ADAM_W_MODE = "adam_w_mode"

@@ -1,4 +1,5 @@
 """Data loading helpers with upstream names: ``DeepSpeedDataLoader`` and ``RepeatingLoader``."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

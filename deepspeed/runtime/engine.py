@@ -4,6 +4,7 @@ Construction is one ordered list of ``_apply_*`` steps (config → process group
 optimizer → scheduler → data loader); the training methods delegate to :class:`TrainingLoop`, and the
 many upstream getters read the validated config.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -66,8 +67,9 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._apply_device(args, dont_change_device)
         self._apply_optimizer(optimizer, model_parameters)
         self._apply_scheduler(lr_scheduler)
-        self._loop = TrainingLoop(self.module, self._stepped_optimizer, self.lr_scheduler, self.plan,
-                                  TimelineAnalyser())
+        self._loop = TrainingLoop(
+            self.module, self._stepped_optimizer, self.lr_scheduler, self.plan, TimelineAnalyser()
+        )
         self.training_dataloader = self._build_dataloader(training_data, collate_fn) if training_data else None
         self._loop.memory.report("after initialize")
         log_dist(
@@ -108,8 +110,12 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
 
     def _apply_moe(self) -> None:
         # Expert groups exist before any optimizer: their gradients reduce over expert-data-parallel groups.
-        self.expert_groups = configure_moe(self.module, self.zero_optimization_stage(), self.mpu,
-                                           bool(self.config.get("use_data_before_expert_parallelism", False)))
+        self.expert_groups = configure_moe(
+            self.module,
+            self.zero_optimization_stage(),
+            self.mpu,
+            bool(self.config.get("use_data_before_expert_parallelism", False)),
+        )
         self.has_moe_layers = bool(self.expert_groups)
         self.moe_layers = moe_layers(self.module)
         self.num_experts = [layer.num_experts for layer in self.moe_layers]
@@ -127,8 +133,9 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         setup.prepare_module(self.module, self.plan, None if dont_change_device else self.device)
         self.zero3_manager = None
         if self.zero_optimization_stage() == 3:
-            self.zero3_manager = setup.partition_parameters(self.module, self.plan, self.dp_group,
-                                                             None if dont_change_device else self.device)
+            self.zero3_manager = setup.partition_parameters(
+                self.module, self.plan, self.dp_group, None if dont_change_device else self.device
+            )
 
     def _apply_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         params: list[Any] = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
@@ -151,8 +158,15 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         if self.plan.precision.loss_scale is not None:
             loss_scaler = loss_scaler_from_policy(self.plan.precision.loss_scale)
         optimizer = setup.wrap_optimizer(
-            self.basic_optimizer, self.plan, loss_scaler, self.dp_group, self.dp_world_size, self.module,
-            self.zero3_manager, zero12_factory=DeepSpeedZeroOptimizer.from_plan, expert_groups=self.expert_groups,
+            self.basic_optimizer,
+            self.plan,
+            loss_scaler,
+            self.dp_group,
+            self.dp_world_size,
+            self.module,
+            self.zero3_manager,
+            zero12_factory=DeepSpeedZeroOptimizer.from_plan,
+            expert_groups=self.expert_groups,
         )
         if isinstance(optimizer, Stage3Optimizer) and self.zero3_manager is not None:  # both hold under stage 3
             optimizer.parameter_offload = DeepSpeedZeRoOffload.from_manager(self.zero3_manager, self.dp_group)
@@ -265,9 +279,11 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         from deepspeed.accelerator import get_accelerator
 
         if schedule is not None or compiled_autograd_enabled:
-            raise NotImplementedError("engine.compile(schedule=..., compiled_autograd_enabled=True) is not supported "
-                                      "by deepspeed-lean (DeepCompile schedules and compiled autograd are not "
-                                      "implemented); call engine.compile(backend=..., compile_kwargs=...)")
+            raise NotImplementedError(
+                "engine.compile(schedule=..., compiled_autograd_enabled=True) is not supported "
+                "by deepspeed-lean (DeepCompile schedules and compiled autograd are not "
+                "implemented); call engine.compile(backend=..., compile_kwargs=...)"
+            )
 
         backend = backend if backend is not None else get_accelerator().get_compile_backend()
         self.module.compile(backend=backend, **compile_kwargs)
@@ -305,8 +321,12 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         if "_state_offloader" not in self.__dict__:
             self._state_offloader = StateOffloader()
         self._state_offloader.offload(
-            optimizer.optimizer, parse_kinds(include, zero3=self.zero3_manager is not None), target,
-            torch.float32 if pin_memory else None, non_blocking, manager=self.zero3_manager,
+            optimizer.optimizer,
+            parse_kinds(include, zero3=self.zero3_manager is not None),
+            target,
+            torch.float32 if pin_memory else None,
+            non_blocking,
+            manager=self.zero3_manager,
         )
 
     def reload_states(self, non_blocking: bool = False) -> None:

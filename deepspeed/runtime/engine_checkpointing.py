@@ -7,6 +7,7 @@ loading live there (see ``docs/checkpoints.md``).
 Safe loading: files are read with ``torch.load(weights_only=True)`` and a small allow-list. To read a
 trusted legacy checkpoint whose client state holds other objects, set ``DS_CHECKPOINT_TRUSTED=1``.
 """
+
 from __future__ import annotations
 
 import os

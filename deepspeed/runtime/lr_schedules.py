@@ -11,6 +11,7 @@ fraction ``g`` of the way from the start value to the peak at batch ``t`` of ``W
 ``"log"``: ``g = log(t + 1) / log(W)``; ``"linear"``: ``g = t / W``; ``g = 1`` from ``t = W`` on.
 ``W`` is clamped to at least 2 so the log shape is defined.
 """
+
 from __future__ import annotations
 
 import argparse

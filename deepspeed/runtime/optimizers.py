@@ -3,6 +3,7 @@
 This is façade-level code on purpose: it maps upstream config names (``"adam"``, ``"WarmupLR"``) to
 public classes in ``deepspeed.ops`` and ``deepspeed.runtime.lr_schedules``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,7 +23,14 @@ UNSUPPORTED_DS_OPTIMIZERS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", 
 # Client optimizers ZeRO accepts without ``zero_allow_untested_optimizer`` (by class name, so that the
 # check needs no import of every candidate).
 ZERO_SUPPORTED_OPTIMIZERS = (
-    "Adam", "AdamW", "Adagrad", "FusedAdam", "DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedLion",
+    "Adam",
+    "AdamW",
+    "Adagrad",
+    "FusedAdam",
+    "DeepSpeedCPUAdam",
+    "DeepSpeedCPUAdagrad",
+    "DeepSpeedCPULion",
+    "FusedLion",
 )
 
 
@@ -110,7 +118,7 @@ def _check_zero_compatible(optimizer: Any, config: Any, client_given: bool) -> N
     ):
         raise ValueError(
             f"optimizer offload needs DeepSpeedCPUAdam or DeepSpeedCPULion, got {cls}; pass one of those or set "
-            "\"zero_force_ds_cpu_optimizer\": false"
+            '"zero_force_ds_cpu_optimizer": false'
         )
 
 

@@ -2,6 +2,7 @@
 
 The ``bf16`` block may also be spelled ``bfloat16`` (legacy name); ``bf16`` wins when both are present.
 """
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@
 Only the helpers scripts and integrations actually use are provided; each is a thin function over
 torch, ``deepspeed.comm`` and the accelerator.
 """
+
 from __future__ import annotations
 
 import gc

@@ -3,6 +3,7 @@
 ``groups`` (and everything else that needs torch) resolves on first access so that importing the
 logger, as every module does, stays free of torch.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ Lookup order for every "which group am I in" question: a device mesh built by ``
 parallelism over the whole world. Without sequence parallelism the SP world size is 1 and the SP rank 0; asking for
 the SP *group* raises ``KeyError`` as upstream does (returning ``None`` would silently mean "the world group").
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -243,8 +244,9 @@ def _get_sequence_data_parallel_group() -> Any:
 
 
 # ---------------------------------------------------------------------- expert parallel
-def _create_expert_and_data_parallel(expert_parallel_size_: int,
-                                     use_data_before_expert_parallel_: bool = False) -> None:
+def _create_expert_and_data_parallel(
+    expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False
+) -> None:
     """Build expert-parallel groups of ``expert_parallel_size_`` consecutive ranks plus their expert-data groups.
 
     With ``use_data_before_expert_parallel_`` the roles of the two strides are swapped (data-major layout).
@@ -278,8 +280,9 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int,
         _register(dist.new_group(ranks), ranks, rank, name, _EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS)
 
 
-def _register(group: Any, ranks: list[int], rank: int, name: str, groups: dict[str, Any],
-              ranks_by_name: dict[str, list[int]]) -> None:
+def _register(
+    group: Any, ranks: list[int], rank: int, name: str, groups: dict[str, Any], ranks_by_name: dict[str, list[int]]
+) -> None:
     if rank in ranks:
         groups[name] = group
         ranks_by_name[name] = ranks

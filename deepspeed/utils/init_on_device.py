@@ -1,4 +1,5 @@
 """``OnDevice``: build a model directly on a device (``"meta"`` for shape-only construction)."""
+
 from __future__ import annotations
 
 from types import TracebackType

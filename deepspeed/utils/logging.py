@@ -3,6 +3,7 @@
 ``deepspeed.utils.logger`` is a plain :class:`logging.Logger`; integrations call
 ``setLevel`` on it directly, so it must stay a standard logger.
 """
+
 from __future__ import annotations
 
 import logging

@@ -19,6 +19,7 @@ docstring of ``param_mapping`` for the exact contents).
 The ``safe_*_local_*`` helpers are defined for ZeRO-3 parameters only, as upstream: passing any other
 parameter fails an assertion.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

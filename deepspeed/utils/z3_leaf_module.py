@@ -3,6 +3,7 @@
 Useful for modules whose children run in a data-dependent order (mixture-of-experts routers), which would
 otherwise invalidate the prefetch trace every step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -44,8 +45,9 @@ def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
     setattr(model, Z3_LEAF_ATTR, flag)
 
 
-def _mark(model: nn.Module, matches: Callable[[str, nn.Module], bool], flag: bool, what: str,
-          raise_if_not_found: bool) -> list[nn.Module]:
+def _mark(
+    model: nn.Module, matches: Callable[[str, nn.Module], bool], flag: bool, what: str, raise_if_not_found: bool
+) -> list[nn.Module]:
     found = []
     for name, module in model.named_modules():
         if matches(name, module):
@@ -63,27 +65,28 @@ def _class_matcher(leaf_module_classes: Sequence[type | str]) -> Callable[[str, 
     return lambda name, module: isinstance(module, classes) or any(class_entry_matches(n, module) for n in names)
 
 
-def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
-                        raise_if_not_found: bool = True) -> list[nn.Module]:
+def set_z3_leaf_modules(
+    model: nn.Module, leaf_module_classes: Sequence[type | str], raise_if_not_found: bool = True
+) -> list[nn.Module]:
     """Mark every module of the given classes as a leaf; return them.
 
     A class object also matches its subclasses; a string matches the exact class by bare or fully qualified name.
     The config key ``zero_optimization.leaf_module.classes`` matches strings the same way
     (``_core/params/leaf_policy``).
     """
-    return _mark(model, _class_matcher(leaf_module_classes), True, str(list(leaf_module_classes)),
-                 raise_if_not_found)
+    return _mark(model, _class_matcher(leaf_module_classes), True, str(list(leaf_module_classes)), raise_if_not_found)
 
 
-def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
-                          raise_if_not_found: bool = True) -> list[nn.Module]:
+def unset_z3_leaf_modules(
+    model: nn.Module, leaf_module_classes: Sequence[type | str], raise_if_not_found: bool = True
+) -> list[nn.Module]:
     """Unmark every module of the given classes; return them."""
-    return _mark(model, _class_matcher(leaf_module_classes), False, str(list(leaf_module_classes)),
-                 raise_if_not_found)
+    return _mark(model, _class_matcher(leaf_module_classes), False, str(list(leaf_module_classes)), raise_if_not_found)
 
 
-def set_z3_leaf_modules_by_name(model: nn.Module, module_names: Sequence[str], flag: bool = True,
-                                raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+def set_z3_leaf_modules_by_name(
+    model: nn.Module, module_names: Sequence[str], flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[nn.Module], list[str]]:
     """Mark the modules with these qualified names; return them and the names not found."""
     wanted = set(module_names)
     found = _mark(model, lambda name, module: name in wanted, flag, str(sorted(wanted)), raise_if_not_found)
@@ -91,11 +94,11 @@ def set_z3_leaf_modules_by_name(model: nn.Module, module_names: Sequence[str], f
     return found, sorted(wanted - present)
 
 
-def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: Sequence[str], flag: bool = True,
-                                  raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+def set_z3_leaf_modules_by_suffix(
+    model: nn.Module, module_name_suffixes: Sequence[str], flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[nn.Module], list[str]]:
     """Mark the modules whose qualified names end with one of the suffixes; return them and unused suffixes."""
     suffixes = tuple(module_name_suffixes)
-    found = _mark(model, lambda name, module: name.endswith(suffixes), flag, str(list(suffixes)),
-                  raise_if_not_found)
+    found = _mark(model, lambda name, module: name.endswith(suffixes), flag, str(list(suffixes)), raise_if_not_found)
     names = [name for name, _ in model.named_modules()]
     return found, [s for s in suffixes if not any(n.endswith(s) for n in names)]

@@ -24,6 +24,7 @@ A pipeline checkpoint has one ``mp_rank_<SS>`` model file and shard set per stag
 Files are read with ``torch.load(weights_only=True)`` plus an allow-list of DeepSpeed's loss-scaler
 and ZeRO-stage classes; set ``DS_CHECKPOINT_TRUSTED=1`` to read a trusted file that holds other objects.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -141,6 +142,7 @@ def get_optim_files(checkpoint_dir: str) -> list[str]:
         raise FileNotFoundError(f"checkpoint folder '{checkpoint_dir}' does not exist")
     return _ranked_files(checkpoint_dir, _OPTIM_FILE, "optimizer state")
 
+
 def _layer_files(tag_dir: str) -> dict[int, str]:
     """Pipeline per-layer files ``{global layer index: path}`` (empty for a checkpoint without pipeline)."""
     found = {}
@@ -157,8 +159,10 @@ def _model_parallel_ranks(tag_dir: str) -> list[int]:
     """The ``mp_rank_XX`` values present; several only for pipeline checkpoints (one per stage)."""
     ranks = sorted({int(m.group(3)) for n in os.listdir(tag_dir) if (m := _MODEL_FILE.match(n))})
     if len(ranks) > 1 and not _layer_files(tag_dir):
-        raise ValueError(f"'{tag_dir}' holds model-parallel ranks {ranks}: tensor-parallel checkpoints are not "
-                         "supported by zero_to_fp32 (pipeline checkpoints are)")
+        raise ValueError(
+            f"'{tag_dir}' holds model-parallel ranks {ranks}: tensor-parallel checkpoints are not "
+            "supported by zero_to_fp32 (pipeline checkpoints are)"
+        )
     return ranks or [0]
 
 
@@ -253,7 +257,7 @@ def _global_expert_name(name: str, ep_rank: int, ep_size: int, layers: dict[str,
     prefix = name[:at]
     if at < 0 or prefix not in layers:
         raise ValueError(f"'{name}' is in an MoE optimizer group but matches no layer_*_expert_* file")
-    local, rest = name[at + len(_EXPERTS_INFIX):].split(".", 1)
+    local, rest = name[at + len(_EXPERTS_INFIX) :].split(".", 1)
     global_id = ep_rank * (layers[prefix] // ep_size) + int(local)
     return f"{prefix}{_EXPERTS_INFIX}{global_id}.{rest}"
 
@@ -310,8 +314,9 @@ def _stage12_params(shards: ZeroShards, param_shapes: list, expert_layers: dict[
         ep_size = shards.world_size // count
         for ep_rank in range(ep_size):
             buffers = [shards.groups[r][g] for r in range(ep_rank, shards.world_size, ep_size)]
-            renamed = OrderedDict((_global_expert_name(n, ep_rank, ep_size, expert_layers), shape)
-                                  for n, shape in shapes.items())
+            renamed = OrderedDict(
+                (_global_expert_name(n, ep_rank, ep_size, expert_layers), shape) for n, shape in shapes.items()
+            )
             out.update(_group_params(g, renamed, buffers, count))
     return out
 
@@ -443,8 +448,18 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 
 
 # --- writing --------------------------------------------------------------------------------------
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -543,8 +558,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint_dir", type=str, help="folder holding 'latest' and the tag folders")
     parser.add_argument("output_dir", type=str, help="folder to write pytorch_model.bin / model.safetensors into")
     parser.add_argument("--max_shard_size", type=str, default="5GB", help="largest shard, e.g. 5GB or 500MB")
-    parser.add_argument("--safe_serialization", default=False, action="store_true",
-                        help="write safetensors instead of torch pickles")
+    parser.add_argument(
+        "--safe_serialization", default=False, action="store_true", help="write safetensors instead of torch pickles"
+    )
     parser.add_argument("-t", "--tag", type=str, default=None, help="tag folder to read (default: from 'latest')")
     parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out frozen parameters")
     parser.add_argument("-d", "--debug", action="store_true", help="verbose logging")

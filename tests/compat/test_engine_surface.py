@@ -6,6 +6,7 @@ documented ``EXPECTED_MISSING`` / ``EXPECTED_MISMATCH`` sets, so the test change
 behaviour test drives each member once on a tiny engine at world size 1, in one spawned process, and
 checks the ``DeepSpeedZeroOptimizer`` façade built directly from upstream's keyword list.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -36,11 +37,22 @@ SIGNATURES: dict[str, tuple] = {
     "train": (("mode", True),),
     "eval": (),
     "no_sync": (),
-    "save_checkpoint": (("save_dir", REQ), ("tag", None), ("client_state", {}), ("save_latest", True),
-                        ("exclude_frozen_parameters", False)),
-    "load_checkpoint": (("load_dir", REQ), ("tag", None), ("load_module_strict", True),
-                        ("load_optimizer_states", True), ("load_lr_scheduler_states", True),
-                        ("load_module_only", False), ("custom_load_fn", None)),
+    "save_checkpoint": (
+        ("save_dir", REQ),
+        ("tag", None),
+        ("client_state", {}),
+        ("save_latest", True),
+        ("exclude_frozen_parameters", False),
+    ),
+    "load_checkpoint": (
+        ("load_dir", REQ),
+        ("tag", None),
+        ("load_module_strict", True),
+        ("load_optimizer_states", True),
+        ("load_lr_scheduler_states", True),
+        ("load_module_only", False),
+        ("custom_load_fn", None),
+    ),
     "zero_optimization_stage": (),
     "zero_optimization": (),
     "fp16_enabled": (),
@@ -53,12 +65,22 @@ SIGNATURES: dict[str, tuple] = {
     "get_batch_info": (),
     "zero_gather_16bit_weights_on_model_save": (),
     "_zero3_consolidated_16bit_state_dict": (("exclude_frozen_parameters", False),),
-    "save_16bit_model": (("save_dir", REQ), ("save_filename", "pytorch_model.bin"),
-                         ("exclude_frozen_parameters", False)),
-    "save_fp16_model": (("save_dir", REQ), ("save_filename", "pytorch_model.bin"),
-                        ("exclude_frozen_parameters", False)),
-    "module_state_dict": (("destination", None), ("prefix", ""), ("keep_vars", False),
-                          ("exclude_frozen_parameters", False)),
+    "save_16bit_model": (
+        ("save_dir", REQ),
+        ("save_filename", "pytorch_model.bin"),
+        ("exclude_frozen_parameters", False),
+    ),
+    "save_fp16_model": (
+        ("save_dir", REQ),
+        ("save_filename", "pytorch_model.bin"),
+        ("exclude_frozen_parameters", False),
+    ),
+    "module_state_dict": (
+        ("destination", None),
+        ("prefix", ""),
+        ("keep_vars", False),
+        ("exclude_frozen_parameters", False),
+    ),
     "compile": (("backend", ANY), ("compile_kwargs", {}), ("schedule", None), ("compiled_autograd_enabled", False)),
     "destroy": (),
     "set_train_batch_size": (("train_batch_size", REQ),),
@@ -76,9 +98,24 @@ EXPECTED_MISSING: frozenset[str] = frozenset()
 EXPECTED_MISMATCH: frozenset[str] = frozenset()
 
 ENGINE_ATTRIBUTES = (
-    "module", "optimizer", "basic_optimizer", "lr_scheduler", "training_dataloader", "config", "_config", "device",
-    "local_rank", "global_rank", "world_size", "dp_world_size", "mp_world_size", "global_steps", "global_samples",
-    "skipped_steps", "micro_steps", "mpu",
+    "module",
+    "optimizer",
+    "basic_optimizer",
+    "lr_scheduler",
+    "training_dataloader",
+    "config",
+    "_config",
+    "device",
+    "local_rank",
+    "global_rank",
+    "world_size",
+    "dp_world_size",
+    "mp_world_size",
+    "global_steps",
+    "global_samples",
+    "skipped_steps",
+    "micro_steps",
+    "mpu",
 )
 OPTIMIZER_ATTRIBUTES = ("overflow", "param_groups", "state", "cur_scale", "loss_scale", "_global_grad_norm")
 
@@ -166,10 +203,19 @@ def _exercise_engine() -> dict:
     out["norm"] = float(engine.get_global_grad_norm())
     engine.zero_grad()
     out["lr"], out["mom"], out["type"] = engine.get_lr(), engine.get_mom(), engine.get_type()
-    out["getters"] = (engine.zero_optimization_stage(), engine.zero_optimization(), engine.fp16_enabled(),
-                      engine.bfloat16_enabled(), engine.gradient_accumulation_steps(), engine.train_batch_size(),
-                      engine.train_micro_batch_size_per_gpu(), engine.gradient_clipping(), engine.steps_per_print(),
-                      engine.get_batch_info(), engine.zero_gather_16bit_weights_on_model_save())
+    out["getters"] = (
+        engine.zero_optimization_stage(),
+        engine.zero_optimization(),
+        engine.fp16_enabled(),
+        engine.bfloat16_enabled(),
+        engine.gradient_accumulation_steps(),
+        engine.train_batch_size(),
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_clipping(),
+        engine.steps_per_print(),
+        engine.get_batch_info(),
+        engine.zero_gather_16bit_weights_on_model_save(),
+    )
     out["keys"] = sorted(engine.module_state_dict().keys())
     engine.set_train_batch_size(6)
     out["gas"] = engine.gradient_accumulation_steps()
@@ -192,12 +238,20 @@ def _exercise_facade() -> dict:
     reference = torch.nn.Linear(5, 3)
     reference.load_state_dict(model.state_dict())
     with pytest.raises(NotImplementedError, match="zenflow_config"):
-        DeepSpeedZeroOptimizer(torch.optim.AdamW(model.parameters()), None, None, None,
-                               zenflow_config={"topk_ratio": 0.1})
+        DeepSpeedZeroOptimizer(
+            torch.optim.AdamW(model.parameters()), None, None, None, zenflow_config={"topk_ratio": 0.1}
+        )
     with pytest.raises(ValueError, match="has_moe_layers"):  # MoE needs the expert group dicts and moe groups
         DeepSpeedZeroOptimizer(torch.optim.AdamW(model.parameters()), None, None, None, has_moe_layers=True)
-    opt = DeepSpeedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), None, None, None,
-                                 partition_grads=False, communication_data_type=torch.float32, reduce_bucket_size=7)
+    opt = DeepSpeedZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.1),
+        None,
+        None,
+        None,
+        partition_grads=False,
+        communication_data_type=torch.float32,
+        reduce_bucket_size=7,
+    )
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
     x = torch.randn(4, 5)
     opt.prepare_backward(MicroStepKind.REDUCE)
@@ -208,9 +262,12 @@ def _exercise_facade() -> dict:
     ref_opt.step()
     for p, r in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.data, r.data)
-    return {"stage": opt.plan.zero.stage, "is_zero": isinstance(opt, ZeROOptimizer),
-            "mapped": all(hasattr(p, "_hp_mapping") for p in model.parameters()),
-            "bucket": opt.plan.zero.buckets.reduce_bucket_size}
+    return {
+        "stage": opt.plan.zero.stage,
+        "is_zero": isinstance(opt, ZeROOptimizer),
+        "mapped": all(hasattr(p, "_hp_mapping") for p in model.parameters()),
+        "bucket": opt.plan.zero.buckets.reduce_bucket_size,
+    }
 
 
 def _exercise_zero3_inference() -> dict:
@@ -222,14 +279,19 @@ def _exercise_zero3_inference() -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     reference = [p.detach().clone() for p in model.parameters()]
-    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                           "zero_optimization": {"stage": 3}})
+    engine, *_ = deepspeed.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    )
     x = torch.randn(1, 4)
     want = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, *reference[:2])), *reference[2:])
     with torch.no_grad():
         torch.testing.assert_close(engine(x), want)
-    out = {"view": isinstance(engine.optimizer, DeepSpeedZeRoOffload), "lr": engine.get_lr(),
-           "mom": engine.get_mom(), "norm": engine.get_global_grad_norm()}
+    out = {
+        "view": isinstance(engine.optimizer, DeepSpeedZeRoOffload),
+        "lr": engine.get_lr(),
+        "mom": engine.get_mom(),
+        "norm": engine.get_global_grad_norm(),
+    }
     engine.zero_grad()
     engine.step()
     with pytest.raises(RuntimeError, match="needs an optimizer"):
@@ -260,18 +322,31 @@ def _offload_cycle(world: int) -> dict:
     import deepspeed
     from tests.reference.models import make_model, micro_batch
 
-    cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 2}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+    }
     engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
     engine.backward(engine(*micro_batch(0, 0)))
     engine.step()
     inner = engine.optimizer.optimizer
-    before = {id(t): t.clone() for g in inner.param_groups for p in g["params"] for t in [p, *inner.state[p].values()]
-              if torch.is_tensor(t) and t.dim() > 0}
+    before = {
+        id(t): t.clone()
+        for g in inner.param_groups
+        for p in g["params"]
+        for t in [p, *inner.state[p].values()]
+        if torch.is_tensor(t) and t.dim() > 0
+    }
     engine.offload_states()
     engine.reload_states()
-    after = {id(t): t for g in inner.param_groups for p in g["params"] for t in [p, *inner.state[p].values()]
-             if torch.is_tensor(t) and t.dim() > 0}
+    after = {
+        id(t): t
+        for g in inner.param_groups
+        for p in g["params"]
+        for t in [p, *inner.state[p].values()]
+        if torch.is_tensor(t) and t.dim() > 0
+    }
     same = all(torch.equal(before[k], after[k]) for k in before)
     engine.backward(engine(*micro_batch(1, 0)))
     engine.step()  # still trains after a cycle

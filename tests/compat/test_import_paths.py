@@ -5,6 +5,7 @@ prefix, then attributes. The set of paths that do not resolve yet must equal ``E
 this test fails both when something regresses and when a missing path lands (then delete it from the
 set). A module that exists but fails to import is an error, never "missing".
 """
+
 from __future__ import annotations
 
 import importlib
@@ -109,27 +110,61 @@ MOE = [
 TOP_LEVEL = [
     f"deepspeed.{name}"
     for name in (
-        "initialize", "init_distributed", "add_config_arguments", "init_inference", "default_inference_config",
-        "tp_model_init", "zero", "checkpointing", "comm", "DeepSpeedEngine", "PipelineEngine", "PipelineModule",
-        "DeepSpeedHybridEngine", "InferenceEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedOptimizer",
-        "DeepSpeedDataLoader", "OnDevice", "log_dist", "logger", "get_accelerator", "ops", "module_inject",
-        "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "add_tuning_arguments", "is_compile_supported",
-        "HAS_TRITON", "__version__", "__version_major__", "__version_minor__", "__version_patch__", "__git_hash__",
-        "__git_branch__", "version", "git_hash", "git_branch", "dist",
+        "initialize",
+        "init_distributed",
+        "add_config_arguments",
+        "init_inference",
+        "default_inference_config",
+        "tp_model_init",
+        "zero",
+        "checkpointing",
+        "comm",
+        "DeepSpeedEngine",
+        "PipelineEngine",
+        "PipelineModule",
+        "DeepSpeedHybridEngine",
+        "InferenceEngine",
+        "DeepSpeedConfig",
+        "DeepSpeedConfigError",
+        "DeepSpeedOptimizer",
+        "DeepSpeedDataLoader",
+        "OnDevice",
+        "log_dist",
+        "logger",
+        "get_accelerator",
+        "ops",
+        "module_inject",
+        "DeepSpeedTransformerLayer",
+        "DeepSpeedTransformerConfig",
+        "add_tuning_arguments",
+        "is_compile_supported",
+        "HAS_TRITON",
+        "__version__",
+        "__version_major__",
+        "__version_minor__",
+        "__version_patch__",
+        "__git_hash__",
+        "__git_branch__",
+        "version",
+        "git_hash",
+        "git_branch",
+        "dist",
     )
 ]
 
 ALL_PATHS = sorted(set(ACCELERATE + TRANSFORMERS + TRL + UTILITIES + MOE + TOP_LEVEL))
 
 # Paths known not to resolve yet. Remove an entry when its feature lands (the test then tells you to).
-EXPECTED_MISSING = frozenset({
-    # top-level / deepspeed.zero names not registered yet
-    # features not implemented (spec section 7: later)
-    "deepspeed.module_inject",
-    "deepspeed.sequence.layer._SeqAllToAll",
-    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
-    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter",
-})
+EXPECTED_MISSING = frozenset(
+    {
+        # top-level / deepspeed.zero names not registered yet
+        # features not implemented (spec section 7: later)
+        "deepspeed.module_inject",
+        "deepspeed.sequence.layer._SeqAllToAll",
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter",
+    }
+)
 
 
 def _is_missing_module(err: ImportError, module_name: str) -> bool:

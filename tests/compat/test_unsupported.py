@@ -1,4 +1,5 @@
 """Upstream names for features we do not implement exist, and fail loudly (never silently) when used."""
+
 from __future__ import annotations
 
 import pytest

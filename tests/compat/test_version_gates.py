@@ -3,6 +3,7 @@
 Transformers and Accelerate read the *distribution* metadata (``importlib.metadata``); TRL parses
 ``deepspeed.__version__``. Both must name the same version, and it must unlock every gate (>= 0.18.2).
 """
+
 from __future__ import annotations
 
 import importlib.metadata

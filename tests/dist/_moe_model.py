@@ -1,4 +1,5 @@
 """The engine-side MoE test model (``deepspeed.moe.layer.MoE``) loaded with the reference's initial values."""
+
 from __future__ import annotations
 
 import torch
@@ -22,9 +23,19 @@ class MoEModel(torch.nn.Module):
         from deepspeed.moe.layer import MoE
 
         self.inp = torch.nn.Linear(ref.HIDDEN, ref.HIDDEN)
-        self.moe = MoE(ref.HIDDEN, Expert(), num_experts=ref.NUM_EXPERTS, ep_size=ep_size, k=k,
-                       capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
-                       min_capacity=min_capacity, use_rts=False, top2_2nd_expert_sampling=False, **moe_kwargs)
+        self.moe = MoE(
+            ref.HIDDEN,
+            Expert(),
+            num_experts=ref.NUM_EXPERTS,
+            ep_size=ep_size,
+            k=k,
+            capacity_factor=capacity_factor,
+            eval_capacity_factor=capacity_factor,
+            min_capacity=min_capacity,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+            **moe_kwargs,
+        )
         self.head = torch.nn.Linear(ref.HIDDEN, 1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -69,5 +80,7 @@ def shared_state(model: MoEModel) -> dict[str, torch.Tensor]:
 def expert_states(model: MoEModel, ep_rank: int) -> dict[int, dict[str, torch.Tensor]]:
     """``{global expert id: values}`` of this rank's experts."""
     experts = local_experts(model)
-    return {ep_rank * len(experts) + i: {n: p.detach().float().clone() for n, p in e.named_parameters()}
-            for i, e in enumerate(experts)}
+    return {
+        ep_rank * len(experts) + i: {n: p.detach().float().clone() for n, p in e.named_parameters()}
+        for i, e in enumerate(experts)
+    }

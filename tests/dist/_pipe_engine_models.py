@@ -5,6 +5,7 @@ The layer list is built by ``PipelineModule`` (only the local stage's layers, ea
 from identical weights. Micro-batch ``m`` of step ``s`` on data-parallel rank ``r`` is
 ``micro_batch(s, m * dp + r)``, the order the reference loop (``tests.reference.zero_oracle``) consumes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -72,8 +73,10 @@ def layer_specs(tied: bool = False, blocks: int = 4, scale: bool = False) -> lis
     if scale:
         layers.append(LayerSpec(Scale))
     if tied:
-        layers += [LayerSpec(nn.LayerNorm, HIDDEN),
-                   TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=tied_head)]
+        layers += [
+            LayerSpec(nn.LayerNorm, HIDDEN),
+            TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=tied_head),
+        ]
     else:
         layers.append(LayerSpec(Head, HIDDEN, VOCAB))
     return layers
@@ -96,7 +99,9 @@ class SequentialReference(nn.Module):
                     torch.manual_seed(BASE_SEED + idx)
                     self.tied[spec.key] = spec.build()
                 module = self.tied[spec.key]
-                self.funcs.append(module if spec.forward_fn is None else (lambda h, m=module, f=spec.forward_fn: f(m, h)))
+                self.funcs.append(
+                    module if spec.forward_fn is None else (lambda h, m=module, f=spec.forward_fn: f(m, h))
+                )
                 self.layers.append(nn.Identity())
             else:
                 torch.manual_seed(BASE_SEED + idx)
@@ -114,11 +119,13 @@ class SequentialReference(nn.Module):
 def reference_name(stage_name: str) -> str:
     """The reference's parameter name for a ``PipelineModule`` parameter name."""
     if stage_name.startswith("tied_modules."):
-        return "tied." + stage_name[len("tied_modules."):]
+        return "tied." + stage_name[len("tied_modules.") :]
     return "layers." + stage_name
 
 
-def data_iter(steps: int, gas: int, dp: int, dp_rank: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def data_iter(
+    steps: int, gas: int, dp: int, dp_rank: int, start: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The micro-batches one data-parallel rank feeds over ``steps`` global batches."""
     for step in range(start, start + steps):
         for m in range(gas):
@@ -135,6 +142,6 @@ def pipe_config(gas: int, clip: float = 0.5, stage: int = 0, dp: int = 1, **extr
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": zero,
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         **extra,
     }

@@ -3,6 +3,7 @@
 The fake mpu makes the whole world the model-parallel group. Both ranks build the same model and inputs, as
 tensor-parallel replicas of an activation would be. Each rank reports what it observed; assertions run here.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,11 @@ def _grads(model: torch.nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-CALLS = {"plain": lambda layer, h: layer(h, 0.5), "reentrant": lambda layer, h: ck.checkpoint(layer, h, 0.5),
-         "non_reentrant": lambda layer, h: ck.non_reentrant_checkpoint(layer, h, 0.5)}
+CALLS = {
+    "plain": lambda layer, h: layer(h, 0.5),
+    "reentrant": lambda layer, h: ck.checkpoint(layer, h, 0.5),
+    "non_reentrant": lambda layer, h: ck.non_reentrant_checkpoint(layer, h, 0.5),
+}
 
 
 def _forward(model: torch.nn.ModuleList, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, list]:
@@ -78,9 +82,18 @@ def _forward(model: torch.nn.ModuleList, x: torch.Tensor, mode: str) -> tuple[to
 def _partition_run(mode: str, cpu: bool, contiguous: bool) -> dict:
     """Plain and partitioned-checkpoint training steps from the same seeds; report parity and lifetimes."""
     state = core.current_state()
-    ck.configure(WorldMpu(), deepspeed_config={"train_batch_size": 1, "activation_checkpointing": {
-        "partition_activations": True, "cpu_checkpointing": cpu, "contiguous_memory_optimization": contiguous,
-        "number_checkpoints": LAYERS}})
+    ck.configure(
+        WorldMpu(),
+        deepspeed_config={
+            "train_batch_size": 1,
+            "activation_checkpointing": {
+                "partition_activations": True,
+                "cpu_checkpointing": cpu,
+                "contiguous_memory_optimization": contiguous,
+                "number_checkpoints": LAYERS,
+            },
+        },
+    )
     model, x = _model_and_input()
     ck.model_parallel_cuda_manual_seed(42)
     plain_out, _ = _forward(model, x, "plain")
@@ -98,11 +111,16 @@ def _partition_run(mode: str, cpu: bool, contiguous: bool) -> dict:
     ckpt = _grads(model, x)
     del out
     state.observers.clear()
-    return {"equal": [torch.equal(a, b) for a, b in zip(plain, ckpt)], "same_out": same_out,
-            "numels": [n for n, _, _ in saved],
-            "devices": sorted({d for _, _, d in saved}), "alive_before": alive_before,
-            "alive_after": sum(ref() is not None for _, ref, _ in saved), "inner_alive": inner_alive,
-            "pending": state.pending_backwards}
+    return {
+        "equal": [torch.equal(a, b) for a, b in zip(plain, ckpt)],
+        "same_out": same_out,
+        "numels": [n for n, _, _ in saved],
+        "devices": sorted({d for _, _, d in saved}),
+        "alive_before": alive_before,
+        "alive_after": sum(ref() is not None for _, ref, _ in saved),
+        "inner_alive": inner_alive,
+        "pending": state.pending_backwards,
+    }
 
 
 def _unpartitioned_lifetimes() -> dict:
@@ -116,9 +134,13 @@ def _unpartitioned_lifetimes() -> dict:
     return {"inner_alive": alive}
 
 
-SCENARIOS = {"device": ("reentrant", False, False), "cpu_checkpointing": ("reentrant", True, False),
-             "contiguous": ("reentrant", False, True), "non_reentrant": ("non_reentrant", False, False),
-             "non_reentrant_cpu": ("non_reentrant", True, False)}
+SCENARIOS = {
+    "device": ("reentrant", False, False),
+    "cpu_checkpointing": ("reentrant", True, False),
+    "contiguous": ("reentrant", False, True),
+    "non_reentrant": ("non_reentrant", False, False),
+    "non_reentrant_cpu": ("non_reentrant", True, False),
+}
 
 
 def _all_scenarios() -> dict:

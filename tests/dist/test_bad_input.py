@@ -1,4 +1,5 @@
 """Bad configs fail on every rank, with a message naming the key, before any collective can hang."""
+
 from __future__ import annotations
 
 import json

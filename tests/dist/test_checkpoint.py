@@ -3,6 +3,7 @@ client state, safety, corrupt files, and crash consistency (a writer killed mid-
 
 Every scenario of one world size runs inside one spawn, because process start-up dominates on 2 cores.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ def config(precision: str, gas: int = 2, stage: int = 0) -> dict:
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                                     "warmup_num_steps": 4}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4},
+        },
         "zero_optimization": {"stage": stage},
         **PRECISIONS[precision],
     }
@@ -115,10 +118,27 @@ def _layout_and_hf_expectations(root: str) -> None:
     assert os.listdir(os.path.join(root, "global_step2")) == ["mp_rank_00_model_states.pt"]
     sd = torch.load(os.path.join(root, "global_step2", "mp_rank_00_model_states.pt"), weights_only=False)
     assert not any(k.startswith("fc1.") for k in sd["module"])  # frozen params excluded
-    expected = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
-                "frozen_param_fragments", "shared_params", "lr_scheduler", "data_sampler", "random_ltd",
-                "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
-                "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version"}
+    expected = {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "frozen_param_fragments",
+        "shared_params",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+    }
     assert expected <= set(sd) and sd["global_steps"] == 2 and sd["dp_world_size"] == dist.get_world_size()
     assert sd["param_shapes"] is None and sd["optimizer"] is not None
     full = torch.load(os.path.join(root, "manual", "mp_rank_00_model_states.pt"), weights_only=False)
@@ -264,5 +284,7 @@ def test_killed_writer_leaves_previous_tag_loadable(tmp_path: Path) -> None:
 
 
 def _load_latest_both(base: str) -> list[int]:
-    return [_load_latest(os.path.join(base, m), os.path.join(base, m, "reference_A.pt"))
-            for m in ("after_first_file", "mid_write")]
+    return [
+        _load_latest(os.path.join(base, m), os.path.join(base, m, "reference_A.pt"))
+        for m in ("after_first_file", "mid_write")
+    ]

@@ -2,6 +2,7 @@
 N-k steps, bitwise. Resume at another world size is checked against the reference in
 test_checkpoint_zero12.py and test_zero3_engine.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,13 @@ def _snapshot(engine) -> dict:  # noqa: ANN001
         sd = box[0]
     else:
         sd = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-    return dict(weights=sd, scale=engine.optimizer.cur_scale, lr=engine.get_lr(), steps=engine.global_steps,
-                skipped=engine.skipped_steps)
+    return dict(
+        weights=sd,
+        scale=engine.optimizer.cur_scale,
+        lr=engine.get_lr(),
+        steps=engine.global_steps,
+        skipped=engine.skipped_steps,
+    )
 
 
 def _straight_and_resumed(world: int, stage: int, precision: str, save_dir: str) -> tuple[dict, dict]:

@@ -1,4 +1,5 @@
 """ZeRO-1/2 checkpoints: exact resume, and elastic resume at another data-parallel size."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Rank functions return what they observed; the assertions run in the pytest process against values computed
 independently here, so a collective that silently does nothing fails the test.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,15 +20,25 @@ SIZES = [1, 2, 4]
 
 # ---------------------------------------------------------------------- rank functions
 def _identity() -> tuple:
-    return (dist.get_rank(), dist.get_world_size(), dist.get_local_rank(), dist.is_initialized(), dist.get_backend(),
-            dist.get_all_ranks_from_group(dist.get_world_group()))
+    return (
+        dist.get_rank(),
+        dist.get_world_size(),
+        dist.get_local_rank(),
+        dist.is_initialized(),
+        dist.get_backend(),
+        dist.get_all_ranks_from_group(dist.get_world_group()),
+    )
 
 
 def _all_reduce_ops() -> dict:
     rank = dist.get_rank()
     out = {}
-    for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX),
-                     ("torch_sum", torch.distributed.ReduceOp.SUM)):
+    for name, op in (
+        ("sum", dist.ReduceOp.SUM),
+        ("avg", dist.ReduceOp.AVG),
+        ("max", dist.ReduceOp.MAX),
+        ("torch_sum", torch.distributed.ReduceOp.SUM),
+    ):
         t = torch.tensor([rank + 1.0, 10.0 * rank])
         dist.all_reduce(t, op=op)
         out[name] = t.tolist()
@@ -52,8 +63,14 @@ def _gather_scatter(force_fallback: bool) -> dict:
     dist.reduce_scatter(rs_list, list(full.chunk(n)))
     a2a_out = [torch.empty(1) for _ in range(n)]
     dist.all_to_all(a2a_out, [torch.tensor([10.0 * rank + dst]) for dst in range(n)])
-    return {"gathered": gathered.tolist(), "rs_sum": rs_sum.tolist(), "rs_avg": rs_avg.tolist(),
-            "rs_list": rs_list.tolist(), "a2a": [t.item() for t in a2a_out], "input_after": full.tolist()}
+    return {
+        "gathered": gathered.tolist(),
+        "rs_sum": rs_sum.tolist(),
+        "rs_avg": rs_avg.tolist(),
+        "rs_list": rs_list.tolist(),
+        "a2a": [t.item() for t in a2a_out],
+        "input_after": full.tolist(),
+    }
 
 
 def _broadcast_barrier_async() -> dict:
@@ -72,8 +89,14 @@ def _broadcast_barrier_async() -> dict:
     dist.all_reduce_coalesced(coalesced, async_op=True).wait()
     objects = [None] * n
     dist.all_gather_object(objects, {"rank": rank})
-    return {"bcast": b.tolist(), "async_avg": t.item(), "rs_avg": rs.item(), "ag": ag.tolist(),
-            "coalesced": [c.tolist() for c in coalesced], "objects": objects}
+    return {
+        "bcast": b.tolist(),
+        "async_avg": t.item(),
+        "rs_avg": rs.item(),
+        "ag": ag.tolist(),
+        "coalesced": [c.tolist() for c in coalesced],
+        "objects": objects,
+    }
 
 
 def _subgroups() -> dict:
@@ -82,9 +105,14 @@ def _subgroups() -> dict:
     mine = low if rank < 2 else high
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=mine)
-    return {"sum": t.item(), "group_rank": dist.get_rank(mine), "group_size": dist.get_world_size(mine),
-            "global_of_0": dist.get_global_rank(mine, 0), "members": dist.get_all_ranks_from_group(mine),
-            "other_rank": dist.get_rank(high if rank < 2 else low)}
+    return {
+        "sum": t.item(),
+        "group_rank": dist.get_rank(mine),
+        "group_size": dist.get_world_size(mine),
+        "global_of_0": dist.get_global_rank(mine, 0),
+        "members": dist.get_all_ranks_from_group(mine),
+        "other_rank": dist.get_rank(high if rank < 2 else low),
+    }
 
 
 def _init_from_ompi(port: str) -> tuple:
@@ -93,13 +121,23 @@ def _init_from_ompi(port: str) -> tuple:
     local_rank = os.environ.pop("LOCAL_RANK")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name)
-    os.environ.update(OMPI_COMM_WORLD_RANK=rank, OMPI_COMM_WORLD_SIZE=size, OMPI_COMM_WORLD_LOCAL_RANK=local_rank,
-                      OMPI_COMM_WORLD_LOCAL_SIZE=size)
+    os.environ.update(
+        OMPI_COMM_WORLD_RANK=rank,
+        OMPI_COMM_WORLD_SIZE=size,
+        OMPI_COMM_WORLD_LOCAL_RANK=local_rank,
+        OMPI_COMM_WORLD_LOCAL_SIZE=size,
+    )
     dist.init_distributed(dist_backend="gloo", distributed_port=port, verbose=False)
     t = torch.ones(1)
     dist.all_reduce(t)
-    result = (dist.get_rank(), dist.get_world_size(), dist.get_local_rank(), os.environ["MASTER_ADDR"],
-              os.environ["MASTER_PORT"], t.item())
+    result = (
+        dist.get_rank(),
+        dist.get_world_size(),
+        dist.get_local_rank(),
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+        t.item(),
+    )
     dist.barrier()  # rank 0 hosts the store: keep it alive until every rank is done
     dist.destroy_process_group()
     return result
@@ -112,8 +150,7 @@ def _fake_world() -> tuple:
     dist.all_reduce(t)
     out = torch.empty(64 * 4)
     dist.all_gather_into_tensor(out, t)
-    result = (dist.get_rank(), dist.get_world_size(), dist.get_backend(), dist.get_world_size(sub),
-              dist.get_rank(sub))
+    result = (dist.get_rank(), dist.get_world_size(), dist.get_backend(), dist.get_world_size(sub), dist.get_rank(sub))
     dist.destroy_process_group()
     return result + (dist.is_initialized(),)
 
@@ -131,10 +168,16 @@ def _groups_and_logger() -> dict:
         sp_group = "no error"
     except KeyError:
         sp_group = "KeyError"
-    return {"dp_size": groups._get_data_parallel_world_size(), "dp_rank": groups._get_data_parallel_rank(),
-            "sp_size": groups._get_sequence_parallel_world_size(), "sp_rank": groups._get_sequence_parallel_rank(),
-            "sp_group": sp_group, "mp_size": groups._get_model_parallel_world_size(),
-            "logged": sorted(stats["summary"]), "count": dist.get_comm_operation_count()}
+    return {
+        "dp_size": groups._get_data_parallel_world_size(),
+        "dp_rank": groups._get_data_parallel_rank(),
+        "sp_size": groups._get_sequence_parallel_world_size(),
+        "sp_rank": groups._get_sequence_parallel_rank(),
+        "sp_group": sp_group,
+        "mp_size": groups._get_model_parallel_world_size(),
+        "logged": sorted(stats["summary"]),
+        "count": dist.get_comm_operation_count(),
+    }
 
 
 # ---------------------------------------------------------------------- tests
@@ -147,8 +190,12 @@ def test_identity(n: int) -> None:
 @pytest.mark.parametrize("n", SIZES)
 def test_all_reduce_ops(n: int) -> None:
     expected_sum = [sum(r + 1.0 for r in range(n)), sum(10.0 * r for r in range(n))]
-    expected = {"sum": expected_sum, "avg": [v / n for v in expected_sum], "max": [float(n), 10.0 * (n - 1)],
-                "torch_sum": expected_sum}
+    expected = {
+        "sum": expected_sum,
+        "avg": [v / n for v in expected_sum],
+        "max": [float(n), 10.0 * (n - 1)],
+        "torch_sum": expected_sum,
+    }
     assert run_distributed(_all_reduce_ops, n) == [expected] * n
 
 
@@ -157,10 +204,17 @@ def _expected_gather_scatter(n: int) -> list[dict]:
     total = sum(inputs)
     out = []
     for r in range(n):
-        mine = total[2 * r: 2 * r + 2]
-        out.append({"gathered": [float(i) for i in range(n) for _ in range(3)], "rs_sum": mine.tolist(),
-                    "rs_avg": (mine / n).tolist(), "rs_list": mine.tolist(),
-                    "a2a": [10.0 * src + r for src in range(n)], "input_after": inputs[r].tolist()})
+        mine = total[2 * r : 2 * r + 2]
+        out.append(
+            {
+                "gathered": [float(i) for i in range(n) for _ in range(3)],
+                "rs_sum": mine.tolist(),
+                "rs_avg": (mine / n).tolist(),
+                "rs_list": mine.tolist(),
+                "a2a": [10.0 * src + r for src in range(n)],
+                "input_after": inputs[r].tolist(),
+            }
+        )
     return out
 
 
@@ -177,10 +231,14 @@ def test_gather_scatter_fallback(n: int) -> None:
 @pytest.mark.parametrize("n", SIZES)
 def test_broadcast_barrier_async(n: int) -> None:
     mean_rank = sum(range(n)) / n
-    expected = {"bcast": [float(n - 1)] * 3, "async_avg": mean_rank, "rs_avg": (n + 1) / 2,
-                "ag": [2.0 * r for r in range(n)],
-                "coalesced": [[float(sum(range(n)))], [2 * n * (n + 1) // 2, 3 * n * (n + 1) // 2]],
-                "objects": [{"rank": r} for r in range(n)]}
+    expected = {
+        "bcast": [float(n - 1)] * 3,
+        "async_avg": mean_rank,
+        "rs_avg": (n + 1) / 2,
+        "ag": [2.0 * r for r in range(n)],
+        "coalesced": [[float(sum(range(n)))], [2 * n * (n + 1) // 2, 3 * n * (n + 1) // 2]],
+        "objects": [{"rank": r} for r in range(n)],
+    }
     assert run_distributed(_broadcast_barrier_async, n) == [expected] * n
 
 
@@ -188,8 +246,14 @@ def test_new_group_subgroups() -> None:
     results = run_distributed(_subgroups, 4)
     for rank, res in enumerate(results):
         base = 0 if rank < 2 else 2
-        assert res == {"sum": float(2 * base + 1), "group_rank": rank - base, "group_size": 2, "global_of_0": base,
-                       "members": [base, base + 1], "other_rank": -1}
+        assert res == {
+            "sum": float(2 * base + 1),
+            "group_rank": rank - base,
+            "group_size": 2,
+            "global_of_0": base,
+            "members": [base, base + 1],
+            "other_rank": -1,
+        }
 
 
 def _free_port() -> str:
@@ -231,8 +295,7 @@ def test_reduce_op_conversion() -> None:
 
     assert to_torch_op(dist.ReduceOp.MAX) == torch.distributed.ReduceOp.MAX
     assert to_torch_op(torch.distributed.ReduceOp.MIN) == torch.distributed.ReduceOp.MIN
-    assert [op.name for op in dist.ReduceOp] == ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG",
-                                                 "UNUSED"]
+    assert [op.name for op in dist.ReduceOp] == ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "UNUSED"]
     with pytest.raises(ValueError, match="UNUSED"):
         to_torch_op(dist.ReduceOp.UNUSED)
 
@@ -259,7 +322,6 @@ def test_group_created_by_another_library_is_torn_down_at_exit() -> None:
     from pathlib import Path
 
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.run([sys.executable, "-c", _ADOPTED_GROUP], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _ADOPTED_GROUP], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ADOPTED_OK" in proc.stdout, proc.stdout + proc.stderr
     assert "destroy_process_group" not in proc.stderr  # no warning about a group left alive

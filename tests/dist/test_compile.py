@@ -8,6 +8,7 @@ ZeRO-3 case uses inductor, stages 0-2 use aot_eager (the same AOT-autograd path,
 keep this file fast). The model has no activation checkpointing: under ZeRO-3 a checkpointed region runs
 uncompiled (the known limit in that note).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -24,10 +25,13 @@ LR = 1e-2
 
 
 def _config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            # threshold 0: every parameter is partitioned, so every module's hooks gather and release.
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        # threshold 0: every parameter is partitioned, so every module's hooks gather and release.
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def _train(stage: int, backend: str | None) -> tuple[list[float], dict[str, int]]:
@@ -89,8 +93,9 @@ def _check(results: dict, backend: str, world: int, tolerance: float) -> None:
         assert stats.get("calls_captured", 0) >= expected_calls, (stage, stats, expected_calls)
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                    reason="inductor on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor on CPU needs a C++ compiler"
+)
 def test_zero3_compiled_matches_eager_inductor() -> None:
     results = run_distributed(_compare, 2, [3], "inductor", timeout=300)
     for rank_results in results:

@@ -4,6 +4,7 @@
 reads a config. Both go through ``deepspeed/runtime/config_plan.py``, so the same settings must give equal plan
 objects, and a no-effect keyword warns naming its key, as the config key does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,12 +13,25 @@ import torch
 
 from tests._harness import run_distributed
 
-ZERO = {"stage": 2, "reduce_bucket_size": 1234, "allgather_bucket_size": 5678, "overlap_comm": True,
-        "reduce_scatter": False, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
-CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
-          "prescale_gradients": True, "gradient_predivide_factor": 2.0, "communication_data_type": "fp32",
-          "bf16": {"enabled": True, "check_grad_overflow": False}, "data_types": {"grad_accum_dtype": "fp32"},
-          "zero_optimization": ZERO}
+ZERO = {
+    "stage": 2,
+    "reduce_bucket_size": 1234,
+    "allgather_bucket_size": 5678,
+    "overlap_comm": True,
+    "reduce_scatter": False,
+    "offload_optimizer": {"device": "cpu", "pin_memory": False},
+}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 3,
+    "gradient_clipping": 0.5,
+    "prescale_gradients": True,
+    "gradient_predivide_factor": 2.0,
+    "communication_data_type": "fp32",
+    "bf16": {"enabled": True, "check_grad_overflow": False},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "zero_optimization": ZERO,
+}
 
 
 def _stage12_plans() -> tuple:
@@ -28,11 +42,24 @@ def _stage12_plans() -> tuple:
     zero = DeepSpeedConfig(CONFIG).zero_config
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     opt = DeepSpeedZeroOptimizer(
-        torch.optim.AdamW(model.parameters()), None, None, None, reduce_bucket_size=1234, allgather_bucket_size=5678,
-        overlap_comm=True, reduce_scatter=False, offload_optimizer_config=zero.offload_optimizer, clip_grad=0.5,
-        postscale_gradients=False, gradient_predivide_factor=2.0, communication_data_type=torch.float32,
-        gradient_accumulation_dtype=torch.float32, gradient_accumulation_steps=3, partition_grads=True,
-        check_grad_overflow=False)
+        torch.optim.AdamW(model.parameters()),
+        None,
+        None,
+        None,
+        reduce_bucket_size=1234,
+        allgather_bucket_size=5678,
+        overlap_comm=True,
+        reduce_scatter=False,
+        offload_optimizer_config=zero.offload_optimizer,
+        clip_grad=0.5,
+        postscale_gradients=False,
+        gradient_predivide_factor=2.0,
+        communication_data_type=torch.float32,
+        gradient_accumulation_dtype=torch.float32,
+        gradient_accumulation_steps=3,
+        partition_grads=True,
+        check_grad_overflow=False,
+    )
     return engine_plan, opt.plan
 
 
@@ -40,17 +67,35 @@ def _stage3_policies() -> tuple:
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-    cfg = DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {
-        "stage": 3, "stage3_prefetch_bucket_size": 11, "stage3_max_live_parameters": 22,
-        "stage3_max_reuse_distance": 33, "stage3_param_persistence_threshold": 0, "stage3_model_persistence_threshold": 44,
-        "stage3_module_granularity_threshold": 55, "offload_param": {"device": "cpu", "pin_memory": False},
-        "leaf_module": {"names": ["0"]}}})
+    cfg = DeepSpeedConfig(
+        {
+            "train_batch_size": 1,
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_prefetch_bucket_size": 11,
+                "stage3_max_live_parameters": 22,
+                "stage3_max_reuse_distance": 33,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_model_persistence_threshold": 44,
+                "stage3_module_granularity_threshold": 55,
+                "offload_param": {"device": "cpu", "pin_memory": False},
+                "leaf_module": {"names": ["0"]},
+            },
+        }
+    )
     zero = cfg.zero_config
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    offload = DeepSpeedZeRoOffload(model, ds_config=cfg, prefetch_bucket_size=11, max_live_parameters=22,
-                                   max_reuse_distance=33, param_persistence_threshold=0,
-                                   model_persistence_threshold=44, zero_module_granularity_threshold=55,
-                                   offload_param_config=zero.offload_param)
+    offload = DeepSpeedZeRoOffload(
+        model,
+        ds_config=cfg,
+        prefetch_bucket_size=11,
+        max_live_parameters=22,
+        max_reuse_distance=33,
+        param_persistence_threshold=0,
+        model_persistence_threshold=44,
+        zero_module_granularity_threshold=55,
+        offload_param_config=zero.offload_param,
+    )
     manager = offload.manager
     shard = next(model.parameters()).ds_tensor  # upstream attribute: this rank's partition
     out = (cfg.plan.zero.stage3, manager.policy, (str(shard.device), shard.is_pinned()))
@@ -68,8 +113,14 @@ def _keyword_warnings() -> list[str]:
     logger.addHandler(handler)
     try:
         model = torch.nn.Linear(4, 4)
-        DeepSpeedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, None, None,
-                               round_robin_gradients=True, communication_data_type=torch.float32)
+        DeepSpeedZeroOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            None,
+            None,
+            None,
+            round_robin_gradients=True,
+            communication_data_type=torch.float32,
+        )
     finally:
         logger.removeHandler(handler)
     return records
@@ -96,5 +147,6 @@ def test_stage3_facade_plans_what_the_engine_plans() -> None:
 
 def test_no_effect_keyword_of_the_facade_warns_naming_its_key() -> None:
     warnings = run_distributed(_keyword_warnings, 1)[0]
-    assert any(w.startswith("zero_optimization.round_robin_gradients is accepted but has no effect") for w in warnings), \
-        warnings
+    assert any(
+        w.startswith("zero_optimization.round_robin_gradients is accepted but has no effect") for w in warnings
+    ), warnings

@@ -11,6 +11,7 @@
 * ``pipeline engine`` / ``moe`` keys belong to the pipeline engine and the MoE layer, which check them; they are only
   checked for presence here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -103,11 +104,17 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     _Z + "overlap_comm": (True, {}, "plan.zero.buckets.overlap_comm"),
     _Z + "load_from_fp32_weights": (False, {}, "plan.zero.load_from_fp32_weights"),
     _Z + "offload_param.device": ("cpu", _S3, "plan.zero.offload_param.device"),
-    _Z + "offload_param.pin_memory": (False, {**_S3, _Z + "offload_param.device": "cpu"},
-                                      "plan.zero.offload_param.pin_memory"),
+    _Z + "offload_param.pin_memory": (
+        False,
+        {**_S3, _Z + "offload_param.device": "cpu"},
+        "plan.zero.offload_param.pin_memory",
+    ),
     _Z + "offload_optimizer.device": ("cpu", {_Z + "stage": 2}, "plan.zero.offload_optimizer.device"),
-    _Z + "offload_optimizer.pin_memory": (False, {_Z + "offload_optimizer.device": "cpu"},
-                                          "plan.zero.offload_optimizer.pin_memory"),
+    _Z + "offload_optimizer.pin_memory": (
+        False,
+        {_Z + "offload_optimizer.device": "cpu"},
+        "plan.zero.offload_optimizer.pin_memory",
+    ),
     _Z + "cpu_offload_param": (True, _S3, "plan.zero.offload_param.device"),
     _Z + "cpu_offload": (True, {_Z + "stage": 2}, "plan.zero.offload_optimizer.device"),
     _Z + "prefetch_bucket_size": (1000, _S3, "plan.zero.stage3.prefetch_bucket_size"),
@@ -116,8 +123,7 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     _Z + "max_live_parameters": (10, _S3, "plan.zero.stage3.max_live_parameters"),
     _Z + "max_reuse_distance": (10, _S3, "plan.zero.stage3.max_reuse_distance"),
     _Z + "gather_16bit_weights_on_model_save": (True, _S3, "plan.zero.stage3.gather_16bit_weights_on_model_save"),
-    _Z + "stage3_gather_fp16_weights_on_model_save": (True, _S3,
-                                                      "plan.zero.stage3.gather_16bit_weights_on_model_save"),
+    _Z + "stage3_gather_fp16_weights_on_model_save": (True, _S3, "plan.zero.stage3.gather_16bit_weights_on_model_save"),
     _Z + "module_granularity_threshold": (10, _S3, "plan.zero.stage3.module_granularity_threshold"),
     _Z + "leaf_module.classes": (["Block"], _S3, "plan.zero.stage3.leaf_module.classes"),
     _Z + "leaf_module.names": (["fc1"], _S3, "plan.zero.stage3.leaf_module.names"),
@@ -142,9 +148,16 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     "data_types.buffer_dtype": ("bf16", {}, "plan.precision.buffer_dtype"),
     "checkpoint.tag_validation": ("fail", {}, "checkpoint_tag_validation_fail"),
     "checkpoint.use_node_local_storage": (True, {}, "use_node_local_storage"),
-    **{f"activation_checkpointing.{k}": (True, {}, f"activation_checkpointing_config.{k}")
-       for k in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                 "synchronize_checkpoint_boundary", "profile")},
+    **{
+        f"activation_checkpointing.{k}": (True, {}, f"activation_checkpointing_config.{k}")
+        for k in (
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "cpu_checkpointing",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        )
+    },
     "activation_checkpointing.number_checkpoints": (2, {}, "activation_checkpointing_config.number_checkpoints"),
     "comms_logger.enabled": (True, {}, "comms_config.comms_logger.enabled"),
     "comms_logger.prof_all": (False, {}, "comms_config.comms_logger.prof_all"),
@@ -157,8 +170,11 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     "memory_timeline.max_entries": (10, {}, "plan.memory_timeline.max_entries"),
 }
 # Keys that take effect only together (one without the other is refused): (their values, context, consumer).
-JOINT = ({"bf16.bf16_master_weights_and_grads": True, "bf16.bf16_optimizer_states": True}, _BF16,
-         "plan.precision.master_dtype")
+JOINT = (
+    {"bf16.bf16_master_weights_and_grads": True, "bf16.bf16_optimizer_states": True},
+    _BF16,
+    "plan.precision.master_dtype",
+)
 # Keys whose effect is a check rather than a value: key -> (value, context) that the check rejects.
 CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
     "data_types.param_dtype": ("fp16", _BF16),  # must agree with the precision blocks
@@ -236,15 +252,25 @@ REFUSALS: dict[str, tuple[Any, dict[str, Any]]] = {
     "zenflow": ({"topk_ratio": 0.1}, {}),
 }
 # A value the user may set without a refusal (the feature off), per refused key tested here.
-ACCEPTED = {_Z + "zero_hpz_partition_size": 1, _Z + "mics_shard_size": -1, "tensor_parallel.autotp_size": 1,
-            "compile.deepcompile": False, _Z + "offload_optimizer.device": "cpu", "managed_gradient_accumulation": True}
+ACCEPTED = {
+    _Z + "zero_hpz_partition_size": 1,
+    _Z + "mics_shard_size": -1,
+    "tensor_parallel.autotp_size": 1,
+    "compile.deepcompile": False,
+    _Z + "offload_optimizer.device": "cpu",
+    "managed_gradient_accumulation": True,
+}
 
 # The configs a new user could set without a word before (each checked on both ranks of a world of 2).
 ISSUE_CONFIGS = {
-    "nvme_optimizer": ({_Z + "stage": 2, _Z + "offload_optimizer.device": "nvme",
-                        _Z + "offload_optimizer.nvme_path": "/local_nvme"}, "zero_optimization.offload_optimizer.device"),
-    "zero_plus_plus": ({**_S3, _Z + "zero_quantized_weights": True, _Z + "zero_hpz_partition_size": 2},
-                       "zero_optimization.zero_hpz_partition_size"),
+    "nvme_optimizer": (
+        {_Z + "stage": 2, _Z + "offload_optimizer.device": "nvme", _Z + "offload_optimizer.nvme_path": "/local_nvme"},
+        "zero_optimization.offload_optimizer.device",
+    ),
+    "zero_plus_plus": (
+        {**_S3, _Z + "zero_quantized_weights": True, _Z + "zero_hpz_partition_size": 2},
+        "zero_optimization.zero_hpz_partition_size",
+    ),
     "zenflow": ({"zenflow.topk_ratio": 0.1}, "zenflow"),
     "deepcompile": ({"compile.deepcompile": True}, "compile.deepcompile"),
     "autotp": ({"tensor_parallel.autotp_size": 2}, "tensor_parallel.autotp_size"),
@@ -292,7 +318,9 @@ def test_refused_keys_raise_in_initialize() -> None:
     for key in REFUSALS:
         message, _ = results[key]
         assert message is not None, f"{key}={REFUSALS[key][0]!r} was accepted"
-        assert key in message and f"block '{_block(key, REFUSALS[key][0])}'" in message and "supported:" in message, message
+        assert key in message and f"block '{_block(key, REFUSALS[key][0])}'" in message and "supported:" in message, (
+            message
+        )
     for key in ACCEPTED:
         assert results[f"accepted:{key}"][0] is None, results[f"accepted:{key}"]
 
@@ -312,8 +340,10 @@ def test_formerly_silent_configs_raise_on_every_rank() -> None:
 
 NO_EFFECT_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     # A torch optimizer, so that the test needs no DeepSpeed CPU Adam build.
-    _Z + "offload_optimizer.ratio": (0.5, {**_S3, _Z + "offload_optimizer.device": "cpu", "optimizer.type": "SGD",
-                                           "zero_force_ds_cpu_optimizer": False}),
+    _Z + "offload_optimizer.ratio": (
+        0.5,
+        {**_S3, _Z + "offload_optimizer.device": "cpu", "optimizer.type": "SGD", "zero_force_ds_cpu_optimizer": False},
+    ),
     _Z + "cpu_offload_use_pin_memory": (True, {}),
     _Z + "sub_group_size": (1000, _S3),
     _Z + "offload_param.nvme_path": ("/local_nvme", {}),

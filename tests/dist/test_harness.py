@@ -1,4 +1,5 @@
 """Self-tests of tests/_harness.py: results, failures, deaths and stalls surface quickly, and no rank survives."""
+
 from __future__ import annotations
 
 import os
@@ -114,8 +115,12 @@ def test_marker_on_plain_function() -> None:
 def test_class_and_marker_tests_were_parametrized(request: pytest.FixtureRequest) -> None:
     names = {item.name for item in request.session.items}
     here = {n for n in names if "runs_inside_ranks" in n or "marker_" in n}
-    expected = {"test_runs_inside_ranks[ws1]", "test_runs_inside_ranks[ws2]", "test_marker_overrides_class_size[ws4]",
-                "test_marker_on_plain_function[ws2]"}
+    expected = {
+        "test_runs_inside_ranks[ws1]",
+        "test_runs_inside_ranks[ws2]",
+        "test_marker_overrides_class_size[ws4]",
+        "test_marker_on_plain_function[ws2]",
+    }
     if not expected & names:
         pytest.skip("the distributed examples were deselected")
     assert expected <= here

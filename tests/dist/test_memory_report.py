@@ -1,5 +1,6 @@
 """``memory_breakdown``: the engine reports allocated / reserved / peak memory at each phase of a step, next to
 the model-state floor of memory_targets.md for this model, stage, world size and offload."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,11 @@ def _off(world: int) -> list:
     import deepspeed
     from deepspeed import comm as dist
 
-    cfg = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 2},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+    }
     engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
     engine.backward(engine(*micro_batch(0, dist.get_rank())))
     engine.step()

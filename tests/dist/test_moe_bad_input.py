@@ -1,4 +1,5 @@
 """Bad MoE set-ups fail with a clear error on every rank, before any collective could leave one waiting."""
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,7 @@ def _bad_setups() -> dict[str, str]:
     out["ep_not_dividing_world"] = _error_of(lambda: _engine(odd, 0))
     out["zero3"] = _error_of(lambda: _engine(mm.MoEModel(2, 1, 1.0, 1), 3))
     plain = mm.MoEModel(2, 1, 1.0, 1)
-    out["zero2_unsplit_groups"] = _error_of(
-        lambda: _engine(plain, 2, torch.optim.AdamW(plain.parameters(), lr=1e-3)))
+    out["zero2_unsplit_groups"] = _error_of(lambda: _engine(plain, 2, torch.optim.AdamW(plain.parameters(), lr=1e-3)))
     out["facade_partition_count"] = _facade_partition_count()
     return out
 
@@ -51,12 +51,20 @@ def _facade_partition_count() -> list[int]:
     model = mm.MoEModel(2, 1, 1.0, 1)
     model.moe.set_deepspeed_parallelism()
     before = [p.detach().clone() for p in mm.local_experts(model).parameters()]
-    opt = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer({"params": model.parameters()}),
-                            lr=1e-2)
-    zero = DeepSpeedZeroOptimizer(opt, None, None, None, has_moe_layers=True, partition_grads=True,
-                                  communication_data_type=torch.float32,
-                                  expert_parallel_group=groups._get_expert_parallel_group_dict(),
-                                  expert_data_parallel_group=groups._get_expert_data_parallel_group_dict())
+    opt = torch.optim.AdamW(
+        split_params_into_different_moe_groups_for_optimizer({"params": model.parameters()}), lr=1e-2
+    )
+    zero = DeepSpeedZeroOptimizer(
+        opt,
+        None,
+        None,
+        None,
+        has_moe_layers=True,
+        partition_grads=True,
+        communication_data_type=torch.float32,
+        expert_parallel_group=groups._get_expert_parallel_group_dict(),
+        expert_data_parallel_group=groups._get_expert_data_parallel_group_dict(),
+    )
     zero.prepare_backward(MicroStepKind.REDUCE)
     zero.backward(model(*ref.batch(0, 0)))
     zero.finish_backward()

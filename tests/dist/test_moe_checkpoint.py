@@ -1,4 +1,5 @@
 """MoE checkpoints: upstream's expert-file layout, exact resume in new processes, zero_to_fp32 with experts."""
+
 from __future__ import annotations
 
 import os
@@ -94,7 +95,6 @@ def _check_layout(save_dir: str, stage: int) -> None:
     assert set(one) == {f"moe.deepspeed_moe.experts.deepspeed_experts.3.{n}" for n in ref.expert_values(0)}
 
 
-
 def _check_same(straight: list[dict], resumed: list[dict]) -> None:
     for a, b in zip(straight, resumed):
         assert a["losses"] == b["losses"]
@@ -113,8 +113,13 @@ def test_zero_to_fp32_includes_every_expert(tmp_path: object) -> None:
     run_distributed(_save_two_steps, 4, save_dir, timeout=180.0)
     state = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t2")
     expected = ref.reference_train(4, 2, K, parity.CAPACITY_FACTOR, parity.MIN_CAPACITY, parity.LR, parity.CLIP)
-    names = {"inp.weight": "inp.weight", "inp.bias": "inp.bias", "wg": "moe.deepspeed_moe.gate.wg.weight",
-             "head.weight": "head.weight", "head.bias": "head.bias"}
+    names = {
+        "inp.weight": "inp.weight",
+        "inp.bias": "inp.bias",
+        "wg": "moe.deepspeed_moe.gate.wg.weight",
+        "head.weight": "head.weight",
+        "head.bias": "head.bias",
+    }
     want = {names[n]: v for n, v in expected["shared"].items()}
     for e, values in enumerate(expected["experts"]):
         want.update({f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{n}": v for n, v in values.items()})

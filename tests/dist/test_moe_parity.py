@@ -4,6 +4,7 @@ ep_size 1, 2 and 4 at world size 4 (and 2 at world size 2, 1 at 1), ZeRO stages 
 top-2: per-step losses, the global gradient norm (each expert counted once) with clipping active, and
 the final shared and expert values must match the reference trained on every rank's batches.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,9 @@ def _config(stage: int, dtype: str = "fp32", gas: int = 1) -> dict:
     return cfg
 
 
-def _train(stage: int, ep_size: int, k: int, dtype: str = "fp32", data_before_expert: bool = False,
-           gas: int = 1) -> dict:
+def _train(
+    stage: int, ep_size: int, k: int, dtype: str = "fp32", data_before_expert: bool = False, gas: int = 1
+) -> dict:
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.utils import groups
@@ -62,8 +64,12 @@ def _train(stage: int, ep_size: int, k: int, dtype: str = "fp32", data_before_ex
             window += float(loss.detach()) / gas
         losses.append(window)
         norms.append(engine.get_global_grad_norm())
-    out = {"losses": losses, "norms": norms, "shared": mm.shared_state(model),
-           "experts": mm.expert_states(model, ep_rank)}
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "shared": mm.shared_state(model),
+        "experts": mm.expert_states(model, ep_rank),
+    }
     engine.destroy()
     return out
 
@@ -77,14 +83,19 @@ def _check(results: list[dict], world: int, case: tuple, expected: dict, atol: f
     mean_losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(expected["losses"]), atol=atol, rtol=0)
     for r in per_rank:
-        torch.testing.assert_close(torch.tensor(r["norms"], dtype=torch.float64),
-                                   torch.tensor(expected["norms"], dtype=torch.float64), atol=atol, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(r["norms"], dtype=torch.float64),
+            torch.tensor(expected["norms"], dtype=torch.float64),
+            atol=atol,
+            rtol=1e-4,
+        )
         for name, value in r["shared"].items():
             torch.testing.assert_close(value, expected["shared"][name], atol=atol, rtol=0, msg=f"{case} {name}")
         for eid, values in r["experts"].items():
             for name, value in values.items():
-                torch.testing.assert_close(value, expected["experts"][eid][name], atol=atol, rtol=0,
-                                           msg=f"{case} expert {eid} {name}")
+                torch.testing.assert_close(
+                    value, expected["experts"][eid][name], atol=atol, rtol=0, msg=f"{case} expert {eid} {name}"
+                )
     # Every expert is held by some rank, so the comparison covered all of them.
     assert {e for r in per_rank for e in r["experts"]} == set(range(ref.NUM_EXPERTS))
 

@@ -1,5 +1,6 @@
 """bf16 and fp16 (loss-scaled) expert-parallel training: the token exchange, the per-group reductions and
 the loss scaler work in low precision, and training follows the fp32 reference closely."""
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,12 @@ def _sweep() -> dict:
 @pytest.mark.parametrize("world", [2])
 def test_low_precision_moe_tracks_fp32_reference(world: int) -> None:
     results = run_distributed(_sweep, world, timeout=240.0)
-    references = {k: ref.reference_train(world, parity.STEPS, k, parity.CAPACITY_FACTOR, parity.MIN_CAPACITY,
-                                         parity.LR, parity.CLIP) for k in (1, 2)}
+    references = {
+        k: ref.reference_train(
+            world, parity.STEPS, k, parity.CAPACITY_FACTOR, parity.MIN_CAPACITY, parity.LR, parity.CLIP
+        )
+        for k in (1, 2)
+    }
     for case in CASES:
         expected = references[case[2]]
         per_rank = [r[case] for r in results]

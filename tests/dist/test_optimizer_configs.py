@@ -1,4 +1,5 @@
 """Every optimizer type the config block accepts builds, steps, and lands as the expected class."""
+
 from __future__ import annotations
 
 from tests._harness import run_distributed
@@ -22,8 +23,11 @@ def _build_all(world: int) -> dict:
     out = {}
     for key, (params, _) in TYPES.items():
         name = key.split("_")[0]
-        cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": name, "params": dict(params)},
-               "zero_optimization": {"stage": 1}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 3,
+            "optimizer": {"type": name, "params": dict(params)},
+            "zero_optimization": {"stage": 1},
+        }
         if name == "SGD":
             cfg["zero_allow_untested_optimizer"] = True
         engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)

@@ -1,4 +1,5 @@
 """Pipeline checkpoints: upstream's layout, exact resume in new processes, elastic load, zero_to_fp32."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ class Block(nn.Module):
 def _layers() -> list:
     from deepspeed.pipe import LayerSpec
 
-    return [LayerSpec(nn.Linear, 2, HIDDEN)] + [LayerSpec(Block, HIDDEN) for _ in range(3)] + \
-        [LayerSpec(nn.Linear, HIDDEN, OUT)]
+    return (
+        [LayerSpec(nn.Linear, 2, HIDDEN)]
+        + [LayerSpec(Block, HIDDEN) for _ in range(3)]
+        + [LayerSpec(nn.Linear, HIDDEN, OUT)]
+    )
 
 
 def _batch(step: int, sample: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,19 +39,26 @@ def _batch(step: int, sample: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _config(dp: int, samples: int, stage: int = 1) -> dict:
-    return {"train_batch_size": samples, "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": samples // dp, "gradient_clipping": 1.0,
-            "optimizer": {"type": "Adam", "params": {"lr": 5e-2}}, "zero_optimization": {"stage": stage}}
+    return {
+        "train_batch_size": samples,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": samples // dp,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "Adam", "params": {"lr": 5e-2}},
+        "zero_optimization": {"stage": stage},
+    }
 
 
 def _engine(dp: int, samples: int, stage: int = 1, partition: str = "uniform") -> object:
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss, seed_layers=True,
-                            partition_method=partition)
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                      config=_config(dp, samples, stage))
+    module = PipelineModule(
+        _layers(), num_stages=2, loss_fn=nn.functional.mse_loss, seed_layers=True, partition_method=partition
+    )
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=module.parameters(), config=_config(dp, samples, stage)
+    )
     return engine
 
 
@@ -79,8 +90,14 @@ def _resume(save_dir: str, dp: int, samples: int, steps: int, stage: int) -> dic
     path, client = engine.load_checkpoint(save_dir)
     loaded = _weights(engine)
     losses = [_train(engine, step, samples) for step in range(2, 2 + steps)]
-    return {"losses": losses, "loaded": loaded, "after": _weights(engine), "path": path,
-            "global_steps": engine.global_steps, "stage": engine.module.stage_id}
+    return {
+        "losses": losses,
+        "loaded": loaded,
+        "after": _weights(engine),
+        "path": path,
+        "global_steps": engine.global_steps,
+        "stage": engine.module.stage_id,
+    }
 
 
 def _load_other_partition(save_dir: str) -> dict:
@@ -101,9 +118,15 @@ def test_layout_and_exact_resume(tmp_path: os.PathLike) -> None:
     tag_dir = os.path.join(save_dir, "global_step2")
     names = sorted(os.listdir(tag_dir))
     layers = [f"layer_{i:02d}-model_states.pt" for i in range(5)]
-    assert names == sorted(layers + ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
-                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                                     "zero_pp_rank_0_mp_rank_01_optim_states.pt"]), names
+    assert names == sorted(
+        layers
+        + [
+            "mp_rank_00_model_states.pt",
+            "mp_rank_01_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+        ]
+    ), names
     state = torch.load(os.path.join(tag_dir, "mp_rank_01_model_states.pt"), weights_only=False)
     assert state["module"] is None and state["checkpoint_parallel_dimensions"]["pp_degree"] == 2
     layer = torch.load(os.path.join(tag_dir, "layer_02-model_states.pt"), weights_only=True)
@@ -132,8 +155,12 @@ def test_elastic_load_at_another_data_parallel_size(tmp_path: os.PathLike) -> No
     wide = run_distributed(_save_then_continue, 4, save_dir, 2, 4, 1, 1, timeout=180)
     tag_dir = os.path.join(save_dir, "global_step2")
     optim = sorted(n for n in os.listdir(tag_dir) if "optim_states" in n)
-    assert optim == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt",
-                     "zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"]
+    assert optim == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_01_optim_states.pt",
+    ]
     narrow = run_distributed(_resume, 2, save_dir, 1, 4, 1, 1, timeout=120)
     # Wide ranks 0,1 are stage 0 and 2,3 stage 1; narrow rank s is stage s.
     for wide_rank, rep in ((0, narrow[0]), (2, narrow[1])):

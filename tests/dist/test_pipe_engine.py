@@ -4,14 +4,21 @@ One spawn per world size trains every case in turn (process start-up dominates o
 returns its losses and its stage's final parameters; the parent compares them with the reference loop over the
 same micro-batches (``tests.reference.zero_oracle.reference_train``).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests._harness import run_distributed
-from tests.dist._pipe_engine_models import (SequentialReference, data_iter, layer_specs, loss_fn, pipe_config,
-                                            reference_name)
+from tests.dist._pipe_engine_models import (
+    SequentialReference,
+    data_iter,
+    layer_specs,
+    loss_fn,
+    pipe_config,
+    reference_name,
+)
 from tests.reference.zero_oracle import reference_train
 
 STEPS = 3
@@ -37,8 +44,15 @@ def _train_cases(pp: int, cases: list) -> dict[str, dict]:
     out = {}
     for name, gas, stage, extra, model_kw, method in cases:
         dp = dist.get_world_size() // pp
-        module = PipelineModule(layer_specs(**model_kw), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
-                                seed_fn=torch.manual_seed, base_seed=1234, partition_method=method)
+        module = PipelineModule(
+            layer_specs(**model_kw),
+            num_stages=pp,
+            loss_fn=loss_fn,
+            seed_layers=True,
+            seed_fn=torch.manual_seed,
+            base_seed=1234,
+            partition_method=method,
+        )
         engine, _, _, _ = deepspeed.initialize(model=module, config=pipe_config(gas, stage=stage, dp=dp, **extra))
         it = data_iter(STEPS, gas, dp, engine.grid.get_data_parallel_rank())
         losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
@@ -50,8 +64,15 @@ def _train_cases(pp: int, cases: list) -> dict[str, dict]:
 def _reference(name: str, gas: int, dp: int, extra: dict, model_kw: dict) -> tuple[list[float], dict]:
     model = SequentialReference(layer_specs(**model_kw))
     dtype = torch.bfloat16 if "bf16" in extra else torch.float32
-    losses = reference_train(model, STEPS, dp, gas, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
-                             clip=0.5, working_dtype=dtype)
+    losses = reference_train(
+        model,
+        STEPS,
+        dp,
+        gas,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+        clip=0.5,
+        working_dtype=dtype,
+    )
     return losses, {n: p.detach().float() for n, p in model.named_parameters()}
 
 

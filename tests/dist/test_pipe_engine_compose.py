@@ -1,13 +1,20 @@
 """PipelineEngine composition (gloo, PP=2): activation checkpointing with partitioned activations and the grid as
 mpu, LR schedulers, eval_batch; and bad input failing with a clear error on every rank, before any hang."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests._harness import run_distributed
-from tests.dist._pipe_engine_models import (SequentialReference, data_iter, layer_specs, loss_fn, pipe_config,
-                                            reference_name)
+from tests.dist._pipe_engine_models import (
+    SequentialReference,
+    data_iter,
+    layer_specs,
+    loss_fn,
+    pipe_config,
+    reference_name,
+)
 from tests.reference.models import micro_batch
 from tests.reference.zero_oracle import reference_train
 
@@ -17,8 +24,16 @@ STEPS = 3
 def _module(interval: int = 0, func: object = None, **kw: object) -> object:
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    return PipelineModule(layer_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True, seed_fn=torch.manual_seed,
-                          activation_checkpoint_interval=interval, activation_checkpoint_func=func, **kw)
+    return PipelineModule(
+        layer_specs(),
+        num_stages=2,
+        loss_fn=loss_fn,
+        seed_layers=True,
+        seed_fn=torch.manual_seed,
+        activation_checkpoint_interval=interval,
+        activation_checkpoint_func=func,
+        **kw,
+    )
 
 
 _CALLS = {"checkpoint": 0}
@@ -41,8 +56,10 @@ def _activation_checkpointing() -> dict:
         deepspeed.checkpointing.configure(module.mpu(), deepspeed_config=config)
         engine, _, _, _ = deepspeed.initialize(model=module, config=config)
         it = data_iter(STEPS, 2, 1, 0)
-        out[interval] = {"losses": [float(engine.train_batch(it)) for _ in range(STEPS)],
-                         "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+        out[interval] = {
+            "losses": [float(engine.train_batch(it)) for _ in range(STEPS)],
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        }
         deepspeed.checkpointing.reset()
     out["calls"] = _CALLS["checkpoint"]
     return out
@@ -65,12 +82,14 @@ def _scheduler_and_eval() -> dict:
     import deepspeed
 
     engine, _, _, sched = deepspeed.initialize(
-        model=_module(), config=pipe_config(2),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _lambda))
+        model=_module(), config=pipe_config(2), lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
+    )
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    evals = [engine.eval_batch(data_iter(1, 2, 1, 0)),
-             engine.eval_batch(data_iter(1, 2, 1, 0), return_logits=True, num_micro_batches=1),
-             engine.eval_batch(data_iter(1, 2, 1, 0), reduce_output=None)]
+    evals = [
+        engine.eval_batch(data_iter(1, 2, 1, 0)),
+        engine.eval_batch(data_iter(1, 2, 1, 0), return_logits=True, num_micro_batches=1),
+        engine.eval_batch(data_iter(1, 2, 1, 0), reduce_output=None),
+    ]
     unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     engine.set_has_attention_mask(True)
     engine.set_train_batch_size(3 * 4)  # four micro-batches per batch ...
@@ -81,10 +100,19 @@ def _scheduler_and_eval() -> dict:
     for _ in range(STEPS):
         losses.append(float(engine.train_batch(it)))
         lrs.append(engine.get_lr()[0])
-    return {"stage": engine.stage_id, "eval_avg": float(evals[0]), "eval_logits": evals[1][1],
-            "eval_one": float(evals[1][0]), "eval_list": evals[2], "unchanged": unchanged,
-            "steps": engine.global_steps, "losses": losses, "lrs": lrs, "boundary": engine.is_gradient_accumulation_boundary(),
-            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+    return {
+        "stage": engine.stage_id,
+        "eval_avg": float(evals[0]),
+        "eval_logits": evals[1][1],
+        "eval_one": float(evals[1][0]),
+        "eval_list": evals[2],
+        "unchanged": unchanged,
+        "steps": engine.global_steps,
+        "losses": losses,
+        "lrs": lrs,
+        "boundary": engine.is_gradient_accumulation_boundary(),
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    }
 
 
 def test_lr_scheduler_and_eval_batch() -> None:
@@ -92,8 +120,9 @@ def test_lr_scheduler_and_eval_batch() -> None:
     ref = SequentialReference(layer_specs())
     with torch.no_grad():
         ref_eval = [float(ref(*micro_batch(0, m))) for m in range(2)]
-    ref_losses = reference_train(ref, STEPS, 1, 2, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
-                                 clip=0.5, lr_lambda=_lambda)
+    ref_losses = reference_train(
+        ref, STEPS, 1, 2, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), clip=0.5, lr_lambda=_lambda
+    )
     ref_params = dict(ref.named_parameters())
     for r in results:
         last = r["stage"] == 1
@@ -155,8 +184,17 @@ def _bad_input(case: str) -> str:
     return "no error"
 
 
-BAD_INPUT_CASES = ["zero2", "zero3", "stages", "pipeline_block", "mpu", "data", "data_one_stage", "data_late",
-                   "direct_calls"]
+BAD_INPUT_CASES = [
+    "zero2",
+    "zero3",
+    "stages",
+    "pipeline_block",
+    "mpu",
+    "data",
+    "data_one_stage",
+    "data_late",
+    "direct_calls",
+]
 
 
 @pytest.fixture(scope="module")
@@ -164,21 +202,33 @@ def bad_input_messages() -> list[dict]:
     return run_distributed(_bad_inputs, 2, BAD_INPUT_CASES, timeout=180)
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("zero2", "DeepSpeedConfigError: zero_optimization.stage=2 cannot be combined with pipeline parallelism"),
-    ("zero3", "DeepSpeedConfigError: zero_optimization.stage=3 cannot be combined with pipeline parallelism"),
-    ("stages", "num_stages"),
-    ("pipeline_block", "DeepSpeedConfigError: the config sets 'pipeline' but the model is a Linear"),
-    ("mpu", "AssertionError: mpu must be None with pipeline parallelism"),
-    ("data", "ValueError: pipeline data on rank 0: ValueError: a pipeline data iterator must yield (inputs, labels)"),
-    ("data_one_stage", "ValueError: pipeline data on rank 0: ValueError: a pipeline data iterator must yield"),
-    ("data_late", "ValueError: pipeline data on rank 1: ValueError: a pipeline data iterator must yield (inputs, "
-                  "labels) pairs (inputs: a tensor or a tuple of tensors for the first stage; labels: what loss_fn "
-                  "takes on the last stage); got a tuple of length 1"),
-    ("direct_calls", "PipelineError: Only train_batch() is accessible in pipeline mode. | PipelineError: Only "
-                     "train_batch() is accessible in pipeline mode. | PipelineError: Only train_batch() is "
-                     "accessible in pipeline mode."),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("zero2", "DeepSpeedConfigError: zero_optimization.stage=2 cannot be combined with pipeline parallelism"),
+        ("zero3", "DeepSpeedConfigError: zero_optimization.stage=3 cannot be combined with pipeline parallelism"),
+        ("stages", "num_stages"),
+        ("pipeline_block", "DeepSpeedConfigError: the config sets 'pipeline' but the model is a Linear"),
+        ("mpu", "AssertionError: mpu must be None with pipeline parallelism"),
+        (
+            "data",
+            "ValueError: pipeline data on rank 0: ValueError: a pipeline data iterator must yield (inputs, labels)",
+        ),
+        ("data_one_stage", "ValueError: pipeline data on rank 0: ValueError: a pipeline data iterator must yield"),
+        (
+            "data_late",
+            "ValueError: pipeline data on rank 1: ValueError: a pipeline data iterator must yield (inputs, "
+            "labels) pairs (inputs: a tensor or a tuple of tensors for the first stage; labels: what loss_fn "
+            "takes on the last stage); got a tuple of length 1",
+        ),
+        (
+            "direct_calls",
+            "PipelineError: Only train_batch() is accessible in pipeline mode. | PipelineError: Only "
+            "train_batch() is accessible in pipeline mode. | PipelineError: Only train_batch() is "
+            "accessible in pipeline mode.",
+        ),
+    ],
+)
 def test_bad_input_fails_on_every_rank(case: str, expected: str, bad_input_messages: list[dict]) -> None:
     for rank, messages in enumerate(bad_input_messages):
         assert expected in messages[case], f"rank {rank}: {messages[case]}"

@@ -6,6 +6,7 @@ stage ``s`` of ``P`` never has more than ``min(P - s, G)`` micro-batches alive a
 each backward; with it off (upstream's behaviour) the last stage's count grows to ``G``, so the test can fail. A
 step skipped because one stage overflowed in fp16 is skipped on every stage and frees the same as a normal step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,12 @@ def _measure(engine: object, gas: int) -> dict:
 
     engine._executor.observer = observe
     engine.train_batch(data_iter(1, gas, 1, 0))
-    return {"peak": peak[0], "after_backward": after_backward, "after_step": len(engine._executor.last_run.buffers.ledger.live()),
-            "pending_sends": engine._executor.link.pending_sends()}
+    return {
+        "peak": peak[0],
+        "after_backward": after_backward,
+        "after_step": len(engine._executor.last_run.buffers.ledger.live()),
+        "pending_sends": engine._executor.link.pending_sends(),
+    }
 
 
 def _release_across_gas(pp: int) -> dict:
@@ -87,8 +92,13 @@ def _fp16_overflows() -> dict:
 def _fp16_overflow_on_stage0(gas: int, zero_stage: int) -> dict:
     from deepspeed import comm as dist
 
-    engine = _engine(2, gas, True, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
-                                         "hysteresis": 1}, zero={"stage": zero_stage})
+    engine = _engine(
+        2,
+        gas,
+        True,
+        fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1},
+        zero={"stage": zero_stage},
+    )
     poison = {"on": False}
     if engine.is_first_stage():  # an inf in one gradient of stage 0 only
         first = next(p for p in engine.module.parameters())
@@ -102,9 +112,14 @@ def _fp16_overflow_on_stage0(gas: int, zero_stage: int) -> dict:
     poison["on"] = False
     unchanged = all(torch.equal(before[n], p.detach()) for n, p in engine.module.named_parameters())
     result = {
-        "stage": engine.stage_id, "normal": normal, "skipped": skipped, "unchanged": unchanged,
-        "skipped_steps": engine.skipped_steps, "scale": (scale_before, engine.optimizer.cur_scale),
-        "buffers_after_normal": buffers_after_normal, "buffers_after_skip": _grad_buffers(engine),
+        "stage": engine.stage_id,
+        "normal": normal,
+        "skipped": skipped,
+        "unchanged": unchanged,
+        "skipped_steps": engine.skipped_steps,
+        "scale": (scale_before, engine.optimizer.cur_scale),
+        "buffers_after_normal": buffers_after_normal,
+        "buffers_after_skip": _grad_buffers(engine),
         "overflow": engine.optimizer.overflow,
     }
     third = _measure(engine, gas)  # training goes on after the skip
@@ -116,7 +131,7 @@ def _fp16_overflow_on_stage0(gas: int, zero_stage: int) -> dict:
 
 def test_fp16_overflow_on_one_stage_skips_everywhere_and_frees_the_same() -> None:
     results = run_distributed(_fp16_overflows, 2, timeout=300)
-    for (zero_stage, gas) in results[0]:
+    for zero_stage, gas in results[0]:
         assert {r[(zero_stage, gas)]["stage"] for r in results} == {0, 1}
         for rank_results in results:
             r = rank_results[(zero_stage, gas)]

@@ -1,4 +1,5 @@
 """examples/pipeline_gpt.py runs as documented (two pipeline stages over gloo) and trains."""
+
 from __future__ import annotations
 
 from tests._harness import run_distributed
@@ -20,6 +21,20 @@ def test_example_trains_on_two_stages() -> None:
     from pathlib import Path
 
     config = str(Path(__file__).resolve().parents[2] / "examples" / "ds_config_pipeline_neox.json")
-    argv = ["--deepspeed_config", config, "--gas", "2", "--steps", "8", "--lr", "3e-3", "--layers", "2",
-            "--hidden", "32", "--seq", "16"]
+    argv = [
+        "--deepspeed_config",
+        config,
+        "--gas",
+        "2",
+        "--steps",
+        "8",
+        "--lr",
+        "3e-3",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--seq",
+        "16",
+    ]
     assert run_distributed(_run_example, 2, argv, timeout=120) == [0, 0]

@@ -1,4 +1,5 @@
 """PipelineModule over real process groups (gloo): what each stage builds, tied weights, grid, checkpointed forward."""
+
 from __future__ import annotations
 
 import pytest
@@ -63,12 +64,19 @@ def _build_and_report(method: str, tied: bool) -> dict:
 
     BUILT.clear()
     module = PipelineModule(_layers(4, tied), num_stages=2, partition_method=method, seed_layers=True)
-    return {"parts": module.parts, "stage": module.stage_id, "built": list(BUILT),
-            "range": module.stage_layer_range(), "names": sorted(n for n, _ in module.named_parameters())}
+    return {
+        "parts": module.parts,
+        "stage": module.stage_id,
+        "built": list(BUILT),
+        "range": module.stage_layer_range(),
+        "names": sorted(n for n, _ in module.named_parameters()),
+    }
 
 
-@pytest.mark.parametrize("method, parts", [("uniform", [0, 3, 5]), ("parameters", [0, 2, 5]),
-                                           ("type:block", [0, 3, 5]), ("type:embed", None)])
+@pytest.mark.parametrize(
+    "method, parts",
+    [("uniform", [0, 3, 5]), ("parameters", [0, 2, 5]), ("type:block", [0, 3, 5]), ("type:embed", None)],
+)
 def test_each_stage_builds_only_its_layers(method: str, parts: list | None) -> None:
     if parts is None:  # one Embed layer cannot be balanced over two stages: a clear error on both ranks
         msgs = run_distributed(_build_error, 2, method, timeout=60)
@@ -120,15 +128,17 @@ def _bad_module(case: str) -> str:
     return "no error"
 
 
-BAD = {"num_stages_3": "num_stages=3 does not divide the world size 2",
-       "too_few_layers": "1 layers cannot fill 2 pipeline stages",
-       "topology_world": "topology has 4 ranks",
-       "topology_mismatch": "num_stages=1 disagrees",
-       "no_pipe_axis": "must have a 'pipe' axis",
-       "unknown_method": "partition_method 'best' is not supported",
-       "neither": "give num_stages or topology",
-       "bad_layer": "layers[3] is int",
-       "interval": "activation_checkpoint_interval"}
+BAD = {
+    "num_stages_3": "num_stages=3 does not divide the world size 2",
+    "too_few_layers": "1 layers cannot fill 2 pipeline stages",
+    "topology_world": "topology has 4 ranks",
+    "topology_mismatch": "num_stages=1 disagrees",
+    "no_pipe_axis": "must have a 'pipe' axis",
+    "unknown_method": "partition_method 'best' is not supported",
+    "neither": "give num_stages or topology",
+    "bad_layer": "layers[3] is int",
+    "interval": "activation_checkpoint_interval",
+}
 
 
 def test_bad_module_fails_on_every_rank() -> None:
@@ -150,13 +160,27 @@ def _tied_grid_checks() -> dict:
     weight.grad = torch.full_like(weight, float(dist.get_rank() + 1))
     module.allreduce_tied_weight_gradients()
     seeds: list[int] = []
-    seeded = PipelineModule(_layers(2, tied=True), num_stages=2, partition_method="uniform", seed_layers=True,
-                            seed_fn=seeds.append, base_seed=100)
-    return {"seeds": seeds, "seeded_range": seeded.stage_layer_range(),
-            "equal": bool(torch.equal(gathered[0], gathered[1])), "grad": float(weight.grad[0, 0]),
-            "weight": weight.detach().clone(), "stage": grid.get_stage_id(), "dp": grid.dp_group,
-            "pp": grid.pp_group, "first": grid.is_first_stage, "last": grid.is_last_stage,
-            "keys": sorted(module.state_dict())}
+    seeded = PipelineModule(
+        _layers(2, tied=True),
+        num_stages=2,
+        partition_method="uniform",
+        seed_layers=True,
+        seed_fn=seeds.append,
+        base_seed=100,
+    )
+    return {
+        "seeds": seeds,
+        "seeded_range": seeded.stage_layer_range(),
+        "equal": bool(torch.equal(gathered[0], gathered[1])),
+        "grad": float(weight.grad[0, 0]),
+        "weight": weight.detach().clone(),
+        "stage": grid.get_stage_id(),
+        "dp": grid.dp_group,
+        "pp": grid.pp_group,
+        "first": grid.is_first_stage,
+        "last": grid.is_last_stage,
+        "keys": sorted(module.state_dict()),
+    }
 
 
 def test_tied_weights_synchronised_and_grads_summed() -> None:
@@ -182,13 +206,19 @@ def _grid_4() -> dict:
     grid = module.mpu()
     probe = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(probe, group=grid.get_data_parallel_group())
-    return {"stage": grid.get_stage_id(), "dp_rank": grid.get_data_parallel_rank(),
-            "dp_size": grid.get_data_parallel_world_size(), "pp_size": grid.get_pipe_parallel_world_size(),
-            "mp_rank": grid.get_model_parallel_rank(), "mp_size": grid.get_model_parallel_world_size(),
-            "slice": (grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()),
-            "tp_size": grid.get_tensor_model_parallel_world_size(), "dp_sum": float(probe),
-            "next": grid.stage_to_global(grid.next_stage) if not grid.is_last_stage else None,
-            "prev": grid.stage_to_global(grid.prev_stage) if not grid.is_first_stage else None}
+    return {
+        "stage": grid.get_stage_id(),
+        "dp_rank": grid.get_data_parallel_rank(),
+        "dp_size": grid.get_data_parallel_world_size(),
+        "pp_size": grid.get_pipe_parallel_world_size(),
+        "mp_rank": grid.get_model_parallel_rank(),
+        "mp_size": grid.get_model_parallel_world_size(),
+        "slice": (grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()),
+        "tp_size": grid.get_tensor_model_parallel_world_size(),
+        "dp_sum": float(probe),
+        "next": grid.stage_to_global(grid.next_stage) if not grid.is_last_stage else None,
+        "prev": grid.stage_to_global(grid.prev_stage) if not grid.is_first_stage else None,
+    }
 
 
 def test_grid_pipe_by_data_parallel() -> None:
@@ -212,8 +242,7 @@ def _stage_grads(interval: int, tied: bool) -> dict:
     """Single-stage pipeline module vs the seeded reference: same loss and gradients, with or without checkpoints."""
     from deepspeed.pipe import PipelineModule
 
-    module = PipelineModule(_layers(3, tied), num_stages=1, seed_layers=True,
-                            activation_checkpoint_interval=interval)
+    module = PipelineModule(_layers(3, tied), num_stages=1, seed_layers=True, activation_checkpoint_interval=interval)
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
     out = module(ids)
     loss = out.square().mean()
@@ -239,4 +268,3 @@ def test_forward_matches_reference_with_and_without_checkpointing(tied: bool) ->
         # The embedding's input (token ids) needs no grad: checkpointing must still give it its gradient.
         torch.testing.assert_close(rep["grads"][key], embed_grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rep["grads"]["1.fc.weight"], ref_layers[1].fc.weight.grad, rtol=1e-5, atol=1e-6)
-

@@ -4,6 +4,7 @@ Oracles: the fp32 masters gathered independently from every rank's partition (Ze
 weights after a publish, and gradients recomputed on an unsharded copy of the model and averaged
 over the ranks.
 """
+
 from __future__ import annotations
 
 import copy

@@ -14,6 +14,7 @@ Loads run with the default safe (``weights_only``) reader. Upstream's ZeRO-1/2 o
 ``deepspeed.utils.tensor_fragment.fragment_address`` (a two-int dataclass in ``param_slice_mappings``); our
 package defines it at that path and allow-lists it (``test_upstream_globals_are_ours_and_allowed``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,6 +30,8 @@ from tests.reference.models import make_model, micro_batch
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "upstream")
 CASES = sorted(d for d in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, d, "meta.json")))
 ELASTIC = [c for c in CASES if c.endswith("_ws2")]
+
+
 def _meta(case: str) -> dict:
     with open(os.path.join(FIXTURES, case, "meta.json")) as fd:
         return json.load(fd)
@@ -113,8 +116,13 @@ def _load_and_step(case_dir: str, meta: dict, world: int) -> dict:
     config = dict(meta["config"], gradient_accumulation_steps=gas)
     engine, *_ = deepspeed.initialize(model=make_model(123), config=config)
     path, client_state = engine.load_checkpoint(case_dir)
-    out = {"path": path, "global_steps": engine.global_steps, "masters": _full_fp32(engine, meta),
-           "module": _module_weights(engine, meta["zero_stage"]), "ds_version": client_state.get("ds_version")}
+    out = {
+        "path": path,
+        "global_steps": engine.global_steps,
+        "masters": _full_fp32(engine, meta),
+        "module": _module_weights(engine, meta["zero_stage"]),
+        "ds_version": client_state.get("ds_version"),
+    }
     rank = dist.get_rank()
     for m in range(gas):
         loss = engine(*micro_batch(2, m * world + rank))
@@ -137,16 +145,26 @@ def _check(case: str, results: list[dict]) -> None:
         if res["masters"] is not None:  # None on ranks > 0 for the ZeRO-3 fallback in _full_fp32
             assert sorted(res["masters"]) == sorted(expected)
             for name, value in expected.items():
-                torch.testing.assert_close(res["masters"][name], value, rtol=1e-6, atol=0,
-                                           msg=lambda m, n=name, r=rank: f"master {n} rank {r}: {m}")
-                torch.testing.assert_close(res["after"][name], step3[name], **_step3_tolerance(meta),
-                                           msg=lambda m, n=name, r=rank: f"step 3 {n} rank {r}: {m}")
+                torch.testing.assert_close(
+                    res["masters"][name],
+                    value,
+                    rtol=1e-6,
+                    atol=0,
+                    msg=lambda m, n=name, r=rank: f"master {n} rank {r}: {m}",
+                )
+                torch.testing.assert_close(
+                    res["after"][name],
+                    step3[name],
+                    **_step3_tolerance(meta),
+                    msg=lambda m, n=name, r=rank: f"step 3 {n} rank {r}: {m}",
+                )
         if res["module"] is not None:  # ZeRO-3 consolidates on rank 0 only
             assert sorted(res["module"]) == sorted(expected)
             for name, value in expected.items():
                 assert res["module"][name].dtype == dtype, name
-                torch.testing.assert_close(res["module"][name], value.to(dtype), rtol=0, atol=0,
-                                           msg=lambda m, n=name: f"module {n}: {m}")
+                torch.testing.assert_close(
+                    res["module"][name], value.to(dtype), rtol=0, atol=0, msg=lambda m, n=name: f"module {n}: {m}"
+                )
     assert results[0]["module"] is not None and results[0]["masters"] is not None
 
 

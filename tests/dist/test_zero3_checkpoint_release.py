@@ -4,6 +4,7 @@ PyTorch's non-reentrant checkpoint stops its recompute early, by raising out of 
 saved tensors it needs. That module's forward post-hook must still run (it releases the gathered
 parameters); otherwise every checkpointed layer leaves its last module gathered until the backward ends.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,12 @@ def _alive_in_backward(world: int) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 10_000},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "reduce_bucket_size": 10_000,
+        },
     }
     engine, *_ = deepspeed.initialize(model=_Net(), config=cfg)
     manager = engine.zero3_manager

@@ -1,6 +1,7 @@
 """ZeRO-3 through the engine: zero.Init, awkward models, nothing gathered after training or eval,
 destroy(), checkpoints (exact and elastic resume, zero_to_fp32), and saving that does not grow memory.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,12 @@ def _init_and_awkward(world: int) -> dict:
     after_eval = manager.count_gathered()
     weights = _full_weights(engine)
     engine.destroy()
-    return dict(weights=weights, after_train=after_train, after_eval=after_eval.params_alive, persistent=sum(
-        s.is_persistent for s in manager.states.values()))
+    return dict(
+        weights=weights,
+        after_train=after_train,
+        after_eval=after_eval.params_alive,
+        persistent=sum(s.is_persistent for s in manager.states.values()),
+    )
 
 
 def test_zero_init_tied_frozen_and_nothing_left_gathered() -> None:
@@ -188,8 +193,9 @@ def _offload_placement(world: int) -> dict:
     seen["master"] = [(g.master.dtype, g.master.device.type, g.master.is_pinned()) for g in opt.groups]
     engine.step()
     seen["after_step"] = opt.live_grad_buffers()
-    seen["state_devices"] = {v.device.type for st in opt.optimizer.state.values() for v in st.values()
-                             if torch.is_tensor(v) and v.dim() > 0}
+    seen["state_devices"] = {
+        v.device.type for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0
+    }
     engine.destroy()
     return seen
 

@@ -5,6 +5,7 @@ model is built in fp32 on the host and trained in bf16, so every bf16 tensor ali
 dispatch mode keeps weak references to the bf16 tensors it sees and, after every op, adds up the bytes of the
 distinct storages still alive. The GPU-marked tests read the accelerator's own counters instead.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -56,8 +57,13 @@ def _model() -> nn.Module:
 
 
 def _plan(stage: int):  # noqa: ANN202
-    return DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-                            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}).plan
+    return DeepSpeedConfig(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+    ).plan
 
 
 def _bf16_bytes(model: nn.Module) -> tuple[int, int]:

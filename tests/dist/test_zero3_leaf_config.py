@@ -4,6 +4,7 @@ reference), and a class name that matches nothing is logged and ignored.
 
 One spawn runs every case (process start-up dominates on a small CPU machine).
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,8 +90,14 @@ def _config(**zero: object) -> dict:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": True}},
         # No prefetch and no reuse: what is gathered at a boundary is what the current units need.
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0,
-                              "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0, **zero},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 500,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0,
+            **zero,
+        },
     }
 
 
@@ -122,10 +129,12 @@ def _run(cfg: dict, zero_init: bool) -> dict:
     out = {
         "units": sorted(u.name for u in manager.units.values()),
         "leaves": sorted(name for name, mod in engine.module.named_modules() if is_z3_leaf(mod)),
-        "hooked_below_leaf": any(bool(mod._forward_pre_hooks) for mod in engine.module.ffn.modules()
-                                 if mod is not engine.module.ffn),
-        "alive_at_ffn": max(s.params_alive for s in manager.boundary_samples
-                            if s.event == "pre_forward" and s.module.startswith("ffn")),
+        "hooked_below_leaf": any(
+            bool(mod._forward_pre_hooks) for mod in engine.module.ffn.modules() if mod is not engine.module.ffn
+        ),
+        "alive_at_ffn": max(
+            s.params_alive for s in manager.boundary_samples if s.event == "pre_forward" and s.module.startswith("ffn")
+        ),
         "weights": _weights(engine),
     }
     engine.destroy()
@@ -190,6 +199,7 @@ def test_leaf_config_changes_units_not_numbers() -> None:
         for case in ("classes", "threshold", "unknown"):
             _assert_parity(rank_result[case]["weights"], ref, case)
     warnings = results[0]["warnings"]
-    assert any("zero_optimization.leaf_module.classes: 'NoSuchBlock' matches no module" in w for w in warnings), \
+    assert any("zero_optimization.leaf_module.classes: 'NoSuchBlock' matches no module" in w for w in warnings), (
         warnings
+    )
     assert not any("NoSuchBlock" in w for w in results[1]["warnings"]), "only rank 0 logs"

@@ -3,6 +3,7 @@
 cycle (world size 2). On CPU the shards already live on the host, so the move itself is checked by the GPU
 benchmark (benchmarks/scenarios/memory_options.py); here the partition/regather bookkeeping and the parity are.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,11 @@ from tests.reference.zero_oracle import engine_micro_index
 
 def _config(stage: int) -> dict:
     # Threshold 30: the norm and the small biases (23 elements) stay gathered between uses (persistent).
-    return {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 30}}
+    return {
+        "train_micro_batch_size_per_gpu": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 30},
+    }
 
 
 def _train(cycle: bool) -> dict:
@@ -31,10 +35,12 @@ def _train(cycle: bool) -> dict:
         if cycle and step == 2:
             persistent = sum(s.is_persistent for s in manager.states.values())
             engine.offload_states()
-            during = {"persistent_before": persistent,
-                      "persistent": sum(s.is_persistent for s in manager.states.values()),
-                      "gathered": sum(s.state is not ShardedState.SHARDED for s in manager.states.values()),
-                      "placeholders": all(p.numel() == 0 for p in engine.module.parameters())}
+            during = {
+                "persistent_before": persistent,
+                "persistent": sum(s.is_persistent for s in manager.states.values()),
+                "gathered": sum(s.state is not ShardedState.SHARDED for s in manager.states.values()),
+                "placeholders": all(p.numel() == 0 for p in engine.module.parameters()),
+            }
             engine.reload_states()
             during["persistent_after"] = sum(s.is_persistent for s in manager.states.values())
         loss = engine(*micro_batch(step, engine_micro_index(0, rank, world)))

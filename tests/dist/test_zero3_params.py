@@ -5,6 +5,7 @@ activation-checkpointed module, frozen parameters, an external parameter); gathe
 boundary bounded by the prefetch window; nothing gathered after backward or an eval; ``GatheredParameters`` with
 and without a modifier rank; ``zero.Init`` partitioning at construction, its dtype rule and nesting counter.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,8 +82,10 @@ class Net(nn.Module):
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1234)
-    return [(torch.randint(0, VOCAB, (3, 5), generator=gen), torch.randint(0, VOCAB, (3, 5), generator=gen))
-            for _ in range(world)]
+    return [
+        (torch.randint(0, VOCAB, (3, 5), generator=gen), torch.randint(0, VOCAB, (3, 5), generator=gen))
+        for _ in range(world)
+    ]
 
 
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -194,8 +197,7 @@ def _check_init_and_gathered(rank: int, world: int) -> dict:
         weight.data.fill_(7.0)
     with GatheredParameters(weight):
         assert torch.all(weight == 1.5), "read-only gather leaked a modification"
-    manager = ZeroParamManager(model, ShardGroup.resolve(), Stage3Policy(param_persistence_threshold=0),
-                               LeanPolicy())
+    manager = ZeroParamManager(model, ShardGroup.resolve(), Stage3Policy(param_persistence_threshold=0), LeanPolicy())
     out = model(torch.ones(2, 10))
     with GatheredParameters(list(model.parameters())):
         reference = nn.Sequential(nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
@@ -218,8 +220,11 @@ def _check_init_dtype_rule() -> dict:
     with pytest.raises(RuntimeError, match="already gathered"), outer, overlapping:
         pass
     assert nested.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
-    return {"bare_dtype": str(bare.weight.ds_tensor.dtype), "nested_depth": depth,
-            "nested_dtype": str(nested.weight.ds_tensor.dtype)}
+    return {
+        "bare_dtype": str(bare.weight.ds_tensor.dtype),
+        "nested_depth": depth,
+        "nested_dtype": str(nested.weight.ds_tensor.dtype),
+    }
 
 
 def _all_checks() -> dict:

@@ -5,6 +5,7 @@ hf_ds_config=<json with "auto">))``, ``DummyOptim``/``DummyScheduler`` because t
 ``accelerator.accumulate`` + ``accelerator.backward``, which drive the engine through
 ``set_gradient_accumulation_boundary(is_boundary=...)`` and call ``engine.step()`` only at the boundary.
 """
+
 from __future__ import annotations
 
 import copy
@@ -102,8 +103,10 @@ def _reference(config: dict, inputs: list[torch.Tensor], gas: int) -> dict[str, 
 
 
 def _module_hooks(module: torch.nn.Module) -> int:
-    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
-               + len(m._backward_pre_hooks) for m in module.modules())
+    return sum(
+        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        for m in module.modules()
+    )
 
 
 def _destroy_report(accelerator: Any) -> dict[str, Any]:
@@ -117,9 +120,15 @@ def _destroy_report(accelerator: Any) -> dict[str, Any]:
     stage = engine.zero_optimization_stage()
     hooks_before = _module_hooks(module)
     accelerator.free_memory()
-    report = {"wrapper_cleared": accelerator.deepspeed_engine_wrapped is None, "optimizer": engine.optimizer,
-              "lr_scheduler": engine.lr_scheduler, "models_left": len(accelerator._models),
-              "hooks_before": hooks_before, "hooks_after": _module_hooks(module), "grads_kept": None}
+    report = {
+        "wrapper_cleared": accelerator.deepspeed_engine_wrapped is None,
+        "optimizer": engine.optimizer,
+        "lr_scheduler": engine.lr_scheduler,
+        "models_left": len(accelerator._models),
+        "hooks_before": hooks_before,
+        "hooks_after": _module_hooks(module),
+        "grads_kept": None,
+    }
     if stage < 3:
         ids = torch.arange(16).unsqueeze(0) % 100
         module.zero_grad(set_to_none=True)
@@ -139,10 +148,16 @@ def train_save_and_teardown(config_path: str, save_dir: str, gas: int, steps: in
     second = _train(accelerator, parts, batches, steps - save_at, gas)
     log = {key: first[key] + second[key] for key in first}
     engine = accelerator.deepspeed_engine_wrapped.engine
-    result = {"loss": log["loss"], "grad_norm": log["grad_norm"], "global_steps": log["global_steps"],
-              "micro_size": tuple(log["inputs"][0].shape), "stage": engine.zero_optimization_stage(),
-              "gas": engine.gradient_accumulation_steps(), "config": dict(accelerator.deepspeed_config),
-              "rank": int(os.environ["RANK"])}
+    result = {
+        "loss": log["loss"],
+        "grad_norm": log["grad_norm"],
+        "global_steps": log["global_steps"],
+        "micro_size": tuple(log["inputs"][0].shape),
+        "stage": engine.zero_optimization_stage(),
+        "gas": engine.gradient_accumulation_steps(),
+        "config": dict(accelerator.deepspeed_config),
+        "rank": int(os.environ["RANK"]),
+    }
     result["zero_init"] = parts[4]
     reference = _reference(accelerator.deepspeed_config, log["inputs"], gas)
     result["ref_loss"], result["ref_grad_norm"] = reference["loss"], reference["grad_norm"]
@@ -162,5 +177,9 @@ def resume(config_path: str, save_dir: str, gas: int, steps: int, save_at: int) 
         next(batches)
     log = _train(accelerator, parts, batches, steps - save_at, gas)
     accelerator.free_memory()
-    return {"loaded_steps": loaded_steps, "loss": log["loss"], "grad_norm": log["grad_norm"],
-            "global_steps": log["global_steps"]}
+    return {
+        "loaded_steps": loaded_steps,
+        "loss": log["loss"],
+        "grad_norm": log["grad_norm"],
+        "global_steps": log["global_steps"],
+    }

@@ -4,6 +4,7 @@ The tiny GPT-2 and the synthetic data set come from ``examples/hf_trainer.py`` s
 Everything here is importable without transformers/accelerate; the test modules skip (with the reason from
 :func:`missing_integration_packages`) when those are not installed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,14 @@ ZERO2_AUTO = EXAMPLES / "ds_config_zero2_auto.json"
 ZERO3_AUTO = EXAMPLES / "ds_config_zero3_auto.json"
 SUMMARY_PREFIX = "LEAN_SUMMARY "
 # Environment for every process these tests start: CPU accelerator, no network, quiet tokenizers.
-QUIET_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"}
+QUIET_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def missing_integration_packages() -> str | None:
@@ -31,8 +38,10 @@ def missing_integration_packages() -> str | None:
     missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
     if not missing:
         return None
-    return (f"{' and '.join(missing)} not installed: install the integration extra "
-            "(pip install -e '.[test]') to run the HF Trainer / accelerate tests")
+    return (
+        f"{' and '.join(missing)} not installed: install the integration extra "
+        "(pip install -e '.[test]') to run the HF Trainer / accelerate tests"
+    )
 
 
 def load_example() -> ModuleType:
@@ -63,7 +72,7 @@ def run_launcher(script_args: list[str], timeout: float = 240.0, num_gpus: int =
     assert proc.returncode == 0, f"launcher exited with {proc.returncode}; command {cmd}\n{tail}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith(SUMMARY_PREFIX)]
     assert len(lines) == 1, f"expected one summary line from rank 0, got {len(lines)}\n{tail}"
-    return json.loads(lines[0][len(SUMMARY_PREFIX):]), output
+    return json.loads(lines[0][len(SUMMARY_PREFIX) :]), output
 
 
 def _free_port() -> int:

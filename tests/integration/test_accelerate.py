@@ -7,6 +7,7 @@ the engine sees ``set_gradient_accumulation_boundary(is_boundary=False/True)`` a
 boundary), ``save_state`` after step 3, ``free_memory`` at the end. A second, fresh pair of ranks
 ``load_state``s the step-3 checkpoint and must reproduce steps 4-6.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,7 @@ import pytest
 from tests._harness import run_distributed
 from tests.integration._common import QUIET_ENV, ZERO2_AUTO, ZERO3_AUTO, missing_integration_packages
 
-pytestmark = pytest.mark.skipif(missing_integration_packages() is not None,
-                                reason=missing_integration_packages() or "")
+pytestmark = pytest.mark.skipif(missing_integration_packages() is not None, reason=missing_integration_packages() or "")
 
 GAS, STEPS, SAVE_AT = 2, 6, 3
 TIMEOUT = 240.0
@@ -45,8 +45,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     stage = request.param
     config = accelerate_config(STAGES[stage], tmp_path_factory.mktemp(f"accelerate_config{stage}"))
     save_dir = str(tmp_path_factory.mktemp(f"accelerate_zero{stage}"))
-    first = run_distributed(job.train_save_and_teardown, 2, config, save_dir, GAS, STEPS, SAVE_AT,
-                            timeout=TIMEOUT, env=QUIET_ENV)
+    first = run_distributed(
+        job.train_save_and_teardown, 2, config, save_dir, GAS, STEPS, SAVE_AT, timeout=TIMEOUT, env=QUIET_ENV
+    )
     second = run_distributed(job.resume, 2, config, save_dir, GAS, STEPS, SAVE_AT, timeout=TIMEOUT, env=QUIET_ENV)
     return {"stage": stage, "first": first, "second": second, "save_dir": save_dir}
 

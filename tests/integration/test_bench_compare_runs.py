@@ -1,4 +1,5 @@
 """benchmarks/compare_runs.py: rows match on configuration, moved memory fails, slow steps are flagged."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,20 @@ SCRIPT = ROOT / "benchmarks" / "compare_runs.py"
 
 
 def _row(peak: float, step: float, **over: object) -> dict:
-    row = {"scenario": "s1", "impl": "ours", "stage": 2, "dtype": "bf16", "gas": 16, "world_size": 8,
-           "model": "gpt1.3b", "offload": False, "offload_param": False, "status": "ok",
-           "peak_alloc_gib": peak, "step_time_s": step}
+    row = {
+        "scenario": "s1",
+        "impl": "ours",
+        "stage": 2,
+        "dtype": "bf16",
+        "gas": 16,
+        "world_size": 8,
+        "model": "gpt1.3b",
+        "offload": False,
+        "offload_param": False,
+        "status": "ok",
+        "peak_alloc_gib": peak,
+        "step_time_s": step,
+    }
     row.update(over)
     return row
 
@@ -24,8 +36,9 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def _run(before: Path, after: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(before), str(after), *extra],
-                          capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(before), str(after), *extra], capture_output=True, text=True, check=False
+    )
 
 
 def test_equal_memory_passes_and_ratio_is_reported(tmp_path: Path) -> None:

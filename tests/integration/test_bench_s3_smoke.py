@@ -6,6 +6,7 @@ the worker runs ours at N=1 and FSDP2 at N=8 (fake group, meta-device build) wit
 summary survives the analysis path, and that ``run_all.py --plan`` lists the S3 jobs (scheduler and checkpoint-form
 tests: ``test_bench_scheduler.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,14 @@ def test_hf_auto_config_values() -> None:
 
 
 def _worker(spec: dict, out: Path, gate: Path | None = None) -> subprocess.Popen:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(21000 + os.getpid() % 2000 + spec["world_size"]))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(21000 + os.getpid() % 2000 + spec["world_size"]),
+    )
     cmd = [sys.executable, str(WORKER), "--spec", json.dumps(spec), "--result", str(out)]
     cmd += ["--gate", str(gate)] if gate is not None else []
     return subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -69,8 +76,10 @@ def test_worker_ours_n1_and_fsdp2_n8(tmp_path: Path) -> None:
     """Both workers finish with status ok, the right parameter count and real gathered-layer counts; the FSDP2
     worker is started gated (as run_all --prelaunch does) and runs only once the gate file exists."""
     base = {"model": "quick-qwen", "dtype": "bf16", "gas": 1, "warmup": 1}
-    runs = {"ours": ({**base, "impl": "ours", "stage": 3, "world_size": 1}, tmp_path / "ours.json"),
-            "fsdp2": ({**base, "impl": "fsdp2", "stage": None, "world_size": 8}, tmp_path / "fsdp2.json")}
+    runs = {
+        "ours": ({**base, "impl": "ours", "stage": 3, "world_size": 1}, tmp_path / "ours.json"),
+        "fsdp2": ({**base, "impl": "fsdp2", "stage": None, "world_size": 8}, tmp_path / "fsdp2.json"),
+    }
     gate = tmp_path / "gate"
     procs = {name: _worker(spec, out, gate if name == "fsdp2" else None) for name, (spec, out) in runs.items()}
     for name, proc in procs.items():
@@ -108,12 +117,15 @@ def test_trace_analysis_path_records_a_summary() -> None:
 
     assert (s3_zero3.TIMELINE_DIR / "__init__.py").exists()
     frames = [{"filename": "/x/deepspeed/_core/params/gather.py", "name": "gather", "line": 1}]
-    trace = [{"action": "alloc", "addr": 100, "size": 1000, "frames": frames, "time_us": 1},
-             {"action": "free_requested", "addr": 100, "size": 1000, "frames": [], "time_us": 2},
-             {"action": "alloc", "addr": 5000, "size": 3000, "frames": [], "time_us": 3},
-             {"action": "free_completed", "addr": 100, "size": 1000, "frames": [], "time_us": 4}]
-    out = s3_zero3._analyse({"device_traces": [trace], "segments": []}, {"impl": "ours", "model": "quick-qwen"},
-                            500, lambda mod: [])
+    trace = [
+        {"action": "alloc", "addr": 100, "size": 1000, "frames": frames, "time_us": 1},
+        {"action": "free_requested", "addr": 100, "size": 1000, "frames": [], "time_us": 2},
+        {"action": "alloc", "addr": 5000, "size": 3000, "frames": [], "time_us": 3},
+        {"action": "free_completed", "addr": 100, "size": 1000, "frames": [], "time_us": 4},
+    ]
+    out = s3_zero3._analyse(
+        {"device_traces": [trace], "segments": []}, {"impl": "ours", "model": "quick-qwen"}, 500, lambda mod: []
+    )
     assert "error" not in out, out
     assert out["gathered_layers_alive_max_from_trace"] == 2.0
     assert out["deferred_frees"]["gathered_count"] == 1
@@ -121,8 +133,18 @@ def test_trace_analysis_path_records_a_summary() -> None:
 
 def test_run_all_plan_lists_s3_jobs() -> None:
     """``--plan`` schedules every S3 job (quick models) and runs nothing."""
-    cmd = [sys.executable, str(BENCH / "run_all.py"), "--out", "/tmp/unused_s3_plan", "--quick", "--only", "s3",
-           "--world-sizes", "1,8", "--plan"]
+    cmd = [
+        sys.executable,
+        str(BENCH / "run_all.py"),
+        "--out",
+        "/tmp/unused_s3_plan",
+        "--quick",
+        "--only",
+        "s3",
+        "--world-sizes",
+        "1,8",
+        "--plan",
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("s3")]
@@ -138,9 +160,20 @@ def test_fake_group_runs_cannot_skip_every_step_unnoticed() -> None:
 
     assert hf_auto_config({"impl": "ours", "stage": 3, "world_size": 8}, 64)["bf16"]["check_grad_overflow"] is False
     assert "check_grad_overflow" not in hf_auto_config({"impl": "ours", "stage": 3, "world_size": 1}, 64)["bf16"]
-    skipped = {"scenario": "s3", "impl": "ours", "status": "ok", "stage": 3, "model": "qwen2-3b", "world_size": 8,
-               "skipped_steps": 4, "warmup_steps": 2, "peak_alloc_gib": 5.0, "peak_reserved_gib": 6.0,
-               "peak_over_floor": 0.9, "reserved_over_alloc": 1.2}
+    skipped = {
+        "scenario": "s3",
+        "impl": "ours",
+        "status": "ok",
+        "stage": 3,
+        "model": "qwen2-3b",
+        "world_size": 8,
+        "skipped_steps": 4,
+        "warmup_steps": 2,
+        "peak_alloc_gib": 5.0,
+        "peak_reserved_gib": 6.0,
+        "peak_over_floor": 0.9,
+        "reserved_over_alloc": 1.2,
+    }
     assert report._s3_invalid(skipped)
     assert not report._s3_invalid(dict(skipped, skipped_steps=0))
     rows = report.s3_table([skipped])
@@ -153,8 +186,18 @@ def test_report_says_how_step_times_were_taken() -> None:
     """Records with several timed steps get a median-of-N caption; older single-step records keep theirs."""
     import report
 
-    row = {"scenario": "s3", "impl": "ours", "status": "ok", "stage": 3, "model": "qwen2-3b", "world_size": 1,
-           "skipped_steps": 0, "peak_alloc_gib": 5.0, "peak_reserved_gib": 6.0, "step_time_s": 1.0}
+    row = {
+        "scenario": "s3",
+        "impl": "ours",
+        "status": "ok",
+        "stage": 3,
+        "model": "qwen2-3b",
+        "world_size": 1,
+        "skipped_steps": 0,
+        "peak_alloc_gib": 5.0,
+        "peak_reserved_gib": 6.0,
+        "step_time_s": 1.0,
+    }
     timed = "\n".join(report.s3_section([dict(row, step_times_s=[1.2, 1.0, 0.9])]))
     assert "the median of 3 timed steps" in timed
     single = "\n".join(report.s3_section([row]))

@@ -5,6 +5,7 @@ minutes on one H200"): ``--plan`` with the defaults leaves nothing to the deadli
 but the three 7.6B N=1 offload rows the host-memory guard refuses. The real loop (prelaunch gates, thread shares,
 one offload worker at a time) is exercised with a stand-in worker script that imports nothing heavy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,10 @@ def test_default_plan_fits_one_device_call() -> None:
     refused = [(j, note) for j, t, _, note in rows if t is None]
     assert all("host memory" in note for _, note in refused), refused
     assert sorted((j.spec["impl"], j.spec["model"], j.spec["world_size"], j.spec["offload"]) for j, _ in refused) == [
-        ("fsdp2", "qwen2.5-7b", 1, True), ("ours", "qwen2.5-7b", 1, True), ("upstream", "qwen2.5-7b", 1, True)]
+        ("fsdp2", "qwen2.5-7b", 1, True),
+        ("ours", "qwen2.5-7b", 1, True),
+        ("upstream", "qwen2.5-7b", 1, True),
+    ]
     end = max(e for _, t, e, _ in rows if t is not None)
     assert end <= args.deadline_s - 40, end  # 470 s of the 510 s deadline: room for estimates that run long
     # The one-rank offload rows (tens of GiB of host memory each) run one at a time; the 7.6B fake-group ranks
@@ -91,10 +95,24 @@ def test_report_shows_the_checkpoint_form() -> None:
     """The S3 table has a ckpt column; the throughput table marks a reentrant row with a dagger."""
     import report
 
-    base = {"scenario": "s3", "status": "ok", "stage": 3, "model": "qwen2-3b", "world_size": 1, "peak_alloc_gib": 9.0,
-            "peak_reserved_gib": 10.0, "floor_gib": 8.0, "layers": 36}
-    rows = report.s3_table([dict(base, impl="upstream", checkpoint_reentrant=True), dict(base, impl="ours"),
-                            dict(base, impl="fsdp2", stage=None, status="error", error="x")])
+    base = {
+        "scenario": "s3",
+        "status": "ok",
+        "stage": 3,
+        "model": "qwen2-3b",
+        "world_size": 1,
+        "peak_alloc_gib": 9.0,
+        "peak_reserved_gib": 10.0,
+        "floor_gib": 8.0,
+        "layers": 36,
+    }
+    rows = report.s3_table(
+        [
+            dict(base, impl="upstream", checkpoint_reentrant=True),
+            dict(base, impl="ours"),
+            dict(base, impl="fsdp2", stage=None, status="error", error="x"),
+        ]
+    )
     assert "| ckpt |" in rows[0]
     assert rows[0].count("|") == rows[1].count("|") == rows[2].count("|") == rows[3].count("|") == rows[4].count("|")
     assert any("| upstream | 3 | reentrant |" in r for r in rows)
@@ -132,24 +150,46 @@ def test_run_jobs_prelaunches_and_shares_threads(tmp_path: Path, monkeypatch: py
     worker = tmp_path / "fake_worker.py"
     worker.write_text(FAKE_WORKER)
     monkeypatch.setattr(run_all, "SCRIPTS", {k: worker for k in ("s1", "s2", "s3", "throughput")})
-    args = argparse.Namespace(jobs=3, offload_threads=0, offload_jobs=1, prelaunch=3, mem_budget_gib=100.0,
-                              host_budget_gib=100.0, deadline_s=120.0, job_timeout_s=60.0, extra_site="",
-                              upstream_target=str(REPO))
+    args = argparse.Namespace(
+        jobs=3,
+        offload_threads=0,
+        offload_jobs=1,
+        prelaunch=3,
+        mem_budget_gib=100.0,
+        host_budget_gib=100.0,
+        deadline_s=120.0,
+        job_timeout_s=60.0,
+        extra_site="",
+        upstream_target=str(REPO),
+    )
 
     def job(scenario: str, solo: bool = False, **spec: object) -> run_all.Job:
-        return run_all.Job(spec={"scenario": scenario, "impl": "ours", "world_size": 1, "sleep": 0.4, **spec},
-                           est_s=2.0, est_gib=10.0, est_host_gib=4.0, solo=solo)
+        return run_all.Job(
+            spec={"scenario": scenario, "impl": "ours", "world_size": 1, "sleep": 0.4, **spec},
+            est_s=2.0,
+            est_gib=10.0,
+            est_host_gib=4.0,
+            solo=solo,
+        )
 
-    jobs = [job("s3", offload=True), job("s3", offload=True), *[job("s1", gas=g) for g in range(6)],
-            job("throughput", solo=True), job("throughput", solo=True)]
+    jobs = [
+        job("s3", offload=True),
+        job("s3", offload=True),
+        *[job("s1", gas=g) for g in range(6)],
+        job("throughput", solo=True),
+        job("throughput", solo=True),
+    ]
     t0 = time.time()
     records = run_all.run_jobs(jobs, args, tmp_path / "run_log.txt")
     assert time.time() - t0 < 60
     assert len(records) == len(jobs) and all(r["status"] == "ok" for r in records), records
     cores = os.cpu_count() or 2
     for r in records:
-        want = cores if r["scenario"] == "throughput" else (
-            max(cores // 3, cores // 2) if r.get("offload") else max(1, cores // 3))
+        want = (
+            cores
+            if r["scenario"] == "throughput"
+            else (max(cores // 3, cores // 2) if r.get("offload") else max(1, cores // 3))
+        )
         assert r["omp_threads"] == want and r["omp_env"] == str(want)
     prelaunched = [r for r in records if r["prelaunched_s"] > 0]
     assert len(prelaunched) >= len(jobs) - 3  # all but (at most) the first wave started before their turn

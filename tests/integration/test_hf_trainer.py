@@ -6,6 +6,7 @@ with ``--resume_from_checkpoint checkpoint-3`` that must continue at step 4 and 
 Under ZeRO-3 the model is built by ``AutoModelForCausalLM.from_config`` inside ``deepspeed.zero.Init`` (transformers
 does that once ``TrainingArguments(deepspeed=<zero3 json>)`` exists).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,17 +17,31 @@ import pytest
 
 from tests.integration._common import ZERO2_AUTO, ZERO3_AUTO, losses_by_step, missing_integration_packages, run_launcher
 
-pytestmark = pytest.mark.skipif(missing_integration_packages() is not None,
-                                reason=missing_integration_packages() or "")
+pytestmark = pytest.mark.skipif(missing_integration_packages() is not None, reason=missing_integration_packages() or "")
 
 STAGES = {2: ZERO2_AUTO, 3: ZERO3_AUTO}
 STEPS, SAVE_EVERY, MICRO, GAS, HIDDEN = 6, 3, 4, 2, 32
 
 
 def _args(config: str, out_dir: str) -> list[str]:
-    return ["--deepspeed", config, "--output_dir", out_dir, "--max_steps", str(STEPS), "--save_strategy", "steps",
-            "--save_steps", str(SAVE_EVERY), "--per_device_train_batch_size", str(MICRO),
-            "--gradient_accumulation_steps", str(GAS), "--n_embd", str(HIDDEN)]
+    return [
+        "--deepspeed",
+        config,
+        "--output_dir",
+        out_dir,
+        "--max_steps",
+        str(STEPS),
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        str(SAVE_EVERY),
+        "--per_device_train_batch_size",
+        str(MICRO),
+        "--gradient_accumulation_steps",
+        str(GAS),
+        "--n_embd",
+        str(HIDDEN),
+    ]
 
 
 @pytest.fixture(scope="module", params=sorted(STAGES), ids=lambda stage: f"zero{stage}")
@@ -37,8 +52,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     first, _ = run_launcher(_args(str(STAGES[stage]), out_dir))
     resume_from = os.path.join(out_dir, f"checkpoint-{SAVE_EVERY}")
     # The resumed run writes elsewhere so that the first run's checkpoints stay as they were.
-    second, _ = run_launcher(_args(str(STAGES[stage]), out_dir + "_resumed")
-                             + ["--resume_from_checkpoint", resume_from])
+    second, _ = run_launcher(
+        _args(str(STAGES[stage]), out_dir + "_resumed") + ["--resume_from_checkpoint", resume_from]
+    )
     return {"stage": stage, "first": first, "second": second, "out_dir": out_dir}
 
 

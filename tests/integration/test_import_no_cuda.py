@@ -3,6 +3,7 @@ their device later). On this CPU machine the check is that the import path calls
 interpreter every CUDA initialisation entry point is replaced by one that raises, then the package and the
 submodules integrations import are imported. ``benchmarks/clients/cuda_import_check.py`` checks the same on a GPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,6 +41,11 @@ def test_import_calls_no_cuda_initialisation(accelerator: str) -> None:
 def test_probe_detects_an_initialising_import() -> None:
     # The probe itself must be able to fail: a module that touches CUDA at import is caught.
     bad = PROBE.replace("import deepspeed\n", "import deepspeed\ntorch.cuda._lazy_init()\n", 1)
-    done = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    done = subprocess.run(
+        [sys.executable, "-c", bad],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert done.returncode != 0 and "CUDA initialised during import" in done.stderr

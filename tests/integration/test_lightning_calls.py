@@ -8,6 +8,7 @@ scheduler; ``save_checkpoint(path, client_state=, tag="checkpoint")``; ``load_ch
 load_lr_scheduler_states=False)``; then ``zero_to_fp32`` to collapse the checkpoint. Every weight is compared with a
 plain single-process PyTorch run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,19 @@ MICRO, LR = 2, 0.1
 
 def _config(stage: int) -> dict:
     # Lightning writes this dict itself from the strategy's arguments.
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage},
-            "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False,
-                                         "cpu_checkpointing": False, "profile": False}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "activation_checkpointing": {
+            "partition_activations": False,
+            "contiguous_memory_optimization": False,
+            "cpu_checkpointing": False,
+            "profile": False,
+        },
+    }
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,14 +55,24 @@ def _strategy_setup(stage: int) -> deepspeed.DeepSpeedEngine:
     with deepspeed.zero.Init(enabled=stage == 3, remote_device=None, config_dict_or_path=config):
         model = TinyMLP()
     ac = config["activation_checkpointing"]
-    deepspeed.checkpointing.configure(mpu_=None, partition_activations=ac["partition_activations"],
-                                      contiguous_checkpointing=ac["contiguous_memory_optimization"],
-                                      checkpoint_in_cpu=ac["cpu_checkpointing"], profile=ac["profile"])
+    deepspeed.checkpointing.configure(
+        mpu_=None,
+        partition_activations=ac["partition_activations"],
+        contiguous_checkpointing=ac["contiguous_memory_optimization"],
+        checkpoint_in_cpu=ac["cpu_checkpointing"],
+        profile=ac["profile"],
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    engine, _, _, _ = deepspeed.initialize(args=argparse.Namespace(device_rank=None), config=config, model=model,
-                                           model_parameters=model.parameters(), optimizer=optimizer,
-                                           lr_scheduler=scheduler, dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        args=argparse.Namespace(device_rank=None),
+        config=config,
+        model=model,
+        model_parameters=model.parameters(),
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        dist_init_required=False,
+    )
     return engine
 
 
@@ -93,8 +113,9 @@ def test_lightning_strategy_calls(stage: int, tmp_path: Path) -> None:
     engine.save_checkpoint(ckpt, client_state={"epoch": 4, "global_step": 1}, tag="checkpoint")
 
     resumed = _strategy_setup(stage)
-    path, client_state = resumed.load_checkpoint(ckpt, load_optimizer_states=True, load_lr_scheduler_states=False,
-                                                 load_module_strict=True)
+    path, client_state = resumed.load_checkpoint(
+        ckpt, load_optimizer_states=True, load_lr_scheduler_states=False, load_module_strict=True
+    )
     assert Path(path) == Path(ckpt, "checkpoint") or path.endswith("checkpoint"), path
     assert client_state["epoch"] == 4 and client_state["global_step"] == 1
     _assert_matches(resumed, _reference(1))

@@ -2,6 +2,7 @@
 launcher on 2 CPU ranks, shrunk to a few steps: it must exit 0 (the held-out loss fell), print the per-phase memory
 table and write metrics.json with a falling held-out loss and memory records next to the ZeRO-3 floor.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,28 @@ from tests.launcher._launch import REPO, clean_env, free_port
 
 def test_train_gpt_small_run(tmp_path: Path) -> None:
     out = tmp_path / "main"
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-            "examples/train_gpt.py", "--deepspeed_config", "examples/ds_config_gpt_zero3.json", "--steps", "8",
-            "--eval_every", "4", "--layers", "1", "--dim", "64", "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "examples/train_gpt.py",
+        "--deepspeed_config",
+        "examples/ds_config_gpt_zero3.json",
+        "--steps",
+        "8",
+        "--eval_every",
+        "4",
+        "--layers",
+        "1",
+        "--dim",
+        "64",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(argv, cwd=REPO, env=clean_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ZeRO stage 3 over 2 ranks" in done.stdout and "memory per phase" in done.stdout

@@ -9,6 +9,7 @@
 * The attributes they read: ``deepspeed.version``, ``deepspeed.__version__``, ``isinstance(m, DeepSpeedEngine)``,
   ``engine.config["zero_optimization"][...]``, ``engine.optimizer`` an instance of the public class for its stage.
 """
+
 from __future__ import annotations
 
 import copy
@@ -63,11 +64,20 @@ def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 5) -> torc
 
 def _accelerate_style_config(stage: int) -> dict:
     """What ``accelerator.state.deepspeed_plugin.deepspeed_config`` holds after ``prepare``: some "auto" left."""
-    return {"train_micro_batch_size_per_gpu": MICRO, "train_batch_size": "auto", "gradient_accumulation_steps": 1,
-            "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "optimizer": {"type": "SGD", "params": {"lr": LR}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                                  "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
 
 
 def _prepare_deepspeed(model: nn.Module, config: dict) -> deepspeed.DeepSpeedEngine:
@@ -75,9 +85,13 @@ def _prepare_deepspeed(model: nn.Module, config: dict) -> deepspeed.DeepSpeedEng
     config_kwargs = copy.deepcopy(config)
     stage = config_kwargs["zero_optimization"]["stage"]
     if stage == 3:
-        config_kwargs.update({"zero_optimization.reduce_bucket_size": HIDDEN * HIDDEN,
-                              "zero_optimization.stage3_param_persistence_threshold": 10 * HIDDEN,
-                              "zero_optimization.stage3_prefetch_bucket_size": 0.9 * HIDDEN * HIDDEN})
+        config_kwargs.update(
+            {
+                "zero_optimization.reduce_bucket_size": HIDDEN * HIDDEN,
+                "zero_optimization.stage3_param_persistence_threshold": 10 * HIDDEN,
+                "zero_optimization.stage3_prefetch_bucket_size": 0.9 * HIDDEN * HIDDEN,
+            }
+        )
     if stage != 3:
         config_kwargs["zero_optimization"]["stage"] = 0
     config_kwargs.pop("optimizer")
@@ -98,7 +112,7 @@ def _train_reference(steps: int, world: int) -> nn.Module:
 
 def _engine_step(engine: deepspeed.DeepSpeedEngine, step: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokens = _batch(world, step)[rank * MICRO:(rank + 1) * MICRO]
+    tokens = _batch(world, step)[rank * MICRO : (rank + 1) * MICRO]
     engine.backward(_loss(engine, tokens))
     engine.step()
 

@@ -1,4 +1,5 @@
 """Fixtures for the kernel tests: JIT-built ops (cached in TORCH_EXTENSIONS_DIR), skipped with a reason."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ Used by ``tests/kernels/test_cuda_kernels.py`` (pytest, marked ``gpu``) and by
 ``benchmarks/kernels/bench_ops.py`` (which runs them before timing). Every check draws fresh random
 data, writes into poisoned buffers and compares bit-exactly (copies) or against torch (Adam).
 """
+
 from __future__ import annotations
 
 import random
@@ -38,7 +39,7 @@ def _poisoned(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
 def _expected_flat(tensors: list[torch.Tensor], offsets: list[int], out: torch.Tensor) -> torch.Tensor:
     expected = out.clone()
     for t, off in zip(tensors, offsets, strict=True):
-        expected[off:off + t.numel()] = t.reshape(-1)
+        expected[off : off + t.numel()] = t.reshape(-1)
     return expected
 
 
@@ -46,8 +47,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _roundtrip(sizes: list[int], dtype: torch.dtype, device: str, gap: Callable[[int], int],
-               misalign: Callable[[int], int]) -> None:
+def _roundtrip(
+    sizes: list[int], dtype: torch.dtype, device: str, gap: Callable[[int], int], misalign: Callable[[int], int]
+) -> None:
     m = _utils()
     tensors = [_rand(n, dtype, device, misalign(i)) for i, n in enumerate(sizes)]
     offsets, nxt = [], 0
@@ -150,9 +152,19 @@ def check_front_end(device: str = "cuda") -> None:
     assert all(_same_bits(a, b) for a, b in zip(tensors, back, strict=True))
 
 
-def _reference_lowp_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
-                         adam_w_mode: bool, wd: float, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
-                         eps: float = 1e-8) -> None:
+def _reference_lowp_step(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: int,
+    adam_w_mode: bool,
+    wd: float,
+    lr: float = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> None:
     """The kernel's contract for 16-bit storage: fp32 math, states and params rounded on store."""
     p32, g32, m32, v32 = p.float(), g.float(), m.float(), v.float()
     if not adam_w_mode:
@@ -192,8 +204,10 @@ def _check_adam_case(dtype: torch.dtype, adam_w_mode: bool, wd: float, device: s
         else:
             for r, g, (m, v) in zip(ref, grads, moments, strict=True):
                 _reference_lowp_step(r, g, m, v, step, adam_w_mode, wd)
-    return max(((p.detach().float() - r.detach().float()).abs().max() / r.detach().float().abs().max()).item()
-               for p, r in zip(ours, ref, strict=True))
+    return max(
+        ((p.detach().float() - r.detach().float()).abs().max() / r.detach().float().abs().max()).item()
+        for p, r in zip(ours, ref, strict=True)
+    )
 
 
 def check_fused_adam(device: str = "cuda") -> None:
@@ -201,15 +215,25 @@ def check_fused_adam(device: str = "cuda") -> None:
     from deepspeed.ops.adam import fused_adam
 
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-    for dtype, adam_w_mode, wd in [(torch.float32, True, 0.01), (torch.float32, False, 0.01),
-                                   (torch.float32, True, 0.0), (torch.bfloat16, True, 0.01),
-                                   (torch.float16, False, 0.01)]:
+    for dtype, adam_w_mode, wd in [
+        (torch.float32, True, 0.01),
+        (torch.float32, False, 0.01),
+        (torch.float32, True, 0.0),
+        (torch.bfloat16, True, 0.01),
+        (torch.float16, False, 0.01),
+    ]:
         err = _check_adam_case(dtype, adam_w_mode, wd, device)
         assert fused_adam._kernel_state["module"] is not None, "FusedAdam did not use the CUDA kernel"
         assert err < tolerance[dtype], f"FusedAdam {dtype} adamw={adam_w_mode} wd={wd}: rel err {err:.3g}"
 
 
 ALL_CHECKS: tuple[Callable[[str], None], ...] = (
-    check_every_dtype, check_misaligned, check_many_mixed, check_many_small, check_compat_flatten, check_errors,
-    check_front_end, check_fused_adam,
+    check_every_dtype,
+    check_misaligned,
+    check_many_mixed,
+    check_many_small,
+    check_compat_flatten,
+    check_errors,
+    check_front_end,
+    check_fused_adam,
 )

@@ -1,4 +1,5 @@
 """DeepSpeedCPUAdam (native SIMD/OpenMP kernel and the pure-torch fallback) against torch Adam/AdamW."""
+
 from __future__ import annotations
 
 import itertools
@@ -14,9 +15,16 @@ RTOL = 1e-6
 FP64_RTOL = 1e-5
 
 
-def _reference_fp64(params: list[torch.Tensor], grads: list[list[torch.Tensor]], lr: float, wd: float,
-                    adamw: bool, bias_correction: bool, betas: tuple[float, float] = (0.9, 0.999),
-                    eps: float = 1e-8) -> list[torch.Tensor]:
+def _reference_fp64(
+    params: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    lr: float,
+    wd: float,
+    adamw: bool,
+    bias_correction: bool,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> list[torch.Tensor]:
     """Textbook Adam/AdamW in float64 (used where torch has no switch, e.g. bias_correction=False)."""
     out = []
     for i, p0 in enumerate(params):
@@ -54,8 +62,9 @@ def _run_ours(
     return [p.detach() for p in ps]
 
 
-def _run_torch(params: list[torch.Tensor], grads: list[list[torch.Tensor]], adamw: bool, lr: float,
-               wd: float) -> list[torch.Tensor]:
+def _run_torch(
+    params: list[torch.Tensor], grads: list[list[torch.Tensor]], adamw: bool, lr: float, wd: float
+) -> list[torch.Tensor]:
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(ps, lr=lr, weight_decay=wd, foreach=False)
     for step_grads in grads:
@@ -84,8 +93,9 @@ CASES = list(itertools.product([True, False], [0.0, 0.01], [True, False]))
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch_fallback"])
 @pytest.mark.parametrize("adamw,wd,bias_correction", CASES)
-def test_cpu_adam_matches_reference(request: pytest.FixtureRequest, native: bool, adamw: bool, wd: float,
-                                    bias_correction: bool) -> None:
+def test_cpu_adam_matches_reference(
+    request: pytest.FixtureRequest, native: bool, adamw: bool, wd: float, bias_correction: bool
+) -> None:
     if native:
         request.getfixturevalue("cpu_adam_op")
     params, grads = _data(seed=7)
@@ -146,8 +156,9 @@ def test_cpu_adam_kernel_rejects_bad_input(cpu_adam_op: object) -> None:
     opt = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
     p, g = torch.zeros(8), torch.zeros(8)
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_adam_op.adam_update(opt.opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, p, g, torch.zeros(4, 4).t(),
-                                torch.zeros(16))
+        cpu_adam_op.adam_update(
+            opt.opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, p, g, torch.zeros(4, 4).t(), torch.zeros(16)
+        )
     with pytest.raises(ValueError, match="elements"):
         cpu_adam_op.adam_update(opt.opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, p, g, torch.zeros(7), torch.zeros(8))
     with pytest.raises(ValueError, match="not created"):

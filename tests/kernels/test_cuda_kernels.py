@@ -2,6 +2,7 @@
 
 The checks themselves are plain functions in cuda_checks.py, shared with benchmarks/kernels/bench_ops.py.
 """
+
 from __future__ import annotations
 
 import importlib.util

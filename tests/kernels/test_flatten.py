@@ -2,6 +2,7 @@
 
 The CUDA kernel's tests live in test_cuda_kernels.py (marked gpu).
 """
+
 from __future__ import annotations
 
 import random
@@ -53,7 +54,7 @@ def _roundtrip(impl: _Impl, sizes: list[int], dtype: torch.dtype, gaps: list[int
     out = _poisoned(nxt + 3, dtype)
     expected = out.clone()
     for t, off in zip(tensors, offsets, strict=True):
-        expected[off:off + t.numel()] = t
+        expected[off : off + t.numel()] = t
     impl.flatten_into(tensors, out, offsets)
     assert torch.equal(_bits(out), _bits(expected)), "flatten_into wrote the wrong bytes (or touched the gaps)"
     back = [_poisoned(t.numel(), dtype) for t in tensors]

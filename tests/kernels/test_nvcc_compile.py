@@ -1,4 +1,5 @@
 """The CUDA sources compile with nvcc for sm_90 (no GPU needed); the CUDA bindings compile (slow, opt-in)."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,12 @@ import torch
 from deepspeed.ops.op_builder import csrc_root
 
 # torch's cpp_extension passes these to nvcc; the kernels must not rely on the operators they remove.
-TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-                      "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+TORCH_NVCC_DEFINES = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+]
 CU_FILES = ["utils/flatten_unflatten.cu", "adam/fused_adam.cu"]
 BINDINGS = ["utils/flatten_unflatten_frontend.cpp", "adam/fused_adam_frontend.cpp"]
 
@@ -41,8 +46,21 @@ def _cuda_include(nvcc: str) -> Path:
 
 @pytest.mark.parametrize("source", CU_FILES)
 def test_cuda_source_compiles_for_sm90(source: str, tmp_path: Path) -> None:
-    cmd = [_nvcc(), "-std=c++17", "-O3", "-arch=sm_90", "-lineinfo", "-DDS_WITH_CUDA", *TORCH_NVCC_DEFINES,
-           "-I", str(csrc_root() / "includes"), "-c", str(csrc_root() / source), "-o", str(tmp_path / "k.o")]
+    cmd = [
+        _nvcc(),
+        "-std=c++17",
+        "-O3",
+        "-arch=sm_90",
+        "-lineinfo",
+        "-DDS_WITH_CUDA",
+        *TORCH_NVCC_DEFINES,
+        "-I",
+        str(csrc_root() / "includes"),
+        "-c",
+        str(csrc_root() / source),
+        "-o",
+        str(tmp_path / "k.o"),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "k.o").stat().st_size > 0
@@ -57,8 +75,18 @@ def test_cuda_binding_compiles(source: str, tmp_path: Path, slow_enabled: None) 
     shim = tmp_path / "c10" / "cuda" / "impl"
     shim.mkdir(parents=True)
     (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-DDS_WITH_CUDA", "-DTORCH_EXTENSION_NAME=x",
-           f"-I{torch_dir / 'include'}", f"-I{tmp_path}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
-           f"-I{cuda_include}", f"-I{sysconfig.get_paths()['include']}", str(csrc_root() / source)]
+    cmd = [
+        os.environ.get("CXX", "c++"),
+        "-std=c++17",
+        "-fsyntax-only",
+        "-DDS_WITH_CUDA",
+        "-DTORCH_EXTENSION_NAME=x",
+        f"-I{torch_dir / 'include'}",
+        f"-I{tmp_path}",
+        f"-I{torch_dir / 'include/torch/csrc/api/include'}",
+        f"-I{cuda_include}",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(csrc_root() / source),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -1,4 +1,5 @@
 """Op builder contract (names, registry, compatibility reasons) and ds_report."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,17 @@ def test_builder_names_match_upstream() -> None:
     assert (UtilsBuilder.NAME, UtilsBuilder.BUILD_VAR) == ("utils", "DS_BUILD_UTILS")
     assert CPUAdamBuilder().absolute_name() == "deepspeed.ops.adam.cpu_adam_op"
     assert FusedAdamBuilder().absolute_name() == "deepspeed.ops.adam.fused_adam_op"
-    for name in ("CPUAdagradBuilder", "CPULionBuilder", "FusedLionBuilder", "FusedLambBuilder", "AsyncIOBuilder",
-                 "GDSBuilder", "QuantizerBuilder", "TransformerBuilder", "RaggedUtilsBuilder"):
+    for name in (
+        "CPUAdagradBuilder",
+        "CPULionBuilder",
+        "FusedLionBuilder",
+        "FusedLambBuilder",
+        "AsyncIOBuilder",
+        "GDSBuilder",
+        "QuantizerBuilder",
+        "TransformerBuilder",
+        "RaggedUtilsBuilder",
+    ):
         assert getattr(op_builder, name)().NAME in ALL_OPS
 
 

@@ -1,4 +1,5 @@
 """Torch-only optimizers (FusedAdam's fallback, Adagrad, Lion) against torch or a float64 reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,10 @@ SIZES = (1001, 3, 1)
 
 def _data(seed: int, steps: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     gen = torch.Generator().manual_seed(seed)
-    return ([torch.randn(n, generator=gen) for n in SIZES],
-            [[torch.randn(n, generator=gen) for n in SIZES] for _ in range(steps)])
+    return (
+        [torch.randn(n, generator=gen) for n in SIZES],
+        [[torch.randn(n, generator=gen) for n in SIZES] for _ in range(steps)],
+    )
 
 
 def _run(opt_factory: object, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -63,8 +66,13 @@ def test_cpu_adagrad_matches_torch(wd: float) -> None:
     assert _max_rel(ours, ref) <= 1e-6
 
 
-def _lion_fp64(params: list[torch.Tensor], grads: list[list[torch.Tensor]], lr: float, wd: float,
-               betas: tuple[float, float] = (0.9, 0.999)) -> list[torch.Tensor]:
+def _lion_fp64(
+    params: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    lr: float,
+    wd: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> list[torch.Tensor]:
     out = []
     for i, p0 in enumerate(params):
         p, m = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64)

@@ -1,4 +1,5 @@
 """Start real processes the way a launcher would and collect the reports of ``fixtures/train_step.py``."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,18 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN_STEP = str(Path(__file__).parent / "fixtures" / "train_step.py")
 TIMEOUT = 150  # seconds for a whole launch: a loaded 2-core machine imports torch slowly
 # Variables a launcher sets; removed from the inherited environment so each test starts clean.
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def free_port() -> int:
@@ -25,10 +36,17 @@ def free_port() -> int:
 
 def clean_env(report_dir: Path, **extra: str) -> dict[str, str]:
     """The current environment without launcher, SLURM or MPI variables, plus the fixture's settings."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_"))}
-    env.update(DS_ACCELERATOR="cpu", REPORT_DIR=str(report_dir), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_"))
+    }
+    env.update(
+        DS_ACCELERATOR="cpu",
+        REPORT_DIR=str(report_dir),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+    )
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(extra)
     return env
@@ -40,8 +58,10 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = T
     Raises:
         AssertionError: a process failed or ran past ``timeout``; the message holds every output.
     """
-    procs = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for argv, env in commands]
+    procs = [
+        subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for argv, env in commands
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -52,8 +72,7 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = T
                 proc.kill()
                 proc.wait()
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
-    assert not failed, "\n".join(f"--- process {i} exited {procs[i].returncode}\n{outputs[i][-3000:]}"
-                                 for i in failed)
+    assert not failed, "\n".join(f"--- process {i} exited {procs[i].returncode}\n{outputs[i][-3000:]}" for i in failed)
     return procs
 
 

@@ -4,6 +4,7 @@ The ``deepspeed`` launcher is covered here too. The detection itself (``deepspee
 plain dictionaries; the end-to-end tests start two real processes with only a launcher's variables and check they
 come up as ranks 0 and 1 of one world and train a step equal to the single-process reference.
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,8 +34,14 @@ def test_expand_hostlist_rejects_malformed(spec: str) -> None:
         expand_hostlist(spec)
 
 
-SRUN = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)",
-        "SLURM_NODELIST": "gpu[17-18]", "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3"}
+SRUN = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS_PER_NODE": "4(x2)",
+    "SLURM_NODELIST": "gpu[17-18]",
+    "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3",
+}
 
 
 def test_slurm_task_layout_and_master_from_first_host() -> None:
@@ -42,8 +49,14 @@ def test_slurm_task_layout_and_master_from_first_host() -> None:
     assert found.launcher is launch_env.SLURM
     assert (found.rank, found.world_size, found.local_rank, found.local_size) == (5, 8, 1, 4)
     assert found.master_addr == "gpu17"
-    assert found.torch_env() == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_SIZE": "4",
-                                 "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu17"}
+    assert found.torch_env() == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu17",
+    }
 
 
 def test_slurm_master_fallbacks_and_step_count() -> None:
@@ -68,10 +81,15 @@ def test_torch_names_win_over_slurm_and_tools_win_in_the_shim() -> None:
 
 
 def test_open_mpi_layout() -> None:
-    found = detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                    "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
-    assert (found.launcher, found.rank, found.world_size, found.master_addr) == (launch_env.OPEN_MPI, 1, 2,
-                                                                                 "127.0.0.1")
+    found = detect(
+        {
+            "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
+    assert (found.launcher, found.rank, found.world_size, found.master_addr) == (launch_env.OPEN_MPI, 1, 2, "127.0.0.1")
     multi = detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
     assert multi.master_addr is None
 
@@ -118,32 +136,64 @@ def test_init_distributed_raises_before_any_rendezvous(monkeypatch: pytest.Monke
 
 
 def _slurm_task(report_dir: Path, rank: int, port: int, **extra: str) -> dict[str, str]:
-    return clean_env(report_dir, SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                     SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="4242", MASTER_PORT=str(port), **extra)
+    return clean_env(
+        report_dir,
+        SLURM_PROCID=str(rank),
+        SLURM_NTASKS="2",
+        SLURM_LOCALID=str(rank),
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_JOB_ID="4242",
+        MASTER_PORT=str(port),
+        **extra,
+    )
 
 
 def test_two_simulated_srun_tasks_train_one_world(tmp_path: Path) -> None:
     port = free_port()
     # SLURM_NODELIST's first host is where srun puts task 0; here it is this machine.
-    run_all([(python_step(), _slurm_task(tmp_path, r, port, SLURM_NODELIST="localhost,node[02-03]"))
-             for r in range(2)])
+    run_all([(python_step(), _slurm_task(tmp_path, r, port, SLURM_NODELIST="localhost,node[02-03]")) for r in range(2)])
     got = assert_trained_world(tmp_path)
     assert [(r["local_rank"], r["master_addr"], r["master_port"]) for r in got] == [
-        (0, "localhost", str(port)), (1, "localhost", str(port))]
+        (0, "localhost", str(port)),
+        (1, "localhost", str(port)),
+    ]
 
 
 def test_existing_process_group_with_dist_init_required_false(tmp_path: Path) -> None:
     # The user (or Lightning, accelerate...) created the group; initialize adopts it.
     port = free_port()
-    run_all([(python_step("--existing-group", "--stage", "3"),
-              clean_env(tmp_path, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port))) for r in range(2)])
+    run_all(
+        [
+            (
+                python_step("--existing-group", "--stage", "3"),
+                clean_env(
+                    tmp_path,
+                    RANK=str(r),
+                    WORLD_SIZE="2",
+                    LOCAL_RANK=str(r),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                ),
+            )
+            for r in range(2)
+        ]
+    )
     assert_trained_world(tmp_path)
 
 
 def test_deepspeed_launcher_two_cpu_ranks(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-            TRAIN_STEP, "--stage", "3"]
+    argv = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        TRAIN_STEP,
+        "--stage",
+        "3",
+    ]
     run_all([(argv, clean_env(tmp_path))])
     got = assert_trained_world(tmp_path)
     assert [r["local_rank"] for r in got] == [0, 1]

@@ -3,6 +3,7 @@ ranks 0 and 1 of a world of 2 from the ``OMPI_COMM_WORLD_*`` variables alone and
 single-process reference. Open MPI is installed from Debian's packages when ``mpirun`` is missing and we are root;
 if that fails the test is skipped with the reason.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,10 +43,25 @@ def test_mpirun_two_ranks_without_mpi4py(tmp_path: Path) -> None:
     mpirun = _mpirun()
     env = clean_env(tmp_path, MASTER_PORT=str(free_port()))
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    exports = [arg for name in ("DS_ACCELERATOR", "REPORT_DIR", "PYTHONPATH", "MASTER_PORT", "OMP_NUM_THREADS")
-               for arg in ("-x", name)]
-    argv = [mpirun, *root, "--oversubscribe", "-np", "2", "--mca", "btl", "self,tcp", *exports, sys.executable,
-            "-u", TRAIN_STEP]
+    exports = [
+        arg
+        for name in ("DS_ACCELERATOR", "REPORT_DIR", "PYTHONPATH", "MASTER_PORT", "OMP_NUM_THREADS")
+        for arg in ("-x", name)
+    ]
+    argv = [
+        mpirun,
+        *root,
+        "--oversubscribe",
+        "-np",
+        "2",
+        "--mca",
+        "btl",
+        "self,tcp",
+        *exports,
+        sys.executable,
+        "-u",
+        TRAIN_STEP,
+    ]
     run_all([(argv, env)])
     got = assert_trained_world(tmp_path)
     assert [(r["local_rank"], r["master_addr"]) for r in got] == [(0, "127.0.0.1"), (1, "127.0.0.1")]

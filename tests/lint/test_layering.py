@@ -3,6 +3,7 @@
 Each rule comes from docs/design/conventions.md. The checks parse the source with :mod:`ast`, so
 comments and docstrings never trigger them, and they need neither torch nor a process group.
 """
+
 from __future__ import annotations
 
 import ast
@@ -269,7 +270,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for succ in sorted(graph.get(node, ())):
             if state.get(succ) == 1:
-                return path[path.index(succ):] + [succ]
+                return path[path.index(succ) :] + [succ]
             if succ not in state and (found := visit(succ)) is not None:
                 return found
         path.pop()
@@ -330,21 +331,38 @@ def test_known_room_exceptions_are_current() -> None:
     "rel, source, expected",
     [
         # A lower room importing a higher one, absolute and relative, and through a package import.
-        ("_core/layout/probe.py", "import torch\nfrom deepspeed._core.optim import base\n",
-         ["_core/layout/probe.py:2 layout -> optim (deepspeed._core.optim)"]),
-        ("_core/params/probe.py", "def f():\n    from ..grads.reducer import GradReducer\n",
-         ["_core/params/probe.py:2 params -> grads (deepspeed._core.grads.reducer)"]),
-        ("_core/config/probe.py", "import deepspeed._core.engine.training\nx = 1\nfrom ..pipe import module\n",
-         ["_core/config/probe.py:1 config -> engine (deepspeed._core.engine.training)",
-          "_core/config/probe.py:3 config -> pipe (deepspeed._core.pipe)"]),
-        ("_core/launch_env.py", "from deepspeed._core.comm import streams\n",
-         ["_core/launch_env.py:1 launch_env -> comm (deepspeed._core.comm)"]),
+        (
+            "_core/layout/probe.py",
+            "import torch\nfrom deepspeed._core.optim import base\n",
+            ["_core/layout/probe.py:2 layout -> optim (deepspeed._core.optim)"],
+        ),
+        (
+            "_core/params/probe.py",
+            "def f():\n    from ..grads.reducer import GradReducer\n",
+            ["_core/params/probe.py:2 params -> grads (deepspeed._core.grads.reducer)"],
+        ),
+        (
+            "_core/config/probe.py",
+            "import deepspeed._core.engine.training\nx = 1\nfrom ..pipe import module\n",
+            [
+                "_core/config/probe.py:1 config -> engine (deepspeed._core.engine.training)",
+                "_core/config/probe.py:3 config -> pipe (deepspeed._core.pipe)",
+            ],
+        ),
+        (
+            "_core/launch_env.py",
+            "from deepspeed._core.comm import streams\n",
+            ["_core/launch_env.py:1 launch_env -> comm (deepspeed._core.comm)"],
+        ),
         # Allowed: a higher room importing a lower one, a room importing itself, and imports outside _core.
         ("_core/optim/probe.py", "from deepspeed._core.grads import reducer\nfrom . import base\n", []),
         ("runtime/probe.py", "from deepspeed._core.pipe import executor\n", []),
         # A room the table does not know fails on its own.
-        ("_core/tools/probe.py", "import os\n",
-         ["_core/tools/probe.py: room 'tools' is not in ROOM_IMPORTS (place it in the direction first)"]),
+        (
+            "_core/tools/probe.py",
+            "import os\n",
+            ["_core/tools/probe.py: room 'tools' is not in ROOM_IMPORTS (place it in the direction first)"],
+        ),
     ],
 )
 def test_room_checker_fires_on_forbidden_edges(rel: str, source: str, expected: list[str]) -> None:

@@ -11,6 +11,7 @@ Every repository path that a docstring (of any module, class or function) or a d
 and ``deepspeed/__init__`` name ``tests/_harness.py`` and ``deepspeed/__init__.py``). Result files under
 ``benchmarks/results`` are records of past runs and are not checked.
 """
+
 from __future__ import annotations
 
 import ast
@@ -37,8 +38,11 @@ def _files(suffix: str, *tops: str) -> list[Path]:
     for top in tops:
         base = ROOT / top
         candidates = [base] if base.is_file() else sorted(base.rglob(f"*{suffix}"))
-        found.extend(p for p in candidates if p.suffix == suffix and not SKIP_PARTS & set(p.relative_to(ROOT).parts)
-                     and p.resolve() != SELF)  # this file's examples are not the tree's notes
+        found.extend(
+            p
+            for p in candidates
+            if p.suffix == suffix and not SKIP_PARTS & set(p.relative_to(ROOT).parts) and p.resolve() != SELF
+        )  # this file's examples are not the tree's notes
     return found
 
 
@@ -178,13 +182,18 @@ def test_cited_paths_exist() -> None:
     assert not missing, "paths cited in docstrings or docs that are not in the repository:\n" + "\n".join(missing)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("see `docs/design/streams.md` and deepspeed/_core/comm/streams.py.", ["docs/design/streams.md",
-                                                                          "deepspeed/_core/comm/streams.py"]),
-    ("files under benchmarks/results/*.jsonl or `<path>_rank<r>.json`", []),
-    ("the upstream deepspeed/runtime/zero/stage3.py", ["deepspeed/runtime/zero/stage3.py"]),
-    ("import deepspeed.comm", []),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "see `docs/design/streams.md` and deepspeed/_core/comm/streams.py.",
+            ["docs/design/streams.md", "deepspeed/_core/comm/streams.py"],
+        ),
+        ("files under benchmarks/results/*.jsonl or `<path>_rank<r>.json`", []),
+        ("the upstream deepspeed/runtime/zero/stage3.py", ["deepspeed/runtime/zero/stage3.py"]),
+        ("import deepspeed.comm", []),
+    ],
+)
 def test_path_pattern(text: str, expected: list[str]) -> None:
     assert _cited_paths(text) == expected
 

@@ -6,6 +6,7 @@ the core through an interface the core defines (``SnapshotAnalyser`` in ``deepsp
 The memory-timeline package must also stay loadable by path in a process running another DeepSpeed, or none: it
 imports the standard library and its own modules only.
 """
+
 from __future__ import annotations
 
 import ast
@@ -57,20 +58,29 @@ def _is_tools(name: str) -> bool:
 
 
 def test_core_never_imports_tools() -> None:
-    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(CORE.rglob("*.py"))
-                 for line in tool_references(_parse(path))]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(CORE.rglob("*.py"))
+        for line in tool_references(_parse(path))
+    ]
     assert not offenders, f"deepspeed/_core must not import deepspeed.tools: {offenders}"
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("import deepspeed.tools.profiling.memory_timeline as mt", 1),
-    ("from deepspeed.tools.profiling import memory_timeline", 1),
-    ("from deepspeed import tools", 1),
-    ("import importlib\nmt = importlib.import_module('deepspeed.tools.profiling.memory_timeline')", 1),
-    ("from deepspeed._core.engine import memory", 0),
-    ("from deepspeed import toolsmith", 0),
-    ('def f() -> None:\n    """The report is written by deepspeed.tools.profiling (handed in by the façade)."""', 0),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import deepspeed.tools.profiling.memory_timeline as mt", 1),
+        ("from deepspeed.tools.profiling import memory_timeline", 1),
+        ("from deepspeed import tools", 1),
+        ("import importlib\nmt = importlib.import_module('deepspeed.tools.profiling.memory_timeline')", 1),
+        ("from deepspeed._core.engine import memory", 0),
+        ("from deepspeed import toolsmith", 0),
+        (
+            'def f() -> None:\n    """The report is written by deepspeed.tools.profiling (handed in by the façade)."""',
+            0,
+        ),
+    ],
+)
 def test_detector_catches_tool_imports(source: str, expected: int) -> None:
     assert len(tool_references(ast.parse(source))) == expected
 
@@ -86,6 +96,9 @@ def test_memory_timeline_imports_only_the_standard_library() -> None:
             else:
                 continue
             # matplotlib is the one exception, imported inside the chart function only (checked by the unit tests).
-            offenders.extend(f"{path.name}:{node.lineno} {name}" for name in names
-                             if name.split(".")[0] not in sys.stdlib_module_names and not name.startswith("matplotlib"))
+            offenders.extend(
+                f"{path.name}:{node.lineno} {name}"
+                for name in names
+                if name.split(".")[0] not in sys.stdlib_module_names and not name.startswith("matplotlib")
+            )
     assert not offenders, offenders

@@ -1,4 +1,5 @@
 """Small deterministic models and data shared by parity and memory tests."""
+
 from __future__ import annotations
 
 import torch

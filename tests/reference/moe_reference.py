@@ -5,6 +5,7 @@ renormalised top-2 gates, the load-balancing loss) is a direct loop over tokens,
 vectorised, expert-parallel implementation rather than repeating it. It also holds the shared test
 model's definition and deterministic initial values, used by both sides.
 """
+
 from __future__ import annotations
 
 import math
@@ -88,8 +89,9 @@ def route(probs: torch.Tensor, k: int, cap: int) -> list[list[tuple[int, float]]
     return out
 
 
-def moe_forward(params: dict, experts: list[dict], h: torch.Tensor, k: int,
-                capacity_factor: float, min_capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_forward(
+    params: dict, experts: list[dict], h: torch.Tensor, k: int, capacity_factor: float, min_capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE output and load-balancing loss for tokens ``h`` of shape ``(S, H)``."""
     num_tokens = h.shape[0]
     probs = torch.softmax(h @ params["wg"].T, dim=1)
@@ -113,8 +115,15 @@ def moe_forward(params: dict, experts: list[dict], h: torch.Tensor, k: int,
     return torch.stack(rows), l_aux
 
 
-def model_loss(params: dict, experts: list[dict], x: torch.Tensor, y: torch.Tensor, k: int,
-               capacity_factor: float, min_capacity: int) -> torch.Tensor:
+def model_loss(
+    params: dict,
+    experts: list[dict],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+) -> torch.Tensor:
     """The test model's loss: ``mse(head(h + moe(h)), y) + L_AUX_WEIGHT * l_aux`` with ``h = tanh(inp(x))``."""
     h = torch.tanh(x.reshape(-1, HIDDEN) @ params["inp.weight"].T + params["inp.bias"])
     moe, l_aux = moe_forward(params, experts, h, k, capacity_factor, min_capacity)
@@ -122,8 +131,9 @@ def model_loss(params: dict, experts: list[dict], x: torch.Tensor, y: torch.Tens
     return torch.mean((pred - y.reshape(-1, 1)) ** 2) + L_AUX_WEIGHT * l_aux
 
 
-def reference_train(world: int, steps: int, k: int, capacity_factor: float, min_capacity: int, lr: float,
-                    clip: float) -> dict:
+def reference_train(
+    world: int, steps: int, k: int, capacity_factor: float, min_capacity: int, lr: float, clip: float
+) -> dict:
     """Train the reference on every rank's batches (mean of the ranks' losses) with AdamW and global clipping.
 
     Returns the per-step mean losses, the per-step pre-clip global gradient norms and the final values
@@ -136,8 +146,9 @@ def reference_train(world: int, steps: int, k: int, capacity_factor: float, min_
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
-        per_rank = [model_loss(shared, experts, *batch(step, r), k, capacity_factor, min_capacity)
-                    for r in range(world)]
+        per_rank = [
+            model_loss(shared, experts, *batch(step, r), k, capacity_factor, min_capacity) for r in range(world)
+        ]
         loss = sum(per_rank) / world
         loss.backward()
         for p in leaves:  # an expert no token reached still ran on its empty slots: a zero gradient, not none

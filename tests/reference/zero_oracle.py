@@ -5,6 +5,7 @@ step of this loop over the same micro-batches: the gradient of the mean of the m
 clipped to the global norm, then a plain torch optimizer step. Micro-batch ``i`` of step ``s`` is
 ``micro_batch(s, i)``; rank ``r`` at micro-step ``m`` of the engine uses index ``m * world_size + r``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -1,4 +1,5 @@
 """Accumulation-boundary state machine, including accelerate's explicit-boundary protocol."""
+
 from __future__ import annotations
 
 import pytest

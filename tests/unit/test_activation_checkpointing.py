@@ -3,6 +3,7 @@
 Parity tests run the same function twice from the same RNG state, once plain and once checkpointed, and compare
 outputs and every gradient exactly; dropout makes a recompute that draws different masks fail them.
 """
+
 from __future__ import annotations
 
 import json
@@ -270,11 +271,17 @@ def test_configure_precedence_defaults_config_kwargs(tmp_path: Any) -> None:
     ck.configure(None)
     assert ck.is_configured()
     assert core.current_state().policy == core.CheckpointPolicy()
-    cfg = _config(partition_activations=True, cpu_checkpointing=True, number_checkpoints=4,
-                  synchronize_checkpoint_boundary=True, profile=False)
+    cfg = _config(
+        partition_activations=True,
+        cpu_checkpointing=True,
+        number_checkpoints=4,
+        synchronize_checkpoint_boundary=True,
+        profile=False,
+    )
     ck.configure(None, deepspeed_config=cfg, checkpoint_in_cpu=False, profile=True)
     assert core.current_state().policy == core.CheckpointPolicy(
-        partition_activations=True, num_checkpoints=4, checkpoint_in_cpu=False, synchronize=True, profile=True)
+        partition_activations=True, num_checkpoints=4, checkpoint_in_cpu=False, synchronize=True, profile=True
+    )
     assert ck.PARTITION_ACTIVATIONS and not ck.CPU_CHECKPOINT and ck.num_layers == 4 and ck.PROFILE_TIME
     # A second configure starts again from the defaults: nothing of the previous call survives.
     ck.configure(None, deepspeed_config=_config(profile=True))

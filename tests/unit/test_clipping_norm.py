@@ -1,4 +1,5 @@
 """``local_sq_norm``: the fp32 sum of squares of mixed-dtype gradients, upcast through one reused buffer."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,16 @@ from deepspeed._core.optim.clipping import local_sq_norm
 def test_matches_a_float64_reference_across_dtypes_and_blocks(chunk: int | None, monkeypatch) -> None:
     monkeypatch.setattr(clipping, "HOST_NORM_BLOCK_NUMEL", 7)  # many blocks, ragged ends
     gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(n, generator=gen).to(dtype) for n, dtype in
-             [(1, torch.bfloat16), (23, torch.float16), (100, torch.float32), (64, torch.bfloat16), (0, torch.float16)]]
+    grads = [
+        torch.randn(n, generator=gen).to(dtype)
+        for n, dtype in [
+            (1, torch.bfloat16),
+            (23, torch.float16),
+            (100, torch.float32),
+            (64, torch.bfloat16),
+            (0, torch.float16),
+        ]
+    ]
     expected = sum(float((g.double() ** 2).sum()) for g in grads)
     got = local_sq_norm(grads, chunk)
     assert got.dtype == torch.float32 and got.dim() == 0

@@ -1,5 +1,6 @@
 """ZeRO-3 leaf selection from the config (``deepspeed/_core/params/leaf_policy.py``): matching rules over several
 module trees, the granularity threshold, unmatched entries, and the application point at world size 1."""
+
 from __future__ import annotations
 
 import copy
@@ -141,8 +142,9 @@ def test_threshold_counts_tied_parameters_once() -> None:
 def test_threshold_reads_full_sizes_of_partitioned_parameters() -> None:
     model = Net()
     before = {name: module_granularity(m) for name, m in model.named_modules()}
-    manager = ZeroParamManager(model, WORLD1, Stage3Policy(param_persistence_threshold=0, leaf_module=NO_DEFAULTS),
-                               LeanPolicy())
+    manager = ZeroParamManager(
+        model, WORLD1, Stage3Policy(param_persistence_threshold=0, leaf_module=NO_DEFAULTS), LeanPolicy()
+    )
     assert model.mix.layers[0].weight.numel() == 0  # placeholders once partitioned
     assert {name: module_granularity(m) for name, m in model.named_modules()} == before
     manager.destroy()
@@ -150,13 +152,17 @@ def test_threshold_reads_full_sizes_of_partitioned_parameters() -> None:
 
 def test_unmatched_entries_are_reported_with_nearest_spellings() -> None:
     model = _tree()
-    policy = LeafModulePolicy(classes=(*DEFAULT_LEAF_MODULE_CLASSES, "Mixr"), names=("0.mixx",),
-                              name_suffixes=("layer",))
+    policy = LeafModulePolicy(
+        classes=(*DEFAULT_LEAF_MODULE_CLASSES, "Mixr"), names=("0.mixx",), name_suffixes=("layer",)
+    )
     selection = select_leaf_modules(model, policy)
     assert _names(selection) == []
     misses = {e.key: e for e in selection.unmatched}
-    assert set(misses) == {"zero_optimization.leaf_module.classes", "zero_optimization.leaf_module.names",
-                           "zero_optimization.leaf_module.name_suffixes"}  # the default classes are not reported
+    assert set(misses) == {
+        "zero_optimization.leaf_module.classes",
+        "zero_optimization.leaf_module.names",
+        "zero_optimization.leaf_module.name_suffixes",
+    }  # the default classes are not reported
     assert misses["zero_optimization.leaf_module.classes"].value == "Mixr"
     assert misses["zero_optimization.leaf_module.classes"].nearest[0] == "Mixer"
     assert misses["zero_optimization.leaf_module.names"].nearest[0] == "0.mix"
@@ -194,9 +200,16 @@ def test_negative_threshold_is_refused() -> None:
 def test_config_reaches_the_plan_with_upstream_defaults() -> None:
     default = DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 3}}).plan.zero.stage3
     assert default.leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES and default.module_granularity_threshold == 0
-    cfg = DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {
-        "stage": 3, "stage3_module_granularity_threshold": 7,
-        "leaf_module": {"classes": ["Mixer"], "names": ["a.b"], "name_suffixes": ["experts"]}}})
+    cfg = DeepSpeedConfig(
+        {
+            "train_batch_size": 8,
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_module_granularity_threshold": 7,
+                "leaf_module": {"classes": ["Mixer"], "names": ["a.b"], "name_suffixes": ["experts"]},
+            },
+        }
+    )
     stage3 = cfg.plan.zero.stage3
     assert stage3.leaf_module == LeafModulePolicy(classes=("Mixer",), names=("a.b",), name_suffixes=("experts",))
     assert stage3.module_granularity_threshold == 7
@@ -212,9 +225,12 @@ def test_manager_applies_the_policy_before_building_units() -> None:
     torch.manual_seed(1)
     model = Net()
     reference = copy.deepcopy(model)
-    manager = ZeroParamManager(model, WORLD1, Stage3Policy(param_persistence_threshold=0,
-                                                           leaf_module=LeafModulePolicy(classes=("Mixer",))),
-                               LeanPolicy())
+    manager = ZeroParamManager(
+        model,
+        WORLD1,
+        Stage3Policy(param_persistence_threshold=0, leaf_module=LeafModulePolicy(classes=("Mixer",))),
+        LeanPolicy(),
+    )
     assert manager.config_leaves == [model.mix] and is_z3_leaf(model.mix)
     assert {u.name for u in manager.units.values()} == {"<root>", "down", "mix", "up", "head"}
     assert not model.mix.layers[0]._forward_pre_hooks, "modules inside a leaf must not be hooked"
@@ -243,7 +259,8 @@ def test_offload_facade_applies_the_threshold_and_the_config_block() -> None:
     DeepSpeedZeRoOffload(model, param_persistence_threshold=0, zero_module_granularity_threshold=50).destroy()
     assert is_z3_leaf(model.mix) and not is_z3_leaf(model)
     other = Net()
-    cfg = DeepSpeedConfig({"train_batch_size": 8,
-                           "zero_optimization": {"stage": 3, "leaf_module": {"names": ["mix.layers"]}}})
+    cfg = DeepSpeedConfig(
+        {"train_batch_size": 8, "zero_optimization": {"stage": 3, "leaf_module": {"names": ["mix.layers"]}}}
+    )
     DeepSpeedZeRoOffload(other, ds_config=cfg, param_persistence_threshold=0).destroy()
     assert is_z3_leaf(other.mix) and not is_z3_leaf(other.mix.layers)  # the container gives way to its owner

@@ -1,4 +1,5 @@
 """fp16 loss scalers: the dynamic rule, the static scaler, the factory, and checkpoint pickling."""
+
 from __future__ import annotations
 
 import io

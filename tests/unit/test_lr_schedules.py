@@ -1,4 +1,5 @@
 """Learning-rate schedules against their closed-form definitions (deepspeed.runtime.lr_schedules)."""
+
 from __future__ import annotations
 
 import argparse

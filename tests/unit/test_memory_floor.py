@@ -1,4 +1,5 @@
 """The model-state floors match the formulas in shared/spec/memory_targets.md."""
+
 from __future__ import annotations
 
 import dataclasses

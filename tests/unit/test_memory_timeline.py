@@ -1,6 +1,7 @@
 """memory_timeline (``deepspeed/tools/profiling/memory_timeline``): stack classification and its rules' paths, the
 per-category replay of an allocator trace, deferred frees, the summary, the chart and command line, the config key,
 and the core recorder handing its snapshot to the tool (CPU: accepted, nothing recorded)."""
+
 from __future__ import annotations
 
 import ast
@@ -34,71 +35,150 @@ LINEAR = fr("torch/nn/functional.py", "linear")
 
 
 # ------------------------------------------------------------------------------------------------ classify
-@pytest.mark.parametrize("frames, expected", [
-    # ours
-    ([fr("deepspeed/_core/layout/flat_buffer.py", "alloc_storage"),
-      fr("deepspeed/_core/params/gather.py", "_copy_out"), fr("deepspeed/_core/params/manager.py", "fetch"), CALL,
-      USER], "gathered parameters"),
-    ([fr("deepspeed/_core/comm/collectives.py", "start_all_gather"), USER], "gathered parameters"),
-    ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
-    ([fr("deepspeed/_core/grads/reducer.py", "ensure_accumulator")], "gradients"),
-    ([fr("deepspeed/_core/optim/master.py", "__init__"), fr("deepspeed/_core/optim/stage12.py", "_build_group")],
-     "optimizer state"),
-    ([fr("deepspeed/_core/optim/chunked_step.py", "step_in_chunks"), fr("deepspeed/_core/optim/stage12.py", "step")],
-     "optimizer state"),
-    ([fr("torch/optim/adam.py", "_init_group"), fr("deepspeed/_core/engine/training.py", "step")], "optimizer state"),
-    ([fr("deepspeed/_core/layout/inplace_flatten.py", "flatten_params"), fr("deepspeed/_core/optim/stage12.py",
-                                                                           "_build_group")], "parameters"),
-    ([fr("deepspeed/_core/layout/flat_buffer.py", "allocate"), USER], "parameters"),  # helper, nobody decided
-    ([fr("deepspeed/_core/params/init_context.py", "_partition_param")], "parameters"),
-    # upstream DeepSpeed
-    ([fr("deepspeed/runtime/zero/partition_parameters.py", "_allgather_params_coalesced"),
-      fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "fetch_sub_module"), CALL], "gathered parameters"),
-    ([fr("deepspeed/runtime/zero/stage3.py", "__add_grad_to_ipg_bucket"),
-      fr("deepspeed/runtime/zero/stage3.py", "reduce_partition_and_remove_grads")], "gradients"),
-    ([fr("deepspeed/runtime/zero/stage_1_and_2.py", "average_tensor")], "gradients"),
-    ([fr("deepspeed/runtime/zero/stage3.py", "_create_fp32_partitions"),
-      fr("deepspeed/runtime/zero/stage3.py", "_setup_for_real_optimizer")], "optimizer state"),  # innermost decides
-    ([fr("deepspeed/runtime/zero/stage3.py", "_optimizer_step")], "optimizer state"),
-    ([fr("deepspeed/runtime/zero/partition_parameters.py", "_partition_param")], "parameters"),
-    # PyTorch FSDP2
-    ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_all_gather"),
-      fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "unshard")], "gathered parameters"),
-    ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "alloc_all_gather_outputs")], "gathered parameters"),
-    ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "alloc_storage"),  # as recorded on an H200
-      fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "wait_for_unshard"),
-      fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "pre_forward")], "gathered parameters"),
-    ([fr("deepspeed/runtime/zero/partition_parameters.py", "helper"),
-      fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "fetch_sub_module")], "gathered parameters"),
-    ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce"),
-      fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "post_backward")], "gradients"),
-    ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "_init_sharded_param")], "parameters"),
-    # activations and the rest
-    ([LINEAR, CALL, fr("deepspeed/_core/engine/training.py", "forward"), USER], "activations"),
-    ([LINEAR, CALL, fr("torch/utils/checkpoint.py", "recompute_fn"), fr("torch/autograd/function.py", "apply")],
-     "activations"),
-    ([fr("deepspeed/_core/params/gather.py", "_copy_out"), fr("deepspeed/_core/params/manager.py", "fetch"), CALL,
-      fr("torch/utils/checkpoint.py", "recompute_fn")], "gathered parameters"),  # a gather inside a recompute
-    ([fr("torch/nn/modules/module.py", "_apply"), fr("torch/nn/modules/module.py", "to"), USER], "parameters"),
-    ([USER], "buffers"),
-])
+@pytest.mark.parametrize(
+    "frames, expected",
+    [
+        # ours
+        (
+            [
+                fr("deepspeed/_core/layout/flat_buffer.py", "alloc_storage"),
+                fr("deepspeed/_core/params/gather.py", "_copy_out"),
+                fr("deepspeed/_core/params/manager.py", "fetch"),
+                CALL,
+                USER,
+            ],
+            "gathered parameters",
+        ),
+        ([fr("deepspeed/_core/comm/collectives.py", "start_all_gather"), USER], "gathered parameters"),
+        ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
+        ([fr("deepspeed/_core/grads/reducer.py", "ensure_accumulator")], "gradients"),
+        (
+            [fr("deepspeed/_core/optim/master.py", "__init__"), fr("deepspeed/_core/optim/stage12.py", "_build_group")],
+            "optimizer state",
+        ),
+        (
+            [
+                fr("deepspeed/_core/optim/chunked_step.py", "step_in_chunks"),
+                fr("deepspeed/_core/optim/stage12.py", "step"),
+            ],
+            "optimizer state",
+        ),
+        (
+            [fr("torch/optim/adam.py", "_init_group"), fr("deepspeed/_core/engine/training.py", "step")],
+            "optimizer state",
+        ),
+        (
+            [
+                fr("deepspeed/_core/layout/inplace_flatten.py", "flatten_params"),
+                fr("deepspeed/_core/optim/stage12.py", "_build_group"),
+            ],
+            "parameters",
+        ),
+        ([fr("deepspeed/_core/layout/flat_buffer.py", "allocate"), USER], "parameters"),  # helper, nobody decided
+        ([fr("deepspeed/_core/params/init_context.py", "_partition_param")], "parameters"),
+        # upstream DeepSpeed
+        (
+            [
+                fr("deepspeed/runtime/zero/partition_parameters.py", "_allgather_params_coalesced"),
+                fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "fetch_sub_module"),
+                CALL,
+            ],
+            "gathered parameters",
+        ),
+        (
+            [
+                fr("deepspeed/runtime/zero/stage3.py", "__add_grad_to_ipg_bucket"),
+                fr("deepspeed/runtime/zero/stage3.py", "reduce_partition_and_remove_grads"),
+            ],
+            "gradients",
+        ),
+        ([fr("deepspeed/runtime/zero/stage_1_and_2.py", "average_tensor")], "gradients"),
+        (
+            [
+                fr("deepspeed/runtime/zero/stage3.py", "_create_fp32_partitions"),
+                fr("deepspeed/runtime/zero/stage3.py", "_setup_for_real_optimizer"),
+            ],
+            "optimizer state",
+        ),  # innermost decides
+        ([fr("deepspeed/runtime/zero/stage3.py", "_optimizer_step")], "optimizer state"),
+        ([fr("deepspeed/runtime/zero/partition_parameters.py", "_partition_param")], "parameters"),
+        # PyTorch FSDP2
+        (
+            [
+                fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_all_gather"),
+                fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "unshard"),
+            ],
+            "gathered parameters",
+        ),
+        ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "alloc_all_gather_outputs")], "gathered parameters"),
+        (
+            [
+                fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "alloc_storage"),  # as recorded on an H200
+                fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "wait_for_unshard"),
+                fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "pre_forward"),
+            ],
+            "gathered parameters",
+        ),
+        (
+            [
+                fr("deepspeed/runtime/zero/partition_parameters.py", "helper"),
+                fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "fetch_sub_module"),
+            ],
+            "gathered parameters",
+        ),
+        (
+            [
+                fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce"),
+                fr("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "post_backward"),
+            ],
+            "gradients",
+        ),
+        ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "_init_sharded_param")], "parameters"),
+        # activations and the rest
+        ([LINEAR, CALL, fr("deepspeed/_core/engine/training.py", "forward"), USER], "activations"),
+        (
+            [LINEAR, CALL, fr("torch/utils/checkpoint.py", "recompute_fn"), fr("torch/autograd/function.py", "apply")],
+            "activations",
+        ),
+        (
+            [
+                fr("deepspeed/_core/params/gather.py", "_copy_out"),
+                fr("deepspeed/_core/params/manager.py", "fetch"),
+                CALL,
+                fr("torch/utils/checkpoint.py", "recompute_fn"),
+            ],
+            "gathered parameters",
+        ),  # a gather inside a recompute
+        ([fr("torch/nn/modules/module.py", "_apply"), fr("torch/nn/modules/module.py", "to"), USER], "parameters"),
+        ([USER], "buffers"),
+    ],
+)
 def test_classify_by_allocation_stack(frames: list, expected: str) -> None:
     assert mt.classify(frames, []) == expected
 
 
-@pytest.mark.parametrize("free_frames, expected", [
-    ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
-    ([fr("deepspeed/_core/grads/reducer.py", "_on_grad")], "gradients"),
-    ([fr("deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads")], "gradients"),
-    ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce")], "gradients"),
-    ([fr("torch/optim/optimizer.py", "zero_grad"), USER], "gradients"),
-    ([fr("deepspeed/_core/layout/flat_buffer.py", "free_storage"), fr("deepspeed/_core/params/gather.py", "<lambda>"),
-      fr("deepspeed/_core/params/gather.py", "drain")], "gathered parameters"),  # deferred release queue
-    ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "free_unsharded_param")], "gathered parameters"),
-    ([fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "release_sub_module")], "gathered parameters"),
-    ([], "activations"),  # backward temporary freed by autograd
-    ([fr("torch/autograd/graph.py", "_engine_run_backward")], "activations"),
-])
+@pytest.mark.parametrize(
+    "free_frames, expected",
+    [
+        ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
+        ([fr("deepspeed/_core/grads/reducer.py", "_on_grad")], "gradients"),
+        ([fr("deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads")], "gradients"),
+        ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce")], "gradients"),
+        ([fr("torch/optim/optimizer.py", "zero_grad"), USER], "gradients"),
+        (
+            [
+                fr("deepspeed/_core/layout/flat_buffer.py", "free_storage"),
+                fr("deepspeed/_core/params/gather.py", "<lambda>"),
+                fr("deepspeed/_core/params/gather.py", "drain"),
+            ],
+            "gathered parameters",
+        ),  # deferred release queue
+        ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "free_unsharded_param")], "gathered parameters"),
+        ([fr("deepspeed/runtime/zero/partitioned_param_coordinator.py", "release_sub_module")], "gathered parameters"),
+        ([], "activations"),  # backward temporary freed by autograd
+        ([fr("torch/autograd/graph.py", "_engine_run_backward")], "activations"),
+    ],
+)
 def test_autograd_allocation_classified_by_free_stack(free_frames: list, expected: str) -> None:
     # Autograd allocates on its device thread: an empty Python stack (C++ frames only when stacks="all").
     cxx_only = [{"filename": "??", "line": 0, "name": "at::native::empty_cuda"}]
@@ -133,8 +213,12 @@ def _defined_names(path: Path) -> set[str]:
     return names
 
 
-OUR_RULES = [r for table in (mt.ALLOC_RULES, mt.HELPER_RULES, mt.FREE_RULES, mt.BACKWARD_RULES) for r in table
-             if r.path.startswith(mt.OURS)]
+OUR_RULES = [
+    r
+    for table in (mt.ALLOC_RULES, mt.HELPER_RULES, mt.FREE_RULES, mt.BACKWARD_RULES)
+    for r in table
+    if r.path.startswith(mt.OURS)
+]
 
 
 @pytest.mark.parametrize("rule", OUR_RULES, ids=lambda r: f"{r.path}:{','.join(r.names) or '*'}")
@@ -164,16 +248,16 @@ def snapshot(trace: list[dict], segments: list | None = None, **extra: object) -
 
 def step_trace() -> list[dict]:
     return [
-        ev("alloc", 0x1000, 100, 1_000, PARAM_ALLOC),        # 0 parameters
-        ev("alloc", 0x2000, 1000, 1_010, GATHER_ALLOC),      # 1 gathered
-        ev("alloc", 0x3000, 50, 1_020, ACT_ALLOC),           # 2 activation -> peak 1150
-        ev("free_requested", 0x2000, 1000, 1_030),           # 3
-        ev("free_completed", 0x2000, 1000, 1_030),           # 4 prompt free
-        ev("alloc", 0x4000, 300, 1_040),                     # 5 autograd .grad (empty stack)
+        ev("alloc", 0x1000, 100, 1_000, PARAM_ALLOC),  # 0 parameters
+        ev("alloc", 0x2000, 1000, 1_010, GATHER_ALLOC),  # 1 gathered
+        ev("alloc", 0x3000, 50, 1_020, ACT_ALLOC),  # 2 activation -> peak 1150
+        ev("free_requested", 0x2000, 1000, 1_030),  # 3
+        ev("free_completed", 0x2000, 1000, 1_030),  # 4 prompt free
+        ev("alloc", 0x4000, 300, 1_040),  # 5 autograd .grad (empty stack)
         ev("free_requested", 0x4000, 300, 1_050, REDUCE_FREE),
-        ev("free_completed", 0x4000, 300, 1_050),            # 7
+        ev("free_completed", 0x4000, 300, 1_050),  # 7
         ev("free_requested", 0x3000, 50, 1_060),
-        ev("free_completed", 0x3000, 50, 1_061),             # 9
+        ev("free_completed", 0x3000, 50, 1_061),  # 9
     ]
 
 
@@ -184,8 +268,15 @@ def test_timeline_live_bytes_per_category_and_peak() -> None:
     assert list(tl.times) == [0.0, 0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 61.0]
     assert list(tl.total) == [0, 100, 1100, 1150, 150, 450, 150, 100]
     assert tl.peak_index == 3
-    assert tl.at(3) == {"parameters": 100, "gathered parameters": 1000, "gradients": 0, "optimizer state": 0,
-                        "activations": 50, "buffers": 0, "before recording": 0}
+    assert tl.at(3) == {
+        "parameters": 100,
+        "gathered parameters": 1000,
+        "gradients": 0,
+        "optimizer state": 0,
+        "activations": 50,
+        "buffers": 0,
+        "before recording": 0,
+    }
     assert list(tl.live["gradients"]) == [0, 0, 0, 0, 0, 300, 0, 0]  # decided by its free stack
 
 
@@ -199,11 +290,11 @@ def test_deferred_free_counted_prompt_free_not() -> None:
     trace = [
         ev("alloc", 0xA000, 1000, 10, GATHER_ALLOC),
         ev("alloc", 0xB000, 1000, 11, GATHER_ALLOC),
-        ev("free_requested", 0xA000, 1000, 20),   # 2: request ...
-        ev("alloc", 0xC000, 64, 21, ACT_ALLOC),   # 3: ... the program goes on ...
-        ev("free_requested", 0xB000, 1000, 22),   # 4: prompt: completes right away
-        ev("free_completed", 0xB000, 1000, 22),   # 5
-        ev("free_completed", 0xA000, 1000, 90),   # 6: ... completion only here (record_stream style)
+        ev("free_requested", 0xA000, 1000, 20),  # 2: request ...
+        ev("alloc", 0xC000, 64, 21, ACT_ALLOC),  # 3: ... the program goes on ...
+        ev("free_requested", 0xB000, 1000, 22),  # 4: prompt: completes right away
+        ev("free_completed", 0xB000, 1000, 22),  # 5
+        ev("free_completed", 0xA000, 1000, 90),  # 6: ... completion only here (record_stream style)
         ev("free_requested", 0xC000, 64, 95),
         ev("free_completed", 0xC000, 64, 96),
     ]
@@ -216,8 +307,11 @@ def test_deferred_free_counted_prompt_free_not() -> None:
 
 
 def test_free_still_pending_at_end_is_deferred() -> None:
-    trace = [ev("alloc", 0xA000, 500, 1, GATHER_ALLOC), ev("free_requested", 0xA000, 500, 2),
-             ev("alloc", 0xB000, 8, 3, ACT_ALLOC)]
+    trace = [
+        ev("alloc", 0xA000, 500, 1, GATHER_ALLOC),
+        ev("free_requested", 0xA000, 500, 2),
+        ev("alloc", 0xB000, 8, 3, ACT_ALLOC),
+    ]
     got = mt.deferred_frees(snapshot(trace))
     assert got["count"] == 1 and got["pending_at_end"] == 1 and got["gathered_bytes"] == 500
     assert mt.build_timeline(snapshot(trace)).total[-1] == 508
@@ -225,8 +319,11 @@ def test_free_still_pending_at_end_is_deferred() -> None:
 
 def test_summarize_gathered_max_and_unit_ratio() -> None:
     trace = [ev("alloc", 0x100 * i, 1000, i, GATHER_ALLOC) for i in range(1, 4)]
-    trace += [ev("free_requested", 0x100, 1000, 10), ev("free_completed", 0x100, 1000, 10),
-              ev("alloc", 0x900, 1000, 11, GATHER_ALLOC)]
+    trace += [
+        ev("free_requested", 0x100, 1000, 10),
+        ev("free_completed", 0x100, 1000, 10),
+        ev("alloc", 0x900, 1000, 11, GATHER_ALLOC),
+    ]
     summary = mt.summarize(snapshot(trace), unit_bytes=1000)
     assert summary["gathered_max_bytes"] == 3000
     assert summary["gathered_layers_alive_max_from_trace"] == 3.0
@@ -237,32 +334,55 @@ def test_summarize_gathered_max_and_unit_ratio() -> None:
 
 
 def test_blocks_from_before_recording_are_a_baseline() -> None:
-    segments = [{
-        "device": 0, "address": 0x10000, "total_size": 4096, "stream": 0, "segment_type": "small",
-        "blocks": [
-            {"address": 0x10000, "size": 1024, "requested_size": 1000, "state": "active_allocated", "frames": []},
-            {"address": 0x10400, "size": 1024, "requested_size": 1024, "state": "inactive", "frames": []},
-            {"address": 0x10800, "size": 512, "requested_size": 512, "state": "active_allocated",
-             "frames": [fr("torch/optim/adam.py", "_init_group")]},
-            {"address": 0x10A00, "size": 512, "requested_size": 512, "state": "active_allocated", "frames": []},
-            {"address": 0x10C00, "size": 1024, "requested_size": 1024, "state": "active_allocated",
-             "frames": ACT_ALLOC},  # allocated inside the trace (below): not a baseline block
-        ],
-    }]
+    segments = [
+        {
+            "device": 0,
+            "address": 0x10000,
+            "total_size": 4096,
+            "stream": 0,
+            "segment_type": "small",
+            "blocks": [
+                {"address": 0x10000, "size": 1024, "requested_size": 1000, "state": "active_allocated", "frames": []},
+                {"address": 0x10400, "size": 1024, "requested_size": 1024, "state": "inactive", "frames": []},
+                {
+                    "address": 0x10800,
+                    "size": 512,
+                    "requested_size": 512,
+                    "state": "active_allocated",
+                    "frames": [fr("torch/optim/adam.py", "_init_group")],
+                },
+                {"address": 0x10A00, "size": 512, "requested_size": 512, "state": "active_allocated", "frames": []},
+                {
+                    "address": 0x10C00,
+                    "size": 1024,
+                    "requested_size": 1024,
+                    "state": "active_allocated",
+                    "frames": ACT_ALLOC,
+                },  # allocated inside the trace (below): not a baseline block
+            ],
+        }
+    ]
     trace = [
-        ev("free_requested", 0x20000, 256, 5, REDUCE_FREE),   # alive before recording, freed on a reduce path
+        ev("free_requested", 0x20000, 256, 5, REDUCE_FREE),  # alive before recording, freed on a reduce path
         ev("free_completed", 0x20000, 256, 5),
-        ev("free_requested", 0x30000, 64, 6),                 # alive before recording, unknown origin
+        ev("free_requested", 0x30000, 64, 6),  # alive before recording, unknown origin
         ev("free_completed", 0x30000, 64, 6),
         ev("free_requested", 0x40000, 2048, 6, [fr("deepspeed/_core/params/gather.py", "free")]),
-        ev("free_completed", 0x40000, 2048, 6),               # gathered in the previous step, released now
+        ev("free_completed", 0x40000, 2048, 6),  # gathered in the previous step, released now
         ev("alloc", 0x10C00, 1024, 7, ACT_ALLOC),
     ]
     hints = [{"address": 0x10A00 + 16, "size": 128, "category": "parameters"}]
     snap = snapshot(trace, segments, category_hints=hints)
     tl = mt.build_timeline(snap)
-    assert tl.at(0) == {"parameters": 512, "gathered parameters": 2048, "gradients": 256, "optimizer state": 512,
-                        "activations": 0, "buffers": 0, "before recording": 1000 + 64}
+    assert tl.at(0) == {
+        "parameters": 512,
+        "gathered parameters": 2048,
+        "gradients": 256,
+        "optimizer state": 512,
+        "activations": 0,
+        "buffers": 0,
+        "before recording": 1000 + 64,
+    }
     assert tl.total[-1] == 1000 + 512 + 512 + 1024
     summary = mt.summarize(snap)
     assert summary["freed_blocks_from_before_recording"] == {"count": 3, "bytes": 256 + 64 + 2048}
@@ -278,8 +398,11 @@ def test_ring_buffer_warning_and_oom() -> None:
 
 
 def test_phase_marks_place_the_peak() -> None:
-    phases = [{"name": "start", "time_us": 1_000}, {"name": "after forward", "time_us": 1_025},
-              {"name": "after backward", "time_us": 1_055}]
+    phases = [
+        {"name": "start", "time_us": 1_000},
+        {"name": "after forward", "time_us": 1_025},
+        {"name": "after backward", "time_us": 1_055},
+    ]
     summary = mt.summarize(snapshot(step_trace(), recording={"phases": phases}))
     assert summary["peak_after_phase"] == "start"  # the peak (t=1020) is inside the forward
     assert [p["time"] for p in summary["phases"]] == [0.0, 25.0, 55.0]
@@ -327,8 +450,13 @@ def test_tensor_hints_from_module_and_optimizer() -> None:
         optimizer = Inner()
 
     hints = {h["address"]: h["category"] for h in mt.tensor_hints(Module(), Wrapper())}
-    assert hints == {0x100: "parameters", 0x500: "gradients", 0x900: "optimizer state", 0xA00: "optimizer state",
-                     0xC00: "parameters"}
+    assert hints == {
+        0x100: "parameters",
+        0x500: "gradients",
+        0x900: "optimizer state",
+        0xA00: "optimizer state",
+        0xC00: "parameters",
+    }
 
 
 # ------------------------------------------------------------------------------------------------ chart and CLI
@@ -352,8 +480,14 @@ def test_cli_on_pickled_snapshot_without_deepspeed_on_path(tmp_path: Path) -> No
     out = tmp_path / "summary.json"
     # -I: isolated mode (no PYTHONPATH, no cwd on sys.path), run from an unrelated directory: the package directory
     # itself is the program, as where another DeepSpeed is the importable one.
-    proc = subprocess.run([sys.executable, "-I", str(PACKAGE_DIR), str(snap), "--json", str(out), "--unit-bytes",
-                           "500"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-I", str(PACKAGE_DIR), str(snap), "--json", str(out), "--unit-bytes", "500"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)
     assert printed == json.loads(out.read_text())
@@ -363,8 +497,14 @@ def test_cli_on_pickled_snapshot_without_deepspeed_on_path(tmp_path: Path) -> No
 def test_cli_as_module(tmp_path: Path) -> None:
     snap = tmp_path / "snap.pickle"
     snap.write_bytes(pickle.dumps(snapshot(step_trace())))
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.tools.profiling.memory_timeline", str(snap)],
-                          check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.tools.profiling.memory_timeline", str(snap)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["peak_allocated_bytes"] == 1150
 
@@ -383,8 +523,9 @@ def test_loads_by_file_path_without_torch_or_deepspeed(tmp_path: Path) -> None:
         "assert not bad, bad\n"
         "print(mod.CATEGORIES)\n"
     )
-    proc = subprocess.run([sys.executable, "-I", "-c", code], check=False, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", code], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "gathered parameters" in proc.stdout
     assert importlib.util.find_spec("deepspeed") is not None  # the check above ran without it on purpose
@@ -425,9 +566,12 @@ def _train_with_timeline(out_prefix: str) -> dict:
     logger.addHandler(handler)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-                  "memory_timeline": {"enabled": True, "step": 2, "path": out_prefix}}
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "memory_timeline": {"enabled": True, "step": 2, "path": out_prefix},
+        }
         engine, *_ = deepspeed.initialize(model=model, config=config)
         for _ in range(3 * 2):
             loss = engine(torch.randn(2, 4)).pow(2).mean()
@@ -471,7 +615,8 @@ class _RecordingAccelerator:
 
 @pytest.mark.parametrize("with_analyser", [True, False], ids=["facade-analyser", "snapshot-only"])
 def test_core_recorder_writes_the_snapshot_and_hands_it_to_the_tool(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_analyser: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_analyser: bool
+) -> None:
     import torch
 
     from deepspeed._core.config.plan import MemoryTimelinePolicy

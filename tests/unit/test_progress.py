@@ -1,4 +1,5 @@
 """The progress line appears every ``steps_per_print`` steps and carries the promised fields."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,16 @@ def test_reports_on_the_period_only() -> None:
     assert rep.maybe_report(1, 1.0, [0.1], 0.5) is None
     line = rep.maybe_report(2, 65536.0, [0.1, 0.01], 0.5)
     assert line is not None
-    for field in ("step=2", "loss_scale=65536", "lr=0.1,0.01", "grad_norm=0.5", "samples/s=", "mem_alloc=",
-                  "mem_reserved=", "mem_peak="):
+    for field in (
+        "step=2",
+        "loss_scale=65536",
+        "lr=0.1,0.01",
+        "grad_norm=0.5",
+        "samples/s=",
+        "mem_alloc=",
+        "mem_reserved=",
+        "mem_peak=",
+    ):
         assert field in line, field
 
 

@@ -1,4 +1,5 @@
 """The stream backend's roles and its one event helper for code without a StreamSet (``record_current``)."""
+
 from __future__ import annotations
 
 import contextlib

@@ -15,6 +15,7 @@ Classes registered by the user with ``torch.serialization.add_safe_globals`` are
 Trusted legacy files holding other objects can be read with full pickle by setting the environment
 variable ``DS_CHECKPOINT_TRUSTED=1`` (see :class:`LoadTrust`); this is a deliberate, visible opt-out.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -193,8 +194,9 @@ def _disallowed_globals(path: str) -> list[str]:
     except Exception:  # noqa: BLE001 - an undecodable file is reported as corrupt by the caller
         return []
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in _SAFE_GLOBALS}
-    allowed |= {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
-                if not isinstance(g, tuple)}
+    allowed |= {
+        f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals() if not isinstance(g, tuple)
+    }
     return [name for name in found if name not in allowed]
 
 

@@ -18,6 +18,7 @@ A ZeRO optimizer plugs in by implementing :class:`ShardedCheckpointOptimizer`; n
 on its class. Stage 0's wrapped optimizer needs only ``state_dict()`` / ``load_state_dict(dict)``.
 Which files exist follows from the stage alone (:class:`CheckpointTopology`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,14 @@ OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
 # Model-states entries the engine consumes on load; the rest is handed back as client state.
 _ENGINE_KEYS = (
-    "module", "sparse_tensor_module_names", "skipped_steps", "global_steps",
-    "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
+    "module",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "dp_world_size",
+    "mp_world_size",
+    "data_sampler",
+    "random_ltd",
 )
 
 
@@ -208,7 +215,7 @@ def optim_file_name(topo: CheckpointTopology, dp_rank: int) -> str:
 def _optim_file_candidates(topo: CheckpointTopology, dp_rank: int) -> list[str]:
     # Upstream readers accept either precision prefix and an early spelling without the underscore.
     preferred = optim_file_name(topo, dp_rank)
-    other = preferred[len("bf16_"):] if topo.bf16 else "bf16_" + preferred
+    other = preferred[len("bf16_") :] if topo.bf16 else "bf16_" + preferred
     names = [preferred, other]
     return names + [n.replace("_optim_states.pt", "optim_states.pt") for n in names]
 
@@ -321,7 +328,8 @@ def build_model_state(
     state = {
         "module": compact_tensors(module_state),
         "buffer_names": persistent_buffer_names(subject.module),
-        "optimizer": opt.state_dict() if opt is not None and not topo.shards_optimizer and subject.moe is None
+        "optimizer": opt.state_dict()
+        if opt is not None and not topo.shards_optimizer and subject.moe is None
         else None,
         "param_shapes": zero_param_shapes(subject.module, opt) if opt is not None and topo.shards_optimizer else None,
         "frozen_param_shapes": frozen[0],
@@ -407,8 +415,9 @@ def save_checkpoint(
     _agree_or_raise(error, f"updating '{os.path.join(request.save_dir, LATEST_FILE)}'")
 
 
-def _save_expert_files(subject: CheckpointSubject, ckpt_dir: str,
-                       module_state_fn: Callable[[], dict]) -> Callable[[], dict]:
+def _save_expert_files(
+    subject: CheckpointSubject, ckpt_dir: str, module_state_fn: Callable[[], dict]
+) -> Callable[[], dict]:
     """MoE models: write this rank's expert files (and stage-0 expert optimizer file); the shared state remains."""
     moe = subject.moe
     if moe is None:
@@ -573,10 +582,16 @@ def _existing_optim_file(topo: CheckpointTopology, ckpt_dir: str, dp_rank: int) 
 def _apply_module(subject: CheckpointSubject, request: LoadRequest, state: dict, ckpt_dir: str) -> None:
     if subject.module_files is not None:
         if request.custom_load_fn is not None:
-            raise ValueError("load_checkpoint: custom_load_fn is not supported for a pipeline module (its "
-                             "weights are in per-layer files); load them with module.load_state_dir instead")
-        shards_follow = subject.optimizer is not None and subject.topology.shards_optimizer and \
-            request.optimizer_states and not request.module_only
+            raise ValueError(
+                "load_checkpoint: custom_load_fn is not supported for a pipeline module (its "
+                "weights are in per-layer files); load them with module.load_state_dir instead"
+            )
+        shards_follow = (
+            subject.optimizer is not None
+            and subject.topology.shards_optimizer
+            and request.optimizer_states
+            and not request.module_only
+        )
         saved = {name for group in (state.get("param_shapes") or []) for name in group} if shards_follow else None
         subject.module_files.load(ckpt_dir, request.module_strict, request.trust, saved)
         return
@@ -592,9 +607,7 @@ def _apply_optimizer(subject: CheckpointSubject, request: LoadRequest, state: di
         return
     wanted = request.optimizer_states and not request.module_only
     if subject.topology.shards_optimizer and wanted:
-        opt.load_state_dict(
-            shards, load_optimizer_states=True, load_from_fp32_weights=subject.load_from_fp32_weights
-        )
+        opt.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=subject.load_from_fp32_weights)
         return
     saved = state.get("optimizer")
     if wanted and saved is not None:

@@ -10,6 +10,7 @@ example events that stay "not complete" for a while, emulating a GPU that lags f
 a :class:`StreamSet` (the offload paths' host-side waits) takes its events from :func:`record_current`, so no event
 is created anywhere else in ``deepspeed/_core``.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -11,6 +11,7 @@ surface (``deepspeed/_core/config/surface.py``).
 
 Nothing here imports a façade module or touches a process group: plans are pure data.
 """
+
 from __future__ import annotations
 
 import enum

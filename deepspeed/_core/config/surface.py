@@ -16,6 +16,7 @@ read (on every rank, before any collective) and renders the status table of docs
 listed). Blocks this package accepts without modelling them (``compile``, ``tensor_parallel``, …) are listed by
 block name; a ``block.key`` entry takes precedence over its block's entry for that key.
 """
+
 from __future__ import annotations
 
 import enum
@@ -75,9 +76,19 @@ def _equals(wanted: Any) -> Predicate:
     return lambda value, _: value == wanted
 
 
-_DTYPE_CANON = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "bf16": "bf16",
-                "bfloat16": "bf16", "torch.bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", "float": "fp32",
-                "torch.float32": "fp32"}
+_DTYPE_CANON = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+}
 
 
 def _bf16_master_alone(value: Any, effective: Mapping[str, Any]) -> bool:
@@ -110,41 +121,64 @@ _NVME_ONLY = "NVMe swapping only; NVMe offload is refused"
 _NO_MONITOR = "no monitor backend is implemented; nothing is written"
 
 _TOP_LEVEL: dict[str, KeyRule] = {
-    "train_batch_size": _impl(), "train_micro_batch_size_per_gpu": _impl(), "gradient_accumulation_steps": _impl(),
+    "train_batch_size": _impl(),
+    "train_micro_batch_size_per_gpu": _impl(),
+    "gradient_accumulation_steps": _impl(),
     "managed_gradient_accumulation": _refused(
-        "false (every step() a boundary) is not implemented; the engine always owns the boundary", "true",
-        _equals(False)),
-    "steps_per_print": _impl(), "wall_clock_breakdown": _impl(), "memory_breakdown": _impl(),
+        "false (every step() a boundary) is not implemented; the engine always owns the boundary",
+        "true",
+        _equals(False),
+    ),
+    "steps_per_print": _impl(),
+    "wall_clock_breakdown": _impl(),
+    "memory_breakdown": _impl(),
     "dump_state": _noop("the engine state is not logged"),
     "sparse_gradients": _noop("embedding gradients are reduced dense (same values)"),
-    "disable_allgather": _noop("upstream legacy switch"), "dataloader_drop_last": _impl(),
-    "gradient_clipping": _impl(), "prescale_gradients": _impl(), "gradient_predivide_factor": _impl(),
-    "gradient_allreduce_op": _impl(), "communication_data_type": _impl(),
+    "disable_allgather": _noop("upstream legacy switch"),
+    "dataloader_drop_last": _impl(),
+    "gradient_clipping": _impl(),
+    "prescale_gradients": _impl(),
+    "gradient_predivide_factor": _impl(),
+    "gradient_allreduce_op": _impl(),
+    "communication_data_type": _impl(),
     "seq_parallel_communication_data_type": _noop("no sequence-parallel communication in this package"),
-    "zero_allow_untested_optimizer": _impl(), "zero_force_ds_cpu_optimizer": _impl(),
-    "vocabulary_size": _noop("not checked"), "log_level": _noop("set DS_LOG_LEVEL instead"),
+    "zero_allow_untested_optimizer": _impl(),
+    "zero_force_ds_cpu_optimizer": _impl(),
+    "vocabulary_size": _noop("not checked"),
+    "log_level": _noop("set DS_LOG_LEVEL instead"),
     "graph_harvesting": _noop("CUDA-graph capture is not implemented"),
     "sequence_parallel_size": _impl("divides the data-parallel size of the batch triangle"),
-    "optimizer.type": _impl(), "optimizer.params": _impl(), "optimizer.legacy_fusion": _noop("upstream legacy switch"),
-    "scheduler.type": _impl(), "scheduler.params": _impl(),
+    "optimizer.type": _impl(),
+    "optimizer.params": _impl(),
+    "optimizer.legacy_fusion": _noop("upstream legacy switch"),
+    "scheduler.type": _impl(),
+    "scheduler.params": _impl(),
 }
 
 _ZERO: dict[str, KeyRule] = {
-    "stage": _impl(), "contiguous_gradients": _noop("gradients always go to the flat reduction buckets"),
-    "reduce_scatter": _impl(), "reduce_bucket_size": _impl(),
+    "stage": _impl(),
+    "contiguous_gradients": _noop("gradients always go to the flat reduction buckets"),
+    "reduce_scatter": _impl(),
+    "reduce_bucket_size": _impl(),
     "use_multi_rank_bucket_allreduce": _noop("bucket reduction strategy is fixed (same values)"),
     "allgather_partitions": _noop("updated partitions are always all-gathered (same values)"),
-    "allgather_bucket_size": _impl(), "overlap_comm": _impl(), "load_from_fp32_weights": _impl(),
+    "allgather_bucket_size": _impl(),
+    "overlap_comm": _impl(),
+    "load_from_fp32_weights": _impl(),
     "elastic_checkpoint": _noop("ZeRO-1/2 checkpoints load at any data-parallel size regardless"),
     "offload_param.device": _impl("NVMe parameter offload is not implemented", _equals("nvme"), "'none' or 'cpu'"),
-    "offload_param.nvme_path": _noop(_NVME_ONLY), "offload_param.buffer_count": _noop(_NVME_ONLY),
-    "offload_param.buffer_size": _noop(_NVME_ONLY), "offload_param.max_in_cpu": _noop(_NVME_ONLY),
+    "offload_param.nvme_path": _noop(_NVME_ONLY),
+    "offload_param.buffer_count": _noop(_NVME_ONLY),
+    "offload_param.buffer_size": _noop(_NVME_ONLY),
+    "offload_param.max_in_cpu": _noop(_NVME_ONLY),
     "offload_param.pin_memory": _impl(),
-    "offload_optimizer.device": _impl("NVMe optimizer offload is not implemented", _equals("nvme"),
-                                      "'none' or 'cpu'"),
-    "offload_optimizer.nvme_path": _noop(_NVME_ONLY), "offload_optimizer.buffer_count": _noop(_NVME_ONLY),
-    "offload_optimizer.pin_memory": _impl(), "offload_optimizer.pipeline_read": _noop(_NVME_ONLY),
-    "offload_optimizer.pipeline_write": _noop(_NVME_ONLY), "offload_optimizer.fast_init": _noop(_NVME_ONLY),
+    "offload_optimizer.device": _impl("NVMe optimizer offload is not implemented", _equals("nvme"), "'none' or 'cpu'"),
+    "offload_optimizer.nvme_path": _noop(_NVME_ONLY),
+    "offload_optimizer.buffer_count": _noop(_NVME_ONLY),
+    "offload_optimizer.pin_memory": _impl(),
+    "offload_optimizer.pipeline_read": _noop(_NVME_ONLY),
+    "offload_optimizer.pipeline_write": _noop(_NVME_ONLY),
+    "offload_optimizer.fast_init": _noop(_NVME_ONLY),
     "offload_optimizer.ratio": _noop("all optimizer state is offloaded (partial offload is not implemented)"),
     "offload_optimizer.super_offload": _refused("SuperOffload is not implemented", "false"),
     "offload_optimizer.cpuadam_cores_perc": _noop("the CPU step uses torch's thread pool"),
@@ -152,8 +186,12 @@ _ZERO: dict[str, KeyRule] = {
     "cpu_offload_param": _impl("deprecated: offload_param {device: cpu}"),
     "cpu_offload_use_pin_memory": _noop("deprecated; use pin_memory in the offload blocks"),
     "cpu_offload": _impl("deprecated: offload_optimizer {device: cpu}"),
-    "prefetch_bucket_size": _impl(), "param_persistence_threshold": _impl(), "model_persistence_threshold": _impl(),
-    "max_live_parameters": _impl(), "max_reuse_distance": _impl(), "gather_16bit_weights_on_model_save": _impl(),
+    "prefetch_bucket_size": _impl(),
+    "param_persistence_threshold": _impl(),
+    "model_persistence_threshold": _impl(),
+    "max_live_parameters": _impl(),
+    "max_reuse_distance": _impl(),
+    "gather_16bit_weights_on_model_save": _impl(),
     "module_granularity_threshold": _impl(),
     "use_all_reduce_for_fetch_params": _noop("parameters are always all-gathered (same values)"),
     "allgather_sequential": _noop("parameter gathers are always coalesced (same values)"),
@@ -171,28 +209,51 @@ _ZERO: dict[str, KeyRule] = {
     "memory_efficient_linear": _noop("linear layers are not replaced"),
     "pipeline_loading_checkpoint": KeyRule(Status.PIPELINE, "read by the pipeline engine"),
     "override_module_apply": _noop("Module.apply is not wrapped by zero.Init"),
-    "log_trace_cache_warnings": _noop("not logged"), "enable_sanity_checks": _noop("no extra checks run"),
+    "log_trace_cache_warnings": _noop("not logged"),
+    "enable_sanity_checks": _noop("no extra checks run"),
     "save_muon_momentum_buffer_in_memory": _noop("Muon is not implemented"),
-    "leaf_module.classes": _impl(), "leaf_module.names": _impl(), "leaf_module.name_suffixes": _impl(),
+    "leaf_module.classes": _impl(),
+    "leaf_module.names": _impl(),
+    "leaf_module.name_suffixes": _impl(),
     "zenflow": _refused("ZenFlow is not implemented", "null", _given),
-    "lean_inplace_flatten": _impl(), "lean_eager_grad_release": _impl(), "lean_stream_ordered_release": _impl(),
-    "lean_grads_in_param_shards": _impl(), "lean_pipeline_release": _impl(),
+    "lean_inplace_flatten": _impl(),
+    "lean_eager_grad_release": _impl(),
+    "lean_stream_ordered_release": _impl(),
+    "lean_grads_in_param_shards": _impl(),
+    "lean_pipeline_release": _impl(),
 }
 
 _PRECISION: dict[str, KeyRule] = {
-    **{f"fp16.{k}": _impl() for k in ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
-                                      "hysteresis", "consecutive_hysteresis", "min_loss_scale",
-                                      "fp16_master_weights_and_grads")},
-    "bf16.enabled": _impl(), "bf16.immediate_grad_update": _noop("gradients are folded at the bucket flush (same "
-                                                                 "values)"),
+    **{
+        f"fp16.{k}": _impl()
+        for k in (
+            "enabled",
+            "auto_cast",
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "consecutive_hysteresis",
+            "min_loss_scale",
+            "fp16_master_weights_and_grads",
+        )
+    },
+    "bf16.enabled": _impl(),
+    "bf16.immediate_grad_update": _noop("gradients are folded at the bucket flush (same values)"),
     "bf16.check_grad_overflow": _impl(),
     "bf16.bf16_master_weights_and_grads": _impl(
         "bf16 masters with fp32 optimizer states are not implemented (states follow the master dtype)",
-        _bf16_master_alone, "true together with bf16.enabled and bf16.bf16_optimizer_states"),
+        _bf16_master_alone,
+        "true together with bf16.enabled and bf16.bf16_optimizer_states",
+    ),
     "bf16.bf16_optimizer_states": _impl("optimizer states in the master dtype (bf16)"),
-    "data_types.grad_accum_dtype": _impl("stages 1-3; stage 0 accumulates in the working dtype only",
-                                         _stage0_accum_differs, "at stage 0, the working dtype (or unset)"),
-    "data_types.param_dtype": _impl(), "data_types.buffer_dtype": _impl(),
+    "data_types.grad_accum_dtype": _impl(
+        "stages 1-3; stage 0 accumulates in the working dtype only",
+        _stage0_accum_differs,
+        "at stage 0, the working dtype (or unset)",
+    ),
+    "data_types.param_dtype": _impl(),
+    "data_types.buffer_dtype": _impl(),
 }
 
 _OTHER_BLOCKS: dict[str, KeyRule] = {
@@ -201,21 +262,44 @@ _OTHER_BLOCKS: dict[str, KeyRule] = {
     "checkpoint.use_node_local_storage": _impl(),
     "checkpoint.parallel_write.pipeline_stage": KeyRule(Status.PIPELINE, "read by the pipeline engine"),
     "checkpoint.checkpoint_serialization": _noop("checkpoints are always written with torch.save"),
-    **{f"activation_checkpointing.{k}": _impl() for k in ("partition_activations", "contiguous_memory_optimization",
-                                                          "cpu_checkpointing", "number_checkpoints",
-                                                          "synchronize_checkpoint_boundary", "profile")},
+    **{
+        f"activation_checkpointing.{k}": _impl()
+        for k in (
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "cpu_checkpointing",
+            "number_checkpoints",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        )
+    },
     "flops_profiler.enabled": _noop("no FLOPs profiler; only turns on wall_clock_breakdown"),
-    **{f"flops_profiler.{k}": _noop("no FLOPs profiler") for k in ("recompute_fwd_factor", "profile_step",
-                                                                     "module_depth", "top_modules", "detailed",
-                                                                     "output_file")},
-    **{f"aio.{k}": _noop("asynchronous NVMe I/O is not implemented") for k in (
-        "block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")},
+    **{
+        f"flops_profiler.{k}": _noop("no FLOPs profiler")
+        for k in ("recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed", "output_file")
+    },
+    **{
+        f"aio.{k}": _noop("asynchronous NVMe I/O is not implemented")
+        for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
+    },
     **{f"comms_logger.{k}": _impl() for k in ("enabled", "prof_all", "prof_ops", "verbose", "debug")},
     **{f"tensorboard.{k}": _noop(_NO_MONITOR) for k in ("enabled", "output_path", "job_name")},
     **{f"wandb.{k}": _noop(_NO_MONITOR) for k in ("enabled", "group", "team", "project")},
     **{f"csv_monitor.{k}": _noop(_NO_MONITOR) for k in ("enabled", "output_path", "job_name")},
-    **{f"comet.{k}": _noop(_NO_MONITOR) for k in ("enabled", "samples_log_interval", "project", "workspace",
-                                                  "api_key", "experiment_name", "experiment_key", "online", "mode")},
+    **{
+        f"comet.{k}": _noop(_NO_MONITOR)
+        for k in (
+            "enabled",
+            "samples_log_interval",
+            "project",
+            "workspace",
+            "api_key",
+            "experiment_name",
+            "experiment_key",
+            "online",
+            "mode",
+        )
+    },
     **{f"memory_timeline.{k}": _impl() for k in ("enabled", "step", "path", "max_entries")},
 }
 
@@ -225,8 +309,9 @@ _RAW_BLOCKS: dict[str, KeyRule] = {
     "torch_autocast": _refused("torch.autocast training is not implemented", "the fp16 or bf16 block", _enabled),
     "elasticity": _refused("elastic training is not implemented", "a fixed batch configuration", _enabled),
     "autotuning": _noop("the autotuner is not implemented"),
-    "compression_training": _refused("compression training is not implemented", "no compression_training block",
-                                     _given),
+    "compression_training": _refused(
+        "compression training is not implemented", "no compression_training block", _given
+    ),
     "data_efficiency": _refused("data-efficiency sampling/routing is not implemented", "enabled: false", _enabled),
     "curriculum_learning": _refused("curriculum learning is not implemented", "enabled: false", _enabled),
     "eigenvalue": _refused("eigenvalue computation is not implemented", "enabled: false", _enabled),
@@ -250,7 +335,10 @@ _RAW_BLOCKS: dict[str, KeyRule] = {
 }
 
 SURFACE: dict[str, KeyRule] = {
-    **_TOP_LEVEL, **{f"zero_optimization.{k}": rule for k, rule in _ZERO.items()}, **_PRECISION, **_OTHER_BLOCKS,
+    **_TOP_LEVEL,
+    **{f"zero_optimization.{k}": rule for k, rule in _ZERO.items()},
+    **_PRECISION,
+    **_OTHER_BLOCKS,
     **_RAW_BLOCKS,
 }
 """Every accepted key (dotted) -> its rule."""
@@ -272,8 +360,10 @@ def refusal_message(key: str, value: Any, rule: KeyRule) -> str:
     if rule.refuse_when is _enabled and isinstance(value, dict):
         key, value = f"{key}.enabled", value.get("enabled")
     block = key.rsplit(".", 1)[0] if "." in key else "top level"
-    return (f"{key}={value!r} (block '{block}') is not supported by deepspeed-lean: {rule.note}; supported: "
-            f"{rule.supported}")
+    return (
+        f"{key}={value!r} (block '{block}') is not supported by deepspeed-lean: {rule.note}; supported: "
+        f"{rule.supported}"
+    )
 
 
 def judge(given: Mapping[str, Any], defaults: Mapping[str, Any], effective: Mapping[str, Any]) -> Verdict:

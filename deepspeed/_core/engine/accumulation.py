@@ -3,6 +3,7 @@
 The engine counts micro-steps; a step at the accumulation boundary applies the optimizer. Callers that
 own the boundary themselves (accelerate) set it explicitly before each backward.
 """
+
 from __future__ import annotations
 
 import enum

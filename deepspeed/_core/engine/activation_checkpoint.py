@@ -27,6 +27,7 @@ Contiguous mode writes the partitions of successive checkpoints into one preallo
 (``number_checkpoints`` entries) instead of separate allocations, to avoid allocator fragmentation. The arena is
 rewound when a forward starts with no checkpoint awaiting its backward; ``reset()`` releases it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,11 +68,14 @@ class CheckpointPolicy:
     def validate(self) -> None:
         """Raise ``ValueError`` when contiguous mode lacks what it needs (before any collective runs)."""
         if self.contiguous_checkpointing and not self.partition_activations:
-            raise ValueError("contiguous_memory_optimization (contiguous_checkpointing) requires "
-                             "partition_activations=True")
+            raise ValueError(
+                "contiguous_memory_optimization (contiguous_checkpointing) requires partition_activations=True"
+            )
         if self.contiguous_checkpointing and self.num_checkpoints is None:
-            raise ValueError("contiguous_memory_optimization (contiguous_checkpointing) requires "
-                             "number_checkpoints (num_checkpoints) or set_num_layers(n)")
+            raise ValueError(
+                "contiguous_memory_optimization (contiguous_checkpointing) requires "
+                "number_checkpoints (num_checkpoints) or set_num_layers(n)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +93,18 @@ def _mpu_query(mpu: Any, what: str) -> Any:
         fn = getattr(mpu, name, None)
         if fn is not None:
             return fn()
-    raise AttributeError(f"mpu {type(mpu).__name__} has neither get_tensor_model_parallel_{what}() nor "
-                         f"get_model_parallel_{what}()")
+    raise AttributeError(
+        f"mpu {type(mpu).__name__} has neither get_tensor_model_parallel_{what}() nor get_model_parallel_{what}()"
+    )
 
 
 def model_parallel_view(mpu: Any) -> ModelParallelView:
     """Read rank, size and group from a Megatron-style ``mpu`` (``None`` means no model parallelism)."""
     if mpu is None:
         return ModelParallelView()
-    return ModelParallelView(rank=int(_mpu_query(mpu, "rank")), world_size=int(_mpu_query(mpu, "world_size")),
-                             group=_mpu_query(mpu, "group"))
+    return ModelParallelView(
+        rank=int(_mpu_query(mpu, "rank")), world_size=int(_mpu_query(mpu, "world_size")), group=_mpu_query(mpu, "group")
+    )
 
 
 # ---------------------------------------------------------------------- RNG
@@ -239,10 +245,12 @@ class ContiguousArena:
             self.offsets[slot] = 0
         start = self.offsets.get(slot, 0)
         if start + numel > buf.numel():
-            raise RuntimeError(f"contiguous activation buffer for argument {slot} is full: more checkpointed "
-                               f"forwards than number_checkpoints ({count}) before a backward; raise "
-                               "number_checkpoints or call deepspeed.checkpointing.reset() after forwards "
-                               "that have no backward")
+            raise RuntimeError(
+                f"contiguous activation buffer for argument {slot} is full: more checkpointed "
+                f"forwards than number_checkpoints ({count}) before a backward; raise "
+                "number_checkpoints or call deepspeed.checkpointing.reset() after forwards "
+                "that have no backward"
+            )
         self.offsets[slot] = start + numel
         return buf.narrow(0, start, numel)
 
@@ -320,8 +328,11 @@ class ActivationCheckpointState:
         return tensor
 
     # -- saving
-    def save_inputs(self, args: Sequence[Any], arena_use: ArenaUse = ArenaUse.AS_CONFIGURED,
-                    ) -> tuple[list[SavedSlot], list[torch.Tensor]]:
+    def save_inputs(
+        self,
+        args: Sequence[Any],
+        arena_use: ArenaUse = ArenaUse.AS_CONFIGURED,
+    ) -> tuple[list[SavedSlot], list[torch.Tensor]]:
         """Decide how each input is kept; returns the slot layout and the tensors for ``save_for_backward``.
 
         Private copies (partitions, host copies) travel inside the layout rather than through
@@ -340,7 +351,10 @@ class ActivationCheckpointState:
                 layout.append(SavedSlot(kind=SlotKind.CONST, value=arg))
                 continue
             meta: dict[str, Any] = {
-                "shape": arg.shape, "dtype": arg.dtype, "device": arg.device, "requires_grad": arg.requires_grad
+                "shape": arg.shape,
+                "dtype": arg.dtype,
+                "device": arg.device,
+                "requires_grad": arg.requires_grad,
             }
             if split and is_activation_to_checkpoint(arg, view.world_size):
                 arena = self.arena if use_arena else None
@@ -354,8 +368,9 @@ class ActivationCheckpointState:
                 tensors.append(arg)
         return layout, tensors
 
-    def _partition(self, slot: int, arg: torch.Tensor, view: ModelParallelView,
-                   arena: ContiguousArena | None) -> torch.Tensor:
+    def _partition(
+        self, slot: int, arg: torch.Tensor, view: ModelParallelView, arena: ContiguousArena | None
+    ) -> torch.Tensor:
         flat = arg.detach().reshape(-1)
         size = partition_numel(flat.numel(), view.world_size)
         start = min(size * view.rank, flat.numel())
@@ -467,8 +482,9 @@ class CheckpointFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         """Recompute the forward under the saved RNG state and backpropagate through it."""
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("activation checkpointing does not support torch.autograd.grad(); "
-                               "use .backward() instead")
+            raise RuntimeError(
+                "activation checkpointing does not support torch.autograd.grad(); use .backward() instead"
+            )
         state = current_state()
         state.boundary()
         inputs = state.restore_inputs(ctx.layout, ctx.saved_tensors)
@@ -482,8 +498,10 @@ class CheckpointFunction(torch.autograd.Function):
             (out, grad) for out, grad in zip(tensors, grads, strict=True) if out.requires_grad and grad is not None
         ]
         if not pairs:
-            raise RuntimeError("none of the checkpointed function's outputs requires grad; checkpoint() is not "
-                               "needed around this function")
+            raise RuntimeError(
+                "none of the checkpointed function's outputs requires grad; checkpoint() is not "
+                "needed around this function"
+            )
         with _timed(state, "backward"):
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
         state.boundary()
@@ -502,7 +520,7 @@ class _KeywordCall:
         self.function, self.n_positional, self.names = function, n_positional, names
 
     def __call__(self, *values: Any) -> Any:
-        head, tail = values[: self.n_positional], values[self.n_positional:]
+        head, tail = values[: self.n_positional], values[self.n_positional :]
         return self.function(*head, **dict(zip(self.names, tail, strict=True)))
 
 
@@ -559,8 +577,10 @@ class _RecomputeFrame:
 
     def _recompute(self) -> list[torch.Tensor]:
         if self.layout is None or self.whole is None:
-            raise RuntimeError("non_reentrant_checkpoint: backward through this segment already ran (its saved "
-                               "inputs were released); retain_graph=True is not supported here")
+            raise RuntimeError(
+                "non_reentrant_checkpoint: backward through this segment already ran (its saved "
+                "inputs were released); retain_graph=True is not supported here"
+            )
         inputs = self.state.restore_inputs(self.layout, self.whole)
         collected: list[torch.Tensor] = []
 
@@ -568,12 +588,17 @@ class _RecomputeFrame:
             collected.append(tensor)
             return tensor
 
-        with replay_rng(self.rng, self.state.tracker), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(keep, _identity):
+        with (
+            replay_rng(self.rng, self.state.tracker),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(keep, _identity),
+        ):
             self.function(*inputs)
         if len(collected) != self.count:
-            raise RuntimeError(f"non_reentrant_checkpoint: recomputation saved {len(collected)} tensors but the "
-                               f"forward saved {self.count}; the function must be deterministic in its control flow")
+            raise RuntimeError(
+                f"non_reentrant_checkpoint: recomputation saved {len(collected)} tensors but the "
+                f"forward saved {self.count}; the function must be deterministic in its control flow"
+            )
         self.recomputed = list(collected)
         return self.recomputed
 
@@ -605,8 +630,11 @@ def seed_model_parallel(state: ActivationCheckpointState, seed: int) -> None:
     """Seed the default generator with ``seed`` and a fresh model-parallel tracker stream per TP rank."""
     tp_rank = state.view().rank
     stream_seed = model_parallel_seed(seed, tp_rank)
-    log_dist(f"model parallel seeds: tp rank {tp_rank}, data-parallel seed {seed}, model-parallel seed "
-             f"{stream_seed}", ranks=[0], level=logging.DEBUG)
+    log_dist(
+        f"model parallel seeds: tp rank {tp_rank}, data-parallel seed {seed}, model-parallel seed {stream_seed}",
+        ranks=[0],
+        level=logging.DEBUG,
+    )
     state.tracker.reset()
     get_accelerator().manual_seed(seed)
     state.tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, stream_seed)

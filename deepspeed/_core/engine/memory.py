@@ -10,6 +10,7 @@ writes it. What the snapshot means (categories, timeline, chart) is a tool's bus
 (``deepspeed/tools/profiling/memory_timeline``), which the engine façade hands in as a :class:`SnapshotAnalyser`;
 this package never imports it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -154,9 +155,12 @@ class TimelineRecorder:
         self.phases: list[dict[str, Any]] = []
         self.written: list[str] = []
         if policy.enabled and not get_accelerator().memory_history_supported():
-            log_dist(f"memory_timeline: recording an allocator history needs a CUDA device; the "
-                     f"{get_accelerator().device_name()} accelerator has none, so no timeline is written",
-                     ranks=[0], level=logging.WARNING)
+            log_dist(
+                f"memory_timeline: recording an allocator history needs a CUDA device; the "
+                f"{get_accelerator().device_name()} accelerator has none, so no timeline is written",
+                ranks=[0],
+                level=logging.WARNING,
+            )
             self.state = _Recording.DONE
 
     def begin(self, completed_steps: int) -> None:
@@ -180,13 +184,20 @@ class TimelineRecorder:
         acc.record_memory_history(False)
         self.state = _Recording.DONE
         if snapshot is None:  # recording starts only where memory_history_supported() promised a snapshot
-            raise RuntimeError(f"memory_timeline: the {acc.device_name()} accelerator recorded an allocator history "
-                               "but returned no snapshot")
+            raise RuntimeError(
+                f"memory_timeline: the {acc.device_name()} accelerator recorded an allocator history "
+                "but returned no snapshot"
+            )
         device = acc.current_device()
         if self.analyser is not None:
             snapshot["category_hints"] = self.analyser.tensor_hints(module, optimizer)
-        snapshot["recording"] = {"step": self.policy.step, "rank": _rank(), "device": device,
-                                 "max_entries": self.policy.max_entries, "phases": self.phases}
+        snapshot["recording"] = {
+            "step": self.policy.step,
+            "rank": _rank(),
+            "device": device,
+            "max_entries": self.policy.max_entries,
+            "phases": self.phases,
+        }
         return self._write(snapshot, device)
 
     def _write(self, snapshot: dict[str, Any], device: int) -> dict[str, Any] | None:
@@ -199,13 +210,16 @@ class TimelineRecorder:
         if self.analyser is None:
             logger.info(f"memory_timeline step {self.policy.step}: wrote {self.written}")
             return None
-        report = self.analyser.write_report(snapshot, device, str(prefix),
-                                            title=f"step {self.policy.step}, rank {_rank()}, device {device}")
+        report = self.analyser.write_report(
+            snapshot, device, str(prefix), title=f"step {self.policy.step}, rank {_rank()}, device {device}"
+        )
         self.written.extend(report.files)
         for skipped in report.skipped:
             logger.warning(f"memory_timeline: skipped {skipped}")
         summary = report.summary
         peak = summary["peak_by_category"]
-        logger.info(f"memory_timeline step {self.policy.step}: peak {summary['peak_allocated_bytes'] / _GIB:.3f} GiB "
-                    f"({', '.join(f'{k} {v / _GIB:.3f}' for k, v in peak.items() if v)}); wrote {self.written}")
+        logger.info(
+            f"memory_timeline step {self.policy.step}: peak {summary['peak_allocated_bytes'] / _GIB:.3f} GiB "
+            f"({', '.join(f'{k} {v / _GIB:.3f}' for k, v in peak.items() if v)}); wrote {self.written}"
+        )
         return summary

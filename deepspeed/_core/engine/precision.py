@@ -3,6 +3,7 @@
 ZeRO stages keep their own flat fp32 partitions; this module serves stage 0, where every rank holds
 whole parameters and the optimizer steps on per-parameter fp32 master copies.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

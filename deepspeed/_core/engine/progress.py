@@ -1,4 +1,5 @@
 """One readable progress line every ``steps_per_print`` optimizer steps, on rank 0."""
+
 from __future__ import annotations
 
 import math

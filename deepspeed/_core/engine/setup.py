@@ -3,6 +3,7 @@
 The façade (``deepspeed.runtime.engine``) composes these with the public factories (optimizers from
 ``deepspeed.ops``, schedulers from ``deepspeed.runtime.lr_schedules``) in one short, ordered function.
 """
+
 from __future__ import annotations
 
 import os
@@ -119,8 +120,9 @@ def wrap_optimizer(
     raise ValueError(f"zero_optimization.stage={stage} is not valid; valid stages: 0, 1, 2, 3")
 
 
-def partition_parameters(module: torch.nn.Module, plan: RunPlan, dp_group: Any,
-                         device: torch.device | None = None) -> ZeroParamManager:
+def partition_parameters(
+    module: torch.nn.Module, plan: RunPlan, dp_group: Any, device: torch.device | None = None
+) -> ZeroParamManager:
     """ZeRO-3: partition ``module``'s parameters over ``dp_group`` and install the fetch/release hooks.
 
     Parameters not yet partitioned get their shard on ``device`` (``None``: where each lies) in the working dtype.

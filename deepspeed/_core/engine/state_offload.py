@@ -9,6 +9,7 @@ persistent ones included, to the partitioned state (:meth:`ZeroParamManager.shar
 gathered stays on the device; after the reload the persistent ones are gathered again. ZeRO-3 gradients live
 only between a backward and its step, so between steps there are none to move.
 """
+
 from __future__ import annotations
 
 import enum
@@ -45,8 +46,15 @@ class StateOffloader:
         self.moved: list[tuple[torch.Tensor, torch.device]] = []
         self.manager: Any = None  # the ZeRO-3 parameter manager whose shards are parked, if any
 
-    def offload(self, inner: torch.optim.Optimizer, kinds: set[StateKind], device: torch.device,
-                pin: torch.dtype | None, non_blocking: bool, manager: Any = None) -> None:
+    def offload(
+        self,
+        inner: torch.optim.Optimizer,
+        kinds: set[StateKind],
+        device: torch.device,
+        pin: torch.dtype | None,
+        non_blocking: bool,
+        manager: Any = None,
+    ) -> None:
         """Move the selected tensors to ``device``; ``pin`` non-None pins host copies.
 
         ``manager``: the ZeRO-3 parameter manager, needed for ``lp_params`` (refused without one).
@@ -88,6 +96,7 @@ def parse_kinds(include: Any, zero3: bool = False) -> set[StateKind]:
         try:
             kinds.add(StateKind(value))
         except ValueError as err:
-            raise ValueError(f"offload_states include={value!r} is not supported; valid: "
-                             f"{[k.value for k in StateKind]}") from err
+            raise ValueError(
+                f"offload_states include={value!r} is not supported; valid: {[k.value for k in StateKind]}"
+            ) from err
     return kinds

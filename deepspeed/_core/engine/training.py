@@ -3,6 +3,7 @@
 It talks to one :class:`EngineOptimizer`, whatever the ZeRO stage, and keeps the counters that
 integrations read (``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,11 @@ class TrainingLoop:
     """
 
     def __init__(
-        self, module: torch.nn.Module, optimizer: EngineOptimizer | None, lr_scheduler: Any, plan: RunPlan,
+        self,
+        module: torch.nn.Module,
+        optimizer: EngineOptimizer | None,
+        lr_scheduler: Any,
+        plan: RunPlan,
         analyser: SnapshotAnalyser | None = None,
     ) -> None:
         self.module = module

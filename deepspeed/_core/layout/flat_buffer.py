@@ -10,6 +10,7 @@ Freeing uses the storage-resize trick: the tensor object (and every view of it) 
 while its untyped storage is resized to zero bytes and back, so the allocator gets the memory and the
 identities held by modules, hooks and optimizers never change.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -8,6 +8,7 @@ at most one segment, which is the bound ``memory_targets.md`` asks for.
 :func:`flatten_params_via_host` keeps upstream's old behaviour (copy every parameter to the host, flatten
 there, move the result back) for A/B comparisons only.
 """
+
 from __future__ import annotations
 
 import enum
@@ -154,9 +155,7 @@ def _plan_releases(params: Sequence[torch.Tensor], plan: SegmentPlan) -> dict[_S
             strided.add(key)
         if not storage.resizable():
             strided.add(key)
-    return {
-        key: _Release(last[key], key not in strided and _covers(extents[key], nbytes[key])) for key in extents
-    }
+    return {key: _Release(last[key], key not in strided and _covers(extents[key], nbytes[key])) for key in extents}
 
 
 def _release(storage: torch.UntypedStorage, release: _Release, segment: int, observe: FlattenObserver) -> None:

@@ -8,6 +8,7 @@ segments for the in-place flatten, bucket order) are written down once in [Note:
 
 Units: every size and offset is a count of *elements* of the flat group's dtype, never bytes.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -496,4 +497,3 @@ def plan_stage3_group(
 ) -> Stage3GroupLayout:
     """Build the ZeRO-3 per-rank layout of a group from parameter shapes in order."""
     return Stage3GroupLayout(make_slots(shapes, names), world_size)
-

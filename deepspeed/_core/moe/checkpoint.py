@@ -8,6 +8,7 @@ expert-data-parallel rank 0. Without ZeRO the optimizer state differs between ex
 so it goes to ``expp_rank_<ep_rank>_mp_rank_<MP>_optim_states.pt`` instead of the model-states file.
 Loading reverses the renaming, so a rank reads exactly the experts it holds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,9 @@ class MoECheckpointLayout:
     layers: tuple[MoELayerInfo, ...]
 
 
-def describe(module: torch.nn.Module, moe_class: type[Any], ranks_of: dict[str, tuple[int, int]],
-             max_group: str) -> MoECheckpointLayout:
+def describe(
+    module: torch.nn.Module, moe_class: type[Any], ranks_of: dict[str, tuple[int, int]], max_group: str
+) -> MoECheckpointLayout:
     """The layout of ``module``'s MoE layers (instances of ``moe_class``) for this rank.
 
     ``ranks_of`` maps an expert group name to this rank's ``(ep_rank, edp_rank)`` in it.
@@ -53,8 +55,9 @@ def describe(module: torch.nn.Module, moe_class: type[Any], ranks_of: dict[str, 
     for name, sub in module.named_modules():
         if isinstance(sub, moe_class):
             ep_rank, edp_rank = ranks_of[sub.expert_group_name]
-            layers.append(MoELayerInfo(len(layers), f"{name}." if name else "", sub.num_local_experts,
-                                       ep_rank, edp_rank))
+            layers.append(
+                MoELayerInfo(len(layers), f"{name}." if name else "", sub.num_local_experts, ep_rank, edp_rank)
+            )
     ep_rank, edp_rank = ranks_of[max_group]
     return MoECheckpointLayout(ep_rank, edp_rank, tuple(layers))
 
@@ -74,7 +77,7 @@ def _match(key: str, layer: MoELayerInfo) -> tuple[int, str] | None:
     head = layer.prefix + EXPERTS_INFIX
     if not key.startswith(head):
         return None
-    found = re.match(r"(\d+)\.(.*)", key[len(head):])
+    found = re.match(r"(\d+)\.(.*)", key[len(head) :])
     return (int(found.group(1)), found.group(2)) if found else None
 
 
@@ -94,7 +97,8 @@ def split_state(state: dict, layout: MoECheckpointLayout) -> tuple[dict, dict[tu
                 if layer.edp_rank != 0:
                     break
                 experts.setdefault((layer.layer_id, global_id), {})[
-                    f"{layer.prefix}{EXPERTS_INFIX}{global_id}.{rest}"] = value
+                    f"{layer.prefix}{EXPERTS_INFIX}{global_id}.{rest}"
+                ] = value
                 break
         else:
             shared[key] = value

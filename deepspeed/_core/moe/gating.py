@@ -14,6 +14,7 @@ selection (``use_rts``) each routed token draws a uniform priority from the glob
 served first come, first served in sequence order. Top-2 gating always uses sequence order, every
 first choice before any second choice.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,12 +62,20 @@ class Routes:
         return combine_weights, combine_weights.bool()
 
 
-def _routes(l_aux: torch.Tensor, cap: int, choices: list[torch.Tensor], masks: list[torch.Tensor],
-            slots: list[torch.Tensor], weights: list[torch.Tensor], exp_counts: torch.Tensor) -> Routes:
+def _routes(
+    l_aux: torch.Tensor,
+    cap: int,
+    choices: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    exp_counts: torch.Tensor,
+) -> Routes:
     """Pack per-route ``(S,)`` choices, capacity-masked ``(S, E)`` one-hots, slots and weights."""
     experts = [torch.where(mask.sum(dim=1) > 0, choice, -1) for choice, mask in zip(choices, masks)]
-    return Routes(l_aux, int(cap), masks[0].shape[1], torch.stack(experts), torch.stack(slots), torch.stack(weights),
-                  exp_counts)
+    return Routes(
+        l_aux, int(cap), masks[0].shape[1], torch.stack(experts), torch.stack(slots), torch.stack(weights), exp_counts
+    )
 
 
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -135,8 +144,9 @@ def top1gating(
     """
     if use_tutel:
         raise ValueError("top1gating(use_tutel=True): tutel is not supported; use use_tutel=False")
-    routes = _route_top1(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens, use_rts,
-                        ep_group)
+    routes = _route_top1(
+        logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens, use_rts, ep_group
+    )
     return (routes.l_aux, *routes.dense(), routes.exp_counts)
 
 
@@ -228,8 +238,9 @@ def _route_top2(
     g1 = (gates * mask1).sum(dim=1)
     g2 = (gates * mask2).sum(dim=1)
     denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
-    return _routes(l_aux, cap, [choice1, choice2], [mask1, mask2], [slot1_s, slot2_s], [g1 / denom, g2 / denom],
-                   exp_counts)
+    return _routes(
+        l_aux, cap, [choice1, choice2], [mask1, mask2], [slot1_s, slot2_s], [g1 / denom, g2 / denom], exp_counts
+    )
 
 
 class TopKGate(torch.nn.Module):
@@ -304,7 +315,9 @@ class TopKGate(torch.nn.Module):
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             policy = self.noisy_gate_policy if self.training else None
-            return _route_top1(logits, factor, self.min_capacity, used_token, policy, self.drop_tokens,
-                              self.use_rts, self.ep_group)
-        return _route_top2(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
-                          self.top2_2nd_expert_sampling)
+            return _route_top1(
+                logits, factor, self.min_capacity, used_token, policy, self.drop_tokens, self.use_rts, self.ep_group
+            )
+        return _route_top2(
+            logits, factor, self.min_capacity, self.drop_tokens, self.ep_group, self.top2_2nd_expert_sampling
+        )

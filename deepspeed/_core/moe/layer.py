@@ -18,6 +18,7 @@ weights. The arithmetic is the dense einsums' with the zero terms left out: disp
 exactly, and combine casts the gate weights to the model dtype and accumulates the ``k`` products as a
 matrix product does, so outputs and gradients match the dense formulation.
 """
+
 from __future__ import annotations
 
 import copy
@@ -120,8 +121,15 @@ class MOELayer(torch.nn.Module):
         use_tutel: must be ``False`` (tutel kernels are not available).
     """
 
-    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int,
-                 num_local_experts: int, use_tutel: bool = False) -> None:
+    def __init__(
+        self,
+        gate: TopKGate,
+        experts: Experts,
+        ep_group_name: str,
+        ep_size: int,
+        num_local_experts: int,
+        use_tutel: bool = False,
+    ) -> None:
         super().__init__()
         if use_tutel:
             raise ValueError("MoE(use_tutel=True) is not supported: tutel is not available; use use_tutel=False")
@@ -198,8 +206,19 @@ class MoECore(torch.nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
-        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+        gate = TopKGate(
+            hidden_size,
+            num_experts,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            None,
+            top2_2nd_expert_sampling,
+        )
         self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts)
         if use_residual:
             self.mlp = expert
@@ -209,8 +228,9 @@ class MoECore(torch.nn.Module):
         """Install the expert-parallel process group used by the token exchange."""
         self.deepspeed_moe._set_ep_group(ep_group)
 
-    def forward(self, hidden_states: torch.Tensor,
-                used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(output, l_aux, exp_counts)``; ``output`` has the shape of ``hidden_states``."""
         output = self.deepspeed_moe(hidden_states, used_token)
         if self.use_residual:
@@ -223,8 +243,14 @@ class MoECore(torch.nn.Module):
         return output, l_aux, exp_counts
 
 
-def _check_arguments(num_experts: int, ep_size: int, k: int, noisy_gate_policy: str | None, use_tutel: bool,
-                     enable_expert_tensor_parallelism: bool) -> None:
+def _check_arguments(
+    num_experts: int,
+    ep_size: int,
+    k: int,
+    noisy_gate_policy: str | None,
+    use_tutel: bool,
+    enable_expert_tensor_parallelism: bool,
+) -> None:
     if ep_size < 1 or num_experts < 1 or num_experts % ep_size != 0:
         raise ValueError(
             f"MoE(num_experts={num_experts}, ep_size={ep_size}): num_experts must be a positive multiple of "

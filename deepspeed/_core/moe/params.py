@@ -6,6 +6,7 @@ every other parameter is reduced over the data-parallel group. ZeRO-1/2 partitio
 parameter group over one process group, so expert parameters need groups of their own, marked
 ``moe: True`` and named after the expert group.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

@@ -6,6 +6,7 @@ chunk back into parameter values (``decode``). The identity codec (the default) 
 qwZ, fp8 weights) plugs in here without touching :mod:`deepspeed._core.comm.collectives` ([Note: zero3-codec] in
 ``docs/design/zero3.md``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -5,6 +5,7 @@ modifier rank is given, makes that rank's values every rank's shards on exit ([N
 ``docs/design/zero3.md``). :func:`register_external` / :func:`unregister_external` (defined with the fetch units in
 :mod:`deepspeed._core.params.manager`) are re-exported here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,10 @@ class GatheredContext:
     def __enter__(self) -> Self:
         overlapping = [s.ds_id for s in self.states if s.context_holds]
         if overlapping:
-            raise RuntimeError(f"GatheredParameters: parameters {overlapping} are already gathered by an enclosing "
-                               "GatheredParameters context; overlapping nested contexts are not supported")
+            raise RuntimeError(
+                f"GatheredParameters: parameters {overlapping} are already gathered by an enclosing "
+                "GatheredParameters context; overlapping nested contexts are not supported"
+            )
         for state in self.states:
             state.context_holds += 1
         if self.modifier.rank is None:
@@ -73,8 +76,9 @@ class GatheredContext:
             batch[0].gatherer.gather(batch)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         # With an exception in flight other ranks may not reach this point: skip the broadcast, only release.
         if self.modifier.rank is not None and exc_type is None:
             for state in self.states:

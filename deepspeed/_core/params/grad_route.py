@@ -22,6 +22,7 @@ forward still see the ``nn.Parameter``.
 The returned tensor is a view of the parameter, i.e. of the gathered storage: the manager's release frees that
 storage by resizing it, so a view saved for backward holds no memory and sees the values of the next gather.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -80,8 +81,11 @@ def routed_keys(modules: Iterable[nn.Module], eligible: Callable[[nn.Parameter],
     keys: dict[int, frozenset[str]] = {}
     for module in modules:
         quiet = backward_reads_no_params(module)
-        names = frozenset(name for name, p in dict.items(module._parameters)
-                          if p is not None and eligible(p) and (quiet or owners[id(p)] > 1))
+        names = frozenset(
+            name
+            for name, p in dict.items(module._parameters)
+            if p is not None and eligible(p) and (quiet or owners[id(p)] > 1)
+        )
         if names:
             keys[id(module)] = names
     return keys

@@ -25,6 +25,7 @@ partitioned parameter by attribute (``self.other.weight`` in a forward that does
 ``target.on_param_access(param)`` (upstream's ``ZeROOrderedDict`` behaviour); iteration is unaffected. The
 original dict object is restored, with its current contents, by :meth:`ModuleHooks.remove`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -248,8 +249,9 @@ class ModuleHooks:
             # backward, without the handle and per-tensor bookkeeping a multi-grad hook builds.
             tensors[0].register_hook(lambda grad: self.on_pre_backward(module))
         elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.on_pre_backward(module),
-                                                          mode="any")
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: self.on_pre_backward(module), mode="any"
+            )
 
     def on_pre_backward(self, module: nn.Module) -> None:
         """Pre-backward of one call of ``module`` (runs inside the autograd engine)."""

@@ -7,6 +7,7 @@ instance returns, its not-yet-partitioned parameters are cast, broadcast from ra
 tensor factory is patched. On exit every wrapped ``__init__`` and ``__init_subclass__`` is restored exactly.
 Nested contexts only count depth.
 """
+
 from __future__ import annotations
 
 import functools

@@ -30,6 +30,7 @@ Rules:
   otherwise ignored. Upstream's default ``classes`` name Hugging Face MoE blocks that most models do not
   contain, so upstream cannot treat a miss as an error either; misses of those default entries are not reported.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -133,11 +134,19 @@ def _explicit_matches(root: nn.Module, policy: LeafModulePolicy) -> tuple[set[in
     unmatched: list[UnmatchedEntry] = []
     names = [name for name, _ in named if name]
     rules: list[tuple[str, tuple[str, ...], Callable[[str, str, nn.Module], bool], list[str]]] = [
-        ("classes", policy.classes, lambda e, n, m: class_entry_matches(e, m),
-         [s for _, m in named for s in class_spellings(type(m))]),
+        (
+            "classes",
+            policy.classes,
+            lambda e, n, m: class_entry_matches(e, m),
+            [s for _, m in named for s in class_spellings(type(m))],
+        ),
         ("names", policy.names, lambda e, n, m: n == e, names),
-        ("name_suffixes", policy.name_suffixes, lambda e, n, m: n.endswith(e),
-         names + [n.rsplit(".", 1)[-1] for n in names]),
+        (
+            "name_suffixes",
+            policy.name_suffixes,
+            lambda e, n, m: n.endswith(e),
+            names + [n.rsplit(".", 1)[-1] for n in names],
+        ),
     ]
     for key, entries, matches, pool in rules:
         for entry in entries:
@@ -169,8 +178,12 @@ def _substitute_containers(root: nn.Module, hits: set[int]) -> tuple[set[int], l
     return result, sorted(substituted)
 
 
-def select_leaf_modules(root: nn.Module, policy: LeafModulePolicy, granularity_threshold: int = 0,
-                        already_leaf: Callable[[nn.Module], bool] = _never) -> LeafSelection:
+def select_leaf_modules(
+    root: nn.Module,
+    policy: LeafModulePolicy,
+    granularity_threshold: int = 0,
+    already_leaf: Callable[[nn.Module], bool] = _never,
+) -> LeafSelection:
     """Apply the rules in this module's docstring to ``root``'s tree; ``already_leaf`` says which modules are
     marked already (their subtrees are skipped)."""
     if granularity_threshold < 0:
@@ -197,8 +210,9 @@ def select_leaf_modules(root: nn.Module, policy: LeafModulePolicy, granularity_t
         if chosen:
             selected.append((name, module))
             continue
-        children = [(f"{name}.{child_name}" if name else child_name, child)
-                    for child_name, child in module.named_children()]
+        children = [
+            (f"{name}.{child_name}" if name else child_name, child) for child_name, child in module.named_children()
+        ]
         stack.extend(reversed(children))
     by_threshold = granularity_threshold > 0 and any(id(m) not in explicit for _, m in selected)
     return LeafSelection(tuple(selected), tuple(unmatched), None if by_threshold else finest, tuple(substituted))
@@ -210,13 +224,20 @@ def report_leaf_selection(root: nn.Module, selection: LeafSelection, granularity
     for entry in selection.unmatched:
         log_dist(entry.message(root), ranks=[0], level=logging.WARNING)
     for container, enclosing in selection.substituted:
-        log_dist(f"{LEAF_MODULE_KEY}: {container!r} defines no forward (a container), so ZeRO-3 makes its nearest "
-                 f"enclosing module {enclosing!r} the leaf instead", ranks=[0], level=logging.WARNING)
+        log_dist(
+            f"{LEAF_MODULE_KEY}: {container!r} defines no forward (a container), so ZeRO-3 makes its nearest "
+            f"enclosing module {enclosing!r} the leaf instead",
+            ranks=[0],
+            level=logging.WARNING,
+        )
     if granularity_threshold > 0 and selection.finest is not None:
         name, value = selection.finest
-        log_dist(f"{GRANULARITY_KEY}={granularity_threshold} selects no module: the finest candidate is "
-                 f"{name!r} with {value:.1f} parameter elements per module; a threshold above that makes it a leaf",
-                 ranks=[0], level=logging.WARNING)
+        log_dist(
+            f"{GRANULARITY_KEY}={granularity_threshold} selects no module: the finest candidate is "
+            f"{name!r} with {value:.1f} parameter elements per module; a threshold above that makes it a leaf",
+            ranks=[0],
+            level=logging.WARNING,
+        )
     if selection.modules:
         shown = ", ".join(name or "<root>" for name, _ in selection.modules[:8])
         more = f" (+{len(selection.modules) - 8} more)" if len(selection.modules) > 8 else ""

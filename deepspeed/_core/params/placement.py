@@ -7,6 +7,7 @@ flat buffer's local row ([Note: zero3-offload] in ``docs/design/zero3.md``). Any
 shard on the host (a CPU optimizer step) must first call ``Gatherer.sync_shard_reads()``, the one host wait
 this design needs.
 """
+
 from __future__ import annotations
 
 import enum
@@ -51,8 +52,9 @@ class ShardPlacement:
         return compute_device if self.device is None else self.device
 
 
-def allocate_shard(numel: int, dtype: torch.dtype, compute_device: torch.device,
-                   placement: ShardPlacement) -> torch.Tensor:
+def allocate_shard(
+    numel: int, dtype: torch.dtype, compute_device: torch.device, placement: ShardPlacement
+) -> torch.Tensor:
     """A zeroed 1-D shard of ``numel`` elements placed according to ``placement``."""
     device = placement.shard_device(compute_device)
     shard = torch.zeros(numel, dtype=dtype, device=device)

@@ -7,6 +7,7 @@ fetch, then asks :meth:`StepTrace.prefetch_candidates` which units to start gath
 gathered units alive at a module boundary are the active ones plus at most one prefetch window, however far the
 host runs ahead ([Note: zero3-prefetch] in ``docs/design/zero3.md``).
 """
+
 from __future__ import annotations
 
 import enum
@@ -90,10 +91,11 @@ class StepTrace:
     def _upcoming(self) -> list[int]:
         if self.mode is not TraceMode.COMPLETE:
             return []
-        return self.order[self.position:]
+        return self.order[self.position :]
 
-    def prefetch_candidates(self, size_of: SizeOf, is_gathered: IsGathered,
-                            live_numel: int | Callable[[], int]) -> list[int]:
+    def prefetch_candidates(
+        self, size_of: SizeOf, is_gathered: IsGathered, live_numel: int | Callable[[], int]
+    ) -> list[int]:
         """Units to start gathering now, in trace order.
 
         Walks upcoming units, charging every distinct one (already gathered or not) to the prefetch window,

@@ -12,6 +12,7 @@ Whatever the policy, :meth:`StageBuffers.end_step` empties everything, also afte
 :class:`ActivationLedger` counts, through weak references, which micro-batches still have a live activation
 tensor anywhere in the process, so tests measure what is really alive, not what the slots claim.
 """
+
 from __future__ import annotations
 
 import enum

@@ -13,6 +13,7 @@ Per-layer files make a checkpoint independent of the partition: a run with anoth
 data-parallel size reads the same layer files. :class:`PipelineModuleFiles` plugs this into
 ``deepspeed._core.checkpoint.save_load`` (its ``ModuleFiles`` protocol), so there is one checkpoint writer.
 """
+
 from __future__ import annotations
 
 import glob
@@ -46,8 +47,9 @@ def layer_state(layer: torch.nn.Module, exclude_frozen_params: bool) -> dict:
     return compact_tensors(state)
 
 
-def save_layers(module: Any, save_dir: str, checkpoint_engine: Any = None,
-                exclude_frozen_params: bool = False) -> list[str]:
+def save_layers(
+    module: Any, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False
+) -> list[str]:
     """Write every local layer's file (only on data-parallel rank 0); returns the paths written."""
     if module.mpu().get_data_parallel_rank() != 0:
         return []
@@ -82,11 +84,18 @@ def _check_same_partition(module: Any, saved_param_names: set[str] | None, load_
         raise ValueError(
             f"checkpoint '{load_dir}': stage {module.stage_id} now holds other parameters than when it was saved "
             f"(saved only: {missing}, new: {extra}); the partition or the number of stages changed. Load with "
-            "load_optimizer_states=False (or load_module_only=True): the layer files fit any partition")
+            "load_optimizer_states=False (or load_module_only=True): the layer files fit any partition"
+        )
 
 
-def load_layers(module: Any, load_dir: str, checkpoint_engine: Any = None, strict: bool = True,
-                trust: io.LoadTrust | None = None, saved_param_names: set[str] | None = None) -> None:
+def load_layers(
+    module: Any,
+    load_dir: str,
+    checkpoint_engine: Any = None,
+    strict: bool = True,
+    trust: io.LoadTrust | None = None,
+    saved_param_names: set[str] | None = None,
+) -> None:
     """Load every local layer from its file, then re-synchronise tied weights across stages.
 
     Collective (every rank calls it): the ranks first agree that all of them read their files, so a missing

@@ -5,6 +5,7 @@ A wrong item (not a pair, an exhausted iterator, no iterator at all) is found on
 only some of the ranks. :func:`agree_or_raise` makes every rank raise the same clear error, before the schedule
 issues its first point-to-point transfer, so no rank is left waiting for a peer that gave up.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -77,8 +78,9 @@ def check_item(item: Any) -> tuple[Any, Any]:
         )
     inputs, labels = item
     if not _is_tensor_tree(inputs):
-        raise ValueError(f"pipeline micro-batch inputs must be a tensor or a tuple of tensors, got "
-                         f"{type(inputs).__name__}")
+        raise ValueError(
+            f"pipeline micro-batch inputs must be a tensor or a tuple of tensors, got {type(inputs).__name__}"
+        )
     return inputs, labels
 
 

@@ -12,6 +12,7 @@ need no pipeline branch:
   stages (``ReduceTiedGrads``), so all its backwards accumulate and ``ReduceGrads`` runs the reduction
   afterwards (a ``REDUCE`` micro-step with no backward in it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -78,8 +79,15 @@ class PipeExecutor:
         policy: when activations are released.
     """
 
-    def __init__(self, module: torch.nn.Module, stage: StageInfo, link: StageLink, device: torch.device,
-                 input_dtype: torch.dtype | None, policy: ReleasePolicy) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        stage: StageInfo,
+        link: StageLink,
+        device: torch.device,
+        input_dtype: torch.dtype | None,
+        policy: ReleasePolicy,
+    ) -> None:
         self.module = module
         self.stage = stage
         self.link = link
@@ -94,10 +102,15 @@ class PipeExecutor:
         self.last_run: _Run | None = None  # kept for inspection (tests read its ledger)
         self.observer: Callable[[str, Any, StageBuffers], None] | None = None
         self._handlers: dict[type, Callable[[Any, _Run], None]] = {
-            sched.LoadMicroBatch: self._load, sched.ForwardPass: self._forward, sched.BackwardPass: self._backward,
-            sched.SendActivation: self._send_activation, sched.RecvActivation: self._recv_activation,
-            sched.SendGrad: self._send_grad, sched.RecvGrad: self._recv_grad,
-            sched.ReduceTiedGrads: self._reduce_tied, sched.ReduceGrads: self._reduce_grads,
+            sched.LoadMicroBatch: self._load,
+            sched.ForwardPass: self._forward,
+            sched.BackwardPass: self._backward,
+            sched.SendActivation: self._send_activation,
+            sched.RecvActivation: self._recv_activation,
+            sched.SendGrad: self._send_grad,
+            sched.RecvGrad: self._recv_grad,
+            sched.ReduceTiedGrads: self._reduce_tied,
+            sched.ReduceGrads: self._reduce_grads,
             sched.OptimizerStep: self._step,
         }
 
@@ -113,8 +126,15 @@ class PipeExecutor:
         assert loss is not None, "a broadcast mean loss reaches every stage"
         return loss
 
-    def evaluate(self, schedule: sched.PipeSchedule, feed_iter: Any, batch_fn: Any, compute_loss: bool,
-                 reduce_output: str | None, bcast_loss: bool) -> tuple[Any, Any]:
+    def evaluate(
+        self,
+        schedule: sched.PipeSchedule,
+        feed_iter: Any,
+        batch_fn: Any,
+        compute_loss: bool,
+        reduce_output: str | None,
+        bcast_loss: bool,
+    ) -> tuple[Any, Any]:
         """Forward only; returns ``(reduced output, last micro-batch's outputs or None)``."""
         was_training = self.module.training
         self.module.eval()
@@ -129,8 +149,9 @@ class PipeExecutor:
             self.module.train(was_training)
 
     # --- the instruction loop ---------------------------------------------------------------------------------
-    def _start(self, mode: str, schedule: sched.PipeSchedule, feed_iter: Any, batch_fn: Any,
-               compute_loss: bool) -> _Run:
+    def _start(
+        self, mode: str, schedule: sched.PipeSchedule, feed_iter: Any, batch_fn: Any, compute_loss: bool
+    ) -> _Run:
         steps = list(schedule.steps())
         reads = sum(isinstance(cmd, sched.LoadMicroBatch) for step in steps for cmd in step)
         feed = DataFeed(feed_iter, batch_fn, reads)
@@ -193,8 +214,10 @@ class PipeExecutor:
             loss = loss_fn(outputs, slot.labels)
         if run.mode == "train":
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError("the last pipeline stage must produce a scalar loss (set PipelineModule's loss_fn), "
-                                 f"got {type(loss).__name__}")
+                raise ValueError(
+                    "the last pipeline stage must produce a scalar loss (set PipelineModule's loss_fn), "
+                    f"got {type(loss).__name__}"
+                )
             slot.outputs, slot.loss = outputs, loss
             run.buffers.ledger.track(slot.micro_batch, outputs)
             run.buffers.ledger.observe()
@@ -218,8 +241,9 @@ class PipeExecutor:
             scaled.backward()
         else:
             if slot.grads is None:
-                raise RuntimeError(f"pipeline buffer {cmd.buffer_id} received no gradients before its backward "
-                                   "(schedule bug)")
+                raise RuntimeError(
+                    f"pipeline buffer {cmd.buffer_id} received no gradients before its backward (schedule bug)"
+                )
             pairs = [(t, g) for t, g in zip(as_tensors(slot.outputs), slot.grads, strict=True) if g is not None]
             if pairs:  # an output outside any graph (every layer so far frozen) has nothing to backpropagate
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

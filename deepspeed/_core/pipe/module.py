@@ -11,6 +11,7 @@ reentrant checkpoint there would silently drop the embedding's gradients (or rai
 require grad"). When no tensor input of a checkpointed chunk requires grad, the chunk is checkpointed with the
 non-reentrant variant instead, which recomputes the same way but keeps the graph to the parameters.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,15 @@ class TiedLayerSpec(LayerSpec):
     replaces ``module(x)`` at this position (e.g. an output head reusing an embedding's weight).
     """
 
-    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable[..., Any] | None = None,
-                 tied_weight_attr: str | list[str] = "weight", **module_kwargs: Any) -> None:
+    def __init__(
+        self,
+        key: str,
+        typename: type,
+        *module_args: Any,
+        forward_fn: Callable[..., Any] | None = None,
+        tied_weight_attr: str | list[str] = "weight",
+        **module_kwargs: Any,
+    ) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
         self.forward_fn = forward_fn
@@ -119,14 +127,17 @@ def _resolve_topology(num_stages: int | None, topology: ProcessTopology | None, 
         raise ValueError("PipelineModule: give num_stages or topology")
     if topology is not None:
         if topology.world_size() != world:
-            raise ValueError(f"PipelineModule: topology has {topology.world_size()} ranks "
-                             f"({dict(zip(topology.axes, topology.dims, strict=True))}) but the world size is {world}")
+            raise ValueError(
+                f"PipelineModule: topology has {topology.world_size()} ranks "
+                f"({dict(zip(topology.axes, topology.dims, strict=True))}) but the world size is {world}"
+            )
         pipe = topology.get_dim("pipe")
         if pipe < 1:
             raise ValueError(f"PipelineModule: topology must have a 'pipe' axis, has {topology.get_axis_names()}")
         if num_stages is not None and num_stages != pipe:
-            raise ValueError(f"PipelineModule: num_stages={num_stages} disagrees with the topology's pipe "
-                             f"dimension {pipe}")
+            raise ValueError(
+                f"PipelineModule: num_stages={num_stages} disagrees with the topology's pipe dimension {pipe}"
+            )
         return topology
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"PipelineModule: num_stages must be a positive int, got {num_stages!r}")
@@ -141,8 +152,10 @@ def _check_layers(layers: Sequence[Any]) -> list[Any]:
         raise ValueError("PipelineModule: layers is empty")
     for idx, layer in enumerate(layers):
         if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
-            raise TypeError(f"PipelineModule: layers[{idx}] is {type(layer).__name__}; expected a LayerSpec, "
-                            f"TiedLayerSpec, torch.nn.Module or callable")
+            raise TypeError(
+                f"PipelineModule: layers[{idx}] is {type(layer).__name__}; expected a LayerSpec, "
+                f"TiedLayerSpec, torch.nn.Module or callable"
+            )
     return layers
 
 
@@ -162,12 +175,20 @@ class PipelineModule(nn.Module):
         checkpointable_layers: class names whose chunks may be checkpointed (default: chunks with parameters).
     """
 
-    def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
-                 topology: ProcessTopology | None = None, loss_fn: Callable[..., Any] | None = None,
-                 seed_layers: bool = False, seed_fn: Callable[[int], None] | None = None, base_seed: int = 1234,
-                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 activation_checkpoint_func: Callable[..., Any] | None = None,
-                 checkpointable_layers: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        num_stages: int | None = None,
+        topology: ProcessTopology | None = None,
+        loss_fn: Callable[..., Any] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], None] | None = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
+        checkpointable_layers: list[str] | None = None,
+    ) -> None:
         super().__init__()
         # Everything that can be wrong is checked before the first collective (the grid's new_group calls).
         if not dist.is_initialized():
@@ -179,8 +200,10 @@ class PipelineModule(nn.Module):
         _validate_checkpointing(activation_checkpoint_interval, checkpointable_layers)
         parse_method(partition_method)
         if self._num_layers < self.num_stages:
-            raise PartitionError(f"PipelineModule: {self._num_layers} layers cannot fill {self.num_stages} "
-                                 f"pipeline stages (every stage needs at least one layer)")
+            raise PartitionError(
+                f"PipelineModule: {self._num_layers} layers cannot fill {self.num_stages} "
+                f"pipeline stages (every stage needs at least one layer)"
+            )
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.partition_method = partition_method
@@ -266,8 +289,12 @@ class PipelineModule(nn.Module):
                 ranks = [self._topo.get_rank(pipe=s, **combo) for s in stages]
                 group = dist.new_group(ranks=ranks)
                 if self.global_rank in ranks:
-                    comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
-                                  "module": self.tied_modules[key]}
+                    comms[key] = {
+                        "ranks": ranks,
+                        "group": group,
+                        "weight_attr": self.tied_weight_attrs[key],
+                        "module": self.tied_modules[key],
+                    }
         return comms
 
     # ------------------------------------------------------------------ tied weights
@@ -389,10 +416,12 @@ def _validate_checkpointing(interval: Any, checkpointable_layers: Any) -> None:
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
         raise ValueError(f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {interval!r}")
     if checkpointable_layers is not None and (
-            not isinstance(checkpointable_layers, (list, tuple))
-            or not all(isinstance(n, str) for n in checkpointable_layers)):
-        raise TypeError(f"PipelineModule: checkpointable_layers must be a list of class names, "
-                        f"got {checkpointable_layers!r}")
+        not isinstance(checkpointable_layers, (list, tuple))
+        or not all(isinstance(n, str) for n in checkpointable_layers)
+    ):
+        raise TypeError(
+            f"PipelineModule: checkpointable_layers must be a list of class names, got {checkpointable_layers!r}"
+        )
 
 
 def _axis_products(topo: ProcessTopology, axes: list[str]) -> list[dict[str, int]]:

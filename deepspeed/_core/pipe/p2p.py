@@ -12,6 +12,7 @@ a schedule whose blocking-send order is deadlock-free stays deadlock-free, and a
 step longer than the stage needs it. Receives block. Every transfer goes through ``deepspeed.comm`` with global
 ranks (gloo on CPU, NCCL on GPU).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -23,8 +24,16 @@ import torch
 from deepspeed import comm as dist
 
 _DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
 _META_HEADER = 2  # (number of tensors, packed length)
 _META_MAX = 256  # int64 words; enough for a tuple of 16 tensors of rank 8

@@ -14,6 +14,7 @@ Balancing minimises the heaviest stage exactly (binary search over the bottlenec
 splits fills earlier stages first, so layers of weight zero after the last heavy layer of a stage (a final norm, a
 head without parameters) join the later stage.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,8 +41,10 @@ def _check_counts(num_items: int, num_parts: int) -> None:
     if num_parts < 1:
         raise PartitionError(f"num_stages must be >= 1, got {num_parts}")
     if num_items < num_parts:
-        raise PartitionError(f"cannot partition {num_items} layers into {num_parts} pipeline stages: every stage "
-                             f"needs at least one layer (use fewer stages or more layers)")
+        raise PartitionError(
+            f"cannot partition {num_items} layers into {num_parts} pipeline stages: every stage "
+            f"needs at least one layer (use fewer stages or more layers)"
+        )
 
 
 def _greedy(weights: Sequence[int], num_parts: int, bound: int) -> list[int] | None:
@@ -97,15 +100,16 @@ def parse_method(method: str) -> tuple[str, str]:
     if lowered in ("parameters", "uniform"):
         return lowered, ""
     if lowered.startswith("type:"):
-        pattern = method[len("type:"):]
+        pattern = method[len("type:") :]
         if not pattern:
             raise PartitionError("partition_method 'type:' needs a regular expression after the colon")
         return "type", pattern
     raise PartitionError(f"partition_method {method!r} is not supported; valid: {VALID_METHODS}")
 
 
-def partition_layers(method: str, num_stages: int, class_names: Sequence[str],
-                     param_counts: Sequence[int] | None) -> list[int]:
+def partition_layers(
+    method: str, num_stages: int, class_names: Sequence[str], param_counts: Sequence[int] | None
+) -> list[int]:
     """Stage boundaries for ``method`` over layers described by class names and (for ``parameters``) counts."""
     kind, pattern = parse_method(method)
     _check_counts(len(class_names), num_stages)
@@ -117,9 +121,11 @@ def partition_layers(method: str, num_stages: int, class_names: Sequence[str],
     weights = type_weights(class_names, pattern)
     matched = sum(weights)
     if matched == 0:
-        raise PartitionError(f"partition_method 'type:{pattern}' matches none of the layer classes "
-                             f"{sorted(set(class_names))}")
+        raise PartitionError(
+            f"partition_method 'type:{pattern}' matches none of the layer classes {sorted(set(class_names))}"
+        )
     if matched < num_stages:
-        raise PartitionError(f"partition_method 'type:{pattern}' matches {matched} layers, fewer than the "
-                             f"{num_stages} pipeline stages")
+        raise PartitionError(
+            f"partition_method 'type:{pattern}' matches {matched} layers, fewer than the {num_stages} pipeline stages"
+        )
     return partition_balanced(weights, num_stages)

@@ -20,6 +20,7 @@ fixed so that blocking point-to-point calls never wait on each other:
 ``SendGrad`` comes before ``RecvActivation`` because the arriving micro-batch may reuse the buffer whose input
 gradient is being sent.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -9,6 +9,7 @@ one stage on neighbouring ranks. :class:`PipelineParallelGrid` turns a topology 
 groups, slice groups), because ``new_group`` is collective over the world: a rank that skipped a group it is not a
 member of would leave the others waiting.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -58,8 +59,13 @@ class ProcessTopology:
         """The axis names, outermost first."""
         return list(self.axes)
 
-    def get_rank_repr(self, rank: int, omit_axes: list[str] | tuple[str, ...] = ("data", "pipe"),
-                      inner_sep: str = "_", outer_sep: str = "-") -> str:
+    def get_rank_repr(
+        self,
+        rank: int,
+        omit_axes: list[str] | tuple[str, ...] = ("data", "pipe"),
+        inner_sep: str = "_",
+        outer_sep: str = "-",
+    ) -> str:
         """A file-name fragment for ``rank`` over the axes not omitted, e.g. ``'model_01'`` ('' when none are left)."""
         coord = self.get_coord(rank)
         parts = [f"{axis}{inner_sep}{getattr(coord, axis):02d}" for axis in self.axes if axis not in omit_axes]
@@ -94,8 +100,11 @@ class ProcessTopology:
         unknown = set(filter_kwargs) - set(self.axes)
         if unknown:
             raise ValueError(f"filter_match: unknown axes {sorted(unknown)}; the topology has {self.axes}")
-        return sorted(rank for coord, rank in self.mapping.items()
-                      if all(getattr(coord, k) == v for k, v in filter_kwargs.items()))
+        return sorted(
+            rank
+            for coord, rank in self.mapping.items()
+            if all(getattr(coord, k) == v for k, v in filter_kwargs.items())
+        )
 
     def get_axis_list(self, axis: str, idx: int) -> list[int]:
         """Ranks whose coordinate along ``axis`` is ``idx``."""
@@ -169,8 +178,10 @@ class PipelineParallelGrid:
         rank = self.global_rank
         self.dp_group, self.dp_proc_group = self._axis_groups("data")
         self.pp_group, self.pp_proc_group = self._axis_groups("pipe")
-        replicas = [self._topo.filter_match(data=d) if "data" in self._topo.axes else list(range(self.world_size))
-                    for d in range(self.data_parallel_size)]
+        replicas = [
+            self._topo.filter_match(data=d) if "data" in self._topo.axes else list(range(self.world_size))
+            for d in range(self.data_parallel_size)
+        ]
         self.ds_model_group, self.ds_model_proc_group = _groups_along(replicas, rank)
         self.ds_model_rank = self.ds_model_group.index(rank)
         self.ds_model_world_size = len(self.ds_model_group)

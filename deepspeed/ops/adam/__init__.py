@@ -1,4 +1,5 @@
 """Adam optimizers backed by deepspeed-lean's native ops."""
+
 from __future__ import annotations
 
 from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam

@@ -3,6 +3,7 @@
 Uses the SIMD + OpenMP kernel from ``CPUAdamBuilder().load()`` when a C++ compiler and ninja are
 present; otherwise (or for params off the CPU) a pure-torch implementation, with one log line.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,9 +56,18 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
-                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
         if amsgrad:
             raise ValueError("DeepSpeedCPUAdam does not support amsgrad=True")
         defaults = {
@@ -95,8 +105,16 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
 
     def _hyper(self, group: dict[str, Any], step: int) -> AdamStep:
         beta1, beta2 = group["betas"]
-        return AdamStep(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], self.policy.mode,
-                        group["bias_correction"], step)
+        return AdamStep(
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            self.policy.mode,
+            group["bias_correction"],
+            step,
+        )
 
     def _step_group(self, group: dict[str, Any], items: list[StepItem]) -> None:
         fallback = []
@@ -106,8 +124,25 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
                 fallback.append(item)
                 continue
             hp = self._hyper(group, state["step"])
-            self.ds_opt_adam.adam_update(self.opt_id, hp.step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
-                                         hp.bias_correction, p.data, grad, state["exp_avg"], state["exp_avg_sq"])
+            self.ds_opt_adam.adam_update(
+                self.opt_id,
+                hp.step,
+                hp.lr,
+                hp.beta1,
+                hp.beta2,
+                hp.eps,
+                hp.weight_decay,
+                hp.bias_correction,
+                p.data,
+                grad,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+            )
         for (_, _, _, step), members in group_items(fallback).items():
-            adam_update([m[0] for m in members], [m[1] for m in members], [m[2]["exp_avg"] for m in members],
-                        [m[2]["exp_avg_sq"] for m in members], self._hyper(group, step))
+            adam_update(
+                [m[0] for m in members],
+                [m[1] for m in members],
+                [m[2]["exp_avg"] for m in members],
+                [m[2]["exp_avg_sq"] for m in members],
+                self._hyper(group, step),
+            )

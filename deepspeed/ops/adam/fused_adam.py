@@ -4,6 +4,7 @@ CUDA params use the fused kernel from ``FusedAdamBuilder`` (JIT-built on the fir
 can be built; otherwise, and for params on other devices, a ``torch._foreach_*`` implementation
 runs, with one log line.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -48,9 +49,18 @@ class FusedAdam(StatefulOptimizer):
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0., amsgrad: bool = False, set_grad_none: bool = True) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
         defaults = {
@@ -70,8 +80,15 @@ class FusedAdam(StatefulOptimizer):
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, grads: Any = None, output_params: Any = None,
-             scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        grads: Any = None,
+        output_params: Any = None,
+        scale: Any = None,
+        grad_norms: Any = None,
+        grad_scaler: Any = None,
+    ) -> Any:
         """One step over every group. The legacy ``grads``/``output_params``/``scale`` arguments are rejected."""
         if any(arg is not None for arg in (grads, output_params, scale, grad_norms, grad_scaler)):
             raise RuntimeError("FusedAdam.step only takes a closure; the legacy arguments are not supported")
@@ -91,10 +108,21 @@ class FusedAdam(StatefulOptimizer):
             kernel = _load_kernel() if device.type == "cuda" and dtype in _KERNEL_DTYPES else None
             if kernel is None:
                 _log_once(f"FusedAdam: torch foreach step for {dtype} params on {device.type}")
-                hp = AdamStep(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], mode,
-                              group["bias_correction"], step)
+                hp = AdamStep(
+                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], mode, group["bias_correction"], step
+                )
                 adam_update(ps, gs, ms, vs, hp)
                 continue
-            kernel.multi_tensor_adam(65536, self._noop(device), [gs, ps, ms, vs], group["lr"], beta1, beta2,
-                                     group["eps"], step, self.adam_w_mode, 1 if group["bias_correction"] else 0,
-                                     group["weight_decay"])
+            kernel.multi_tensor_adam(
+                65536,
+                self._noop(device),
+                [gs, ps, ms, vs],
+                group["lr"],
+                beta1,
+                beta2,
+                group["eps"],
+                step,
+                self.adam_w_mode,
+                1 if group["bias_correction"] else 0,
+                group["weight_decay"],
+            )

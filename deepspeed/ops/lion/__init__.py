@@ -1,4 +1,5 @@
 """Lion optimizers (pure-torch implementations)."""
+
 from __future__ import annotations
 
 from deepspeed.ops.lion.lion import DeepSpeedCPULion, FusedLion

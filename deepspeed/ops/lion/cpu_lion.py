@@ -1,4 +1,5 @@
 """Upstream module path of ``DeepSpeedCPULion``."""
+
 from __future__ import annotations
 
 from deepspeed.ops.lion.lion import DeepSpeedCPULion

@@ -3,6 +3,7 @@
 Update: ``p = p * (1 - lr * wd) - lr * sign(beta1 * m + (1 - beta1) * g)``, then
 ``m = beta2 * m + (1 - beta2) * g``. No native kernel is built for either class.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -20,15 +21,28 @@ class _Lion(StatefulOptimizer):
     def _step_group(self, group: dict[str, Any], items: list[StepItem]) -> None:
         beta1, beta2 = group["betas"]
         for members in group_items(items).values():
-            lion_update([m[0] for m in members], [m[1] for m in members], [m[2]["exp_avg"] for m in members],
-                        group["lr"], beta1, beta2, group["weight_decay"])
+            lion_update(
+                [m[0] for m in members],
+                [m[1] for m in members],
+                [m[2]["exp_avg"] for m in members],
+                group["lr"],
+                beta1,
+                beta2,
+                group["weight_decay"],
+            )
 
 
 class DeepSpeedCPULion(_Lion):
     """Lion for offloaded params; upstream signature."""
 
-    def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0, fp32_optimizer_states: bool = True) -> None:
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
         super().__init__(model_params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
         self.fp32_optimizer_states = fp32_optimizer_states
 
@@ -36,8 +50,14 @@ class DeepSpeedCPULion(_Lion):
 class FusedLion(_Lion):
     """Lion for device params (foreach implementation); upstream signature."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0, set_grad_none: bool = True) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+    ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
         self.set_grad_none = set_grad_none
 

@@ -4,6 +4,7 @@ Upstream re-exports each builder as a closure that asks the current accelerator 
 deepspeed-lean has one builder per op (CUDA or CPU decided by what is installed), so the classes
 themselves are exported. ``get_default_compute_capabilities`` is not provided.
 """
+
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.all_ops import ALL_OPS, NATIVE_BUILDERS

@@ -1,4 +1,5 @@
 """``ALL_OPS``: every named op builder, keyed by op ``NAME`` (upstream's registry shape)."""
+
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import OpBuilder

@@ -10,6 +10,7 @@ environment variables deepspeed-lean reads. A ``setup.py`` uses it as::
 and must run with torch importable (``pip install --no-build-isolation .``). Built modules land at
 each builder's ``absolute_name()`` and ``OpBuilder.load()`` imports them instead of JIT-compiling.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

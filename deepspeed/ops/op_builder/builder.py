@@ -9,6 +9,7 @@ Build behaviour is decided by what is installed (compiler, ninja, a CUDA toolkit
 not by environment variables; only the standard ``CXX`` / ``TORCH_EXTENSIONS_DIR`` /
 ``TORCH_CUDA_ARCH_LIST`` that torch itself reads apply.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """``CPUAdamBuilder``: the SIMD + OpenMP CPU Adam/AdamW used by ZeRO optimizer offload."""
+
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import OpBuilder

@@ -1,4 +1,5 @@
 """``FusedAdamBuilder``: the multi-tensor fused Adam/AdamW CUDA kernel."""
+
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder

@@ -3,6 +3,7 @@
 They exist so ``from deepspeed.ops.op_builder import XBuilder`` resolves, ``ds_report`` can list them,
 and callers that test ``is_compatible()`` skip cleanly. ``load()`` raises with the reason.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -60,8 +61,11 @@ _STUBS = (
 
 def _make_stub(class_name: str, name: str, build_var: str, reason: str) -> type[NotImplementedBuilder]:
     doc = f"``{name}`` ({build_var}): {reason}."
-    return type(class_name, (NotImplementedBuilder,), {"NAME": name, "BUILD_VAR": build_var, "REASON": reason,
-                                                        "__doc__": doc, "__module__": __name__})
+    return type(
+        class_name,
+        (NotImplementedBuilder,),
+        {"NAME": name, "BUILD_VAR": build_var, "REASON": reason, "__doc__": doc, "__module__": __name__},
+    )
 
 
 STUB_BUILDERS: dict[str, type[NotImplementedBuilder]] = {c: _make_stub(c, n, v, r) for c, n, v, r in _STUBS}

@@ -1,4 +1,5 @@
 """``UtilsBuilder``: multi-tensor flatten / unflatten (CUDA kernel; a CPU-only build copies with memcpy)."""
+
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder

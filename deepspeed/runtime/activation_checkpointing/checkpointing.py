@@ -12,6 +12,7 @@ parses arguments and forwards. Upstream's settings globals (``PARTITION_ACTIVATI
 ``CONTIGUOUS_CHECKPOINTING``, ``SYNCHRONIZE``, ``PROFILE_TIME``, ``num_layers``, ``mpu``,
 ``deepspeed_checkpointing_enabled``) remain readable as module attributes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,9 +28,18 @@ from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivatio
 from deepspeed.utils.logging import log_dist
 
 __all__ = [
-    "CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "configure", "get_cuda_rng_tracker",
-    "is_configured", "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed",
-    "non_reentrant_checkpoint", "partition_activations_in_checkpoint", "reset", "set_num_layers",
+    "CheckpointFunction",
+    "CudaRNGStatesTracker",
+    "checkpoint",
+    "configure",
+    "get_cuda_rng_tracker",
+    "is_configured",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_reconfigure_tp_seed",
+    "non_reentrant_checkpoint",
+    "partition_activations_in_checkpoint",
+    "reset",
+    "set_num_layers",
 ]
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = _core.MODEL_PARALLEL_RNG_TRACKER_NAME
@@ -70,23 +80,35 @@ def _activation_block(deepspeed_config: Any, mpu: Any) -> DeepSpeedActivationChe
         from deepspeed.runtime.config import DeepSpeedConfig
 
         return DeepSpeedConfig(deepspeed_config, mpu=mpu).activation_checkpointing_config
-    raise TypeError("deepspeed_config must be a DeepSpeedConfig, a config dict or a path to a JSON config; got "
-                    f"{type(deepspeed_config).__name__}")
+    raise TypeError(
+        "deepspeed_config must be a DeepSpeedConfig, a config dict or a path to a JSON config; got "
+        f"{type(deepspeed_config).__name__}"
+    )
 
 
 def _policy_from_block(block: DeepSpeedActivationCheckpointingConfig | None) -> CheckpointPolicy:
     if block is None:
         return CheckpointPolicy()
-    return CheckpointPolicy(partition_activations=block.partition_activations,
-                            contiguous_checkpointing=block.contiguous_memory_optimization,
-                            num_checkpoints=block.number_checkpoints, checkpoint_in_cpu=block.cpu_checkpointing,
-                            synchronize=block.synchronize_checkpoint_boundary, profile=block.profile)
+    return CheckpointPolicy(
+        partition_activations=block.partition_activations,
+        contiguous_checkpointing=block.contiguous_memory_optimization,
+        num_checkpoints=block.number_checkpoints,
+        checkpoint_in_cpu=block.cpu_checkpointing,
+        synchronize=block.synchronize_checkpoint_boundary,
+        profile=block.profile,
+    )
 
 
-def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bool | None = None,
-              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
-              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
-              profile: bool | None = None) -> None:
+def configure(
+    mpu_: Any,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
     """Set up activation checkpointing.
 
     Settings start from the defaults, then take the ``activation_checkpointing`` block of ``deepspeed_config``

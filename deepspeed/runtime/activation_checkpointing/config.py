@@ -3,6 +3,7 @@
 Upstream reads this block key by key, so unknown keys are ignored (logged), not rejected. The engine does not
 apply it by itself: ``deepspeed.checkpointing.configure(mpu, deepspeed_config=...)`` reads it.
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar

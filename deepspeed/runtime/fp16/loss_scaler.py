@@ -5,6 +5,7 @@ Checkpoints written by DeepSpeed pickle ``deepspeed.runtime.fp16.loss_scaler.Los
 ``deepspeed._core.optim.loss_scaling`` (the engine core needs them without importing a façade) and
 declare this module as their ``__module__``, so our own pickles record this path too.
 """
+
 from __future__ import annotations
 
 from deepspeed._core.optim.loss_scaling import (

@@ -1,4 +1,5 @@
 """Pipeline parallelism (``deepspeed.runtime.pipe``): module, topology, schedules; the engine is in ``.engine``."""
+
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 

@@ -5,6 +5,7 @@ runs one global batch per :meth:`PipelineEngine.train_batch` call through the 1F
 group of ZeRO-1 and of the gradient reduction is the grid's data-parallel group, and clipping and fp16 overflow
 are decided over every stage.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -168,8 +169,9 @@ class PipelineEngine(DeepSpeedEngine):
         micro = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
         schedule = InferenceSchedule(micro_batches=micro, stages=self.num_stages, stage_id=self.stage_id)
         data = iter(data_iter) if data_iter is not None and not hasattr(data_iter, "__next__") else data_iter
-        output, logits = self._executor.evaluate(schedule, data, self._batch_fn, compute_loss, reduce_output,
-                                                 bcast_loss)
+        output, logits = self._executor.evaluate(
+            schedule, data, self._batch_fn, compute_loss, reduce_output, bcast_loss
+        )
         return (output, logits) if return_logits else output
 
     def set_dataiterator(self, iterator: Any) -> None:
@@ -228,8 +230,14 @@ class PipelineEngine(DeepSpeedEngine):
 
 # Upstream's ``pipeline`` config keys. Only the checkpoint interval reaches the engine; the others are read by the
 # code that builds the PipelineModule (GPT-NeoX, Megatron-DeepSpeed) or only matter with tensor parallelism.
-_PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
-                  "grad_partitioned")
+_PIPELINE_KEYS = (
+    "stages",
+    "partition",
+    "seed_layers",
+    "activation_checkpoint_interval",
+    "pipe_partitioned",
+    "grad_partitioned",
+)
 
 
 def _apply_pipeline_block(block: Any, module: PipelineModule) -> None:

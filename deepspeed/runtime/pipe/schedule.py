@@ -2,6 +2,7 @@
 
 Implementation: :mod:`deepspeed._core.pipe.schedule`.
 """
+
 from deepspeed._core.pipe.schedule import (
     BackwardPass,
     BufferOpInstruction,
@@ -22,7 +23,20 @@ from deepspeed._core.pipe.schedule import (
 )
 
 __all__ = [
-    "PipeInstruction", "OptimizerStep", "ReduceGrads", "ReduceTiedGrads", "BufferOpInstruction", "LoadMicroBatch",
-    "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "PipeSchedule",
-    "TrainSchedule", "InferenceSchedule", "DataParallelSchedule",
+    "PipeInstruction",
+    "OptimizerStep",
+    "ReduceGrads",
+    "ReduceTiedGrads",
+    "BufferOpInstruction",
+    "LoadMicroBatch",
+    "ForwardPass",
+    "BackwardPass",
+    "SendActivation",
+    "RecvActivation",
+    "SendGrad",
+    "RecvGrad",
+    "PipeSchedule",
+    "TrainSchedule",
+    "InferenceSchedule",
+    "DataParallelSchedule",
 ]

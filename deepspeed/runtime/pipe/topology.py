@@ -2,6 +2,7 @@
 
 Implementation: :mod:`deepspeed._core.pipe.topology`.
 """
+
 from deepspeed._core.pipe.topology import (
     PipeDataParallelTopology,
     PipelineParallelGrid,

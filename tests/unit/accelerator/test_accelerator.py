@@ -1,4 +1,5 @@
 """Accelerator selection and the CPU accelerator's method surface (no process group, no GPU needed)."""
+
 from __future__ import annotations
 
 import inspect
@@ -21,18 +22,71 @@ from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
 # Names integrations call (spec 1.10); each must exist on every accelerator.
 PUBLIC_METHODS = [
-    "device_name", "current_device_name", "device", "set_device", "current_device", "device_count", "synchronize",
-    "Stream", "stream", "current_stream", "default_stream", "Event", "random", "manual_seed", "manual_seed_all",
-    "get_rng_state", "set_rng_state", "initial_seed", "default_generator", "empty_cache", "memory_allocated",
-    "memory_reserved", "max_memory_allocated", "max_memory_reserved", "reset_max_memory_allocated",
-    "reset_peak_memory_stats", "memory_stats", "memory_cached", "total_memory", "available_memory",
-    "is_bf16_supported", "is_fp16_supported", "supported_dtypes", "communication_backend_name",
-    "is_synchronized_device", "resolves_data_dependency", "handles_memory_backpressure", "use_host_timers",
-    "pin_memory", "is_pinned", "on_accelerator", "range_push", "range_pop", "lazy_call", "FloatTensor",
-    "HalfTensor", "BFloat16Tensor", "LongTensor", "IntTensor", "ByteTensor", "DoubleTensor", "visible_devices_envs",
-    "set_visible_devices_envs", "export_envs", "get_op_builder", "create_op_builder", "op_builder_dir",
-    "build_extension", "get_compile_backend", "set_compile_backend", "is_available", "is_triton_supported",
-    "create_graph", "capture_to_graph", "replay_graph",
+    "device_name",
+    "current_device_name",
+    "device",
+    "set_device",
+    "current_device",
+    "device_count",
+    "synchronize",
+    "Stream",
+    "stream",
+    "current_stream",
+    "default_stream",
+    "Event",
+    "random",
+    "manual_seed",
+    "manual_seed_all",
+    "get_rng_state",
+    "set_rng_state",
+    "initial_seed",
+    "default_generator",
+    "empty_cache",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "reset_max_memory_allocated",
+    "reset_peak_memory_stats",
+    "memory_stats",
+    "memory_cached",
+    "total_memory",
+    "available_memory",
+    "is_bf16_supported",
+    "is_fp16_supported",
+    "supported_dtypes",
+    "communication_backend_name",
+    "is_synchronized_device",
+    "resolves_data_dependency",
+    "handles_memory_backpressure",
+    "use_host_timers",
+    "pin_memory",
+    "is_pinned",
+    "on_accelerator",
+    "range_push",
+    "range_pop",
+    "lazy_call",
+    "FloatTensor",
+    "HalfTensor",
+    "BFloat16Tensor",
+    "LongTensor",
+    "IntTensor",
+    "ByteTensor",
+    "DoubleTensor",
+    "visible_devices_envs",
+    "set_visible_devices_envs",
+    "export_envs",
+    "get_op_builder",
+    "create_op_builder",
+    "op_builder_dir",
+    "build_extension",
+    "get_compile_backend",
+    "set_compile_backend",
+    "is_available",
+    "is_triton_supported",
+    "create_graph",
+    "capture_to_graph",
+    "replay_graph",
 ]
 
 
@@ -157,7 +211,9 @@ def test_cpu_dtypes_rng_tensors_and_misc() -> None:
 def test_import_creates_no_cuda_context() -> None:
     if not torch.cuda.is_available():
         pytest.skip("vacuous without a CUDA device (nothing could create a context)")
-    code = ("import deepspeed, torch; from deepspeed.accelerator import get_accelerator; get_accelerator(); "
-            "import deepspeed.comm; print(torch.cuda.is_initialized())")
+    code = (
+        "import deepspeed, torch; from deepspeed.accelerator import get_accelerator; get_accelerator(); "
+        "import deepspeed.comm; print(torch.cuda.is_initialized())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"

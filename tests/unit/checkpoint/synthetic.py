@@ -3,6 +3,7 @@
 Used to test ``zero_to_fp32`` independently of any ZeRO optimizer implementation: the expected
 output is simply the model's own fp32 tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,7 +87,7 @@ def write_stage12(
         flat = torch.cat([flat, torch.full((pad,), float("nan"))])  # padding must never be read
         size = padded_len // world
         for r in range(world):
-            part = flat[r * size:(r + 1) * size].clone()
+            part = flat[r * size : (r + 1) * size].clone()
             rank_pad = max(0, (r + 1) * size - (padded_len - pad))
             if strip_padding and rank_pad:
                 part = part[: size - rank_pad].clone()
@@ -97,8 +98,12 @@ def write_stage12(
     frags = OrderedDict((n, p.detach().clone()) for n, p in frozen) if stage == 2 else None
     torch.save(_model_state(net, groups, shapes, frags), os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     for r in range(world):
-        payload = {"single_partition_of_fp32_groups": partitions[r], "group_paddings": paddings[r],
-                   "base_optimizer_state": {}, "clip_grad": 1.0}
+        payload = {
+            "single_partition_of_fp32_groups": partitions[r],
+            "group_paddings": paddings[r],
+            "base_optimizer_state": {},
+            "clip_grad": 1.0,
+        }
         prefix = "bf16_" if r % 2 else ""  # both spellings occur in the wild; the reader accepts either
         name = f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
         torch.save(_optim_file(stage, world, payload), os.path.join(tag_dir, name))
@@ -111,7 +116,7 @@ def _share(t: torch.Tensor, world: int, r: int) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     share = math.ceil(flat.numel() / world)
     padded = torch.cat([flat, flat.new_zeros(share * world - flat.numel())])
-    return padded[r * share:(r + 1) * share].clone()
+    return padded[r * share : (r + 1) * share].clone()
 
 
 def write_stage3(root: str, net: nn.Module, world: int, tag: str = "global_step3") -> None:
@@ -124,10 +129,14 @@ def write_stage3(root: str, net: nn.Module, world: int, tag: str = "global_step3
         flat_groups = [torch.cat([_share(p.float(), world, r) for _, p in g]) for g in groups]
         shapes = OrderedDict((n, p.shape) for n, p in frozen)
         frags = OrderedDict((n, _share(p, world, r)) for n, p in frozen)
-        torch.save(_model_state(net, groups, shapes, frags),
-                   os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
-        torch.save(_optim_file(3, world, {"fp32_flat_groups": flat_groups}),
-                   os.path.join(tag_dir, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        torch.save(
+            _model_state(net, groups, shapes, frags),
+            os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"),
+        )
+        torch.save(
+            _optim_file(3, world, {"fp32_flat_groups": flat_groups}),
+            os.path.join(tag_dir, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
+        )
     with open(os.path.join(root, "latest"), "w") as f:
         f.write(tag)
 

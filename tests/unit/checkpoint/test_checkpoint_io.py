@@ -1,4 +1,5 @@
 """Atomic writes and pickle-safe loading of checkpoint files (no process group needed)."""
+
 from __future__ import annotations
 
 import os

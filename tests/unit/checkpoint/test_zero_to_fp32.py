@@ -1,4 +1,5 @@
 """zero_to_fp32 against hand-built ZeRO-1/2/3 checkpoints in upstream's layout (world sizes 1-3)."""
+
 from __future__ import annotations
 
 import json
@@ -118,8 +119,16 @@ def test_cli_as_standalone_script(tmp_path: Path) -> None:
     script = tmp_path / "ckpt" / "zero_to_fp32.py"
     script.write_text(Path(z.__file__).read_text())
     out = tmp_path / "out"
-    argv = [str(script), str(tmp_path / "ckpt"), str(out), "-t", "global_step3", "--exclude_frozen_parameters",
-            "--max_shard_size", "5GB"]
+    argv = [
+        str(script),
+        str(tmp_path / "ckpt"),
+        str(out),
+        "-t",
+        "global_step3",
+        "--exclude_frozen_parameters",
+        "--max_shard_size",
+        "5GB",
+    ]
     # Run the copy as __main__ from its own path (not as deepspeed.utils.zero_to_fp32), as users do.
     with mock.patch.object(sys, "argv", argv):
         runpy.run_path(str(script), run_name="__main__")

@@ -1,4 +1,5 @@
 """Shared fixtures for config-layer tests (pure parsing: no process group, no accelerator)."""
+
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,6 @@ from deepspeed.utils.logging import logger
 
 
 class _ListHandler(logging.Handler):
-
     def __init__(self) -> None:
         super().__init__(level=logging.DEBUG)
         self.records: list[logging.LogRecord] = []

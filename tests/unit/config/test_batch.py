@@ -1,4 +1,5 @@
 """The batch-size triangle: every combination of given keys, world-size sources, and failures."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,14 +9,17 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError, data
 TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
 
-@pytest.mark.parametrize("given,expected", [
-    ({TBS: 32, MICRO: 4, GAS: 2}, (32, 4, 2)),
-    ({TBS: 32, MICRO: 4}, (32, 4, 2)),
-    ({TBS: 32, GAS: 2}, (32, 4, 2)),
-    ({MICRO: 4, GAS: 2}, (32, 4, 2)),
-    ({TBS: 32}, (32, 8, 1)),
-    ({MICRO: 4}, (16, 4, 1)),
-])
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        ({TBS: 32, MICRO: 4, GAS: 2}, (32, 4, 2)),
+        ({TBS: 32, MICRO: 4}, (32, 4, 2)),
+        ({TBS: 32, GAS: 2}, (32, 4, 2)),
+        ({MICRO: 4, GAS: 2}, (32, 4, 2)),
+        ({TBS: 32}, (32, 8, 1)),
+        ({MICRO: 4}, (16, 4, 1)),
+    ],
+)
 def test_triangle_combinations_world_4(given: dict, expected: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = DeepSpeedConfig(dict(given))
@@ -23,16 +27,19 @@ def test_triangle_combinations_world_4(given: dict, expected: tuple, monkeypatch
     assert cfg.world_size == 4 and cfg.plan.batch.dp_world_size == 4
 
 
-@pytest.mark.parametrize("given,pattern", [
-    ({}, "Either train_batch_size or train_micro_batch_size_per_gpu"),
-    ({GAS: 4}, "Either train_batch_size or train_micro_batch_size_per_gpu"),
-    ({TBS: 30, MICRO: 4, GAS: 2}, "Check batch related parameters.*30 != 4 \\* 2 \\* 4"),
-    ({TBS: 30, MICRO: 4}, "Check batch related parameters.*derived"),
-    ({TBS: 6}, "Check batch related parameters"),
-    ({TBS: 0}, "train_batch_size: 0 has to be greater than 0"),
-    ({MICRO: -2}, "train_micro_batch_size_per_gpu: -2 has to be greater than 0"),
-    ({TBS: 16, GAS: 0}, "gradient_accumulation_steps: 0 has to be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "given,pattern",
+    [
+        ({}, "Either train_batch_size or train_micro_batch_size_per_gpu"),
+        ({GAS: 4}, "Either train_batch_size or train_micro_batch_size_per_gpu"),
+        ({TBS: 30, MICRO: 4, GAS: 2}, "Check batch related parameters.*30 != 4 \\* 2 \\* 4"),
+        ({TBS: 30, MICRO: 4}, "Check batch related parameters.*derived"),
+        ({TBS: 6}, "Check batch related parameters"),
+        ({TBS: 0}, "train_batch_size: 0 has to be greater than 0"),
+        ({MICRO: -2}, "train_micro_batch_size_per_gpu: -2 has to be greater than 0"),
+        ({TBS: 16, GAS: 0}, "gradient_accumulation_steps: 0 has to be greater than 0"),
+    ],
+)
 def test_triangle_failures(given: dict, pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(DeepSpeedConfigError, match=pattern):
@@ -55,7 +62,6 @@ def test_all_auto_batch_keys_fail_clearly() -> None:
 
 
 class _Mpu:
-
     def get_data_parallel_world_size(self) -> int:
         return 3
 

@@ -1,4 +1,5 @@
 """Block parsing: upstream example configs, "auto" handling, aliases, deprecations, unknown keys."""
+
 from __future__ import annotations
 
 import copy
@@ -18,14 +19,27 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 # HF Transformers' documented ZeRO-2 / ZeRO-3 templates after TrainingArguments filled the batch keys, i.e. with
 # every model-dependent "auto" still in place.
 HF_ZERO2 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 10}},
-    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
-                          "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True},
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
     "gradient_accumulation_steps": 2,
     "gradient_clipping": "auto",
     "steps_per_print": 2000,
@@ -37,12 +51,20 @@ HF_ZERO2 = {
 HF_ZERO3 = {
     "bf16": {"enabled": True},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
-                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
-                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
-                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-                          "stage3_gather_16bit_weights_on_model_save": True},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
     "train_batch_size": 8,
@@ -54,9 +76,12 @@ ACCELERATE = {
     "train_batch_size": 16,
     "train_micro_batch_size_per_gpu": 8,
     "gradient_accumulation_steps": 1,
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "nvme_path": None},
-                          "offload_param": {"device": "none", "nvme_path": None},
-                          "stage3_gather_16bit_weights_on_model_save": False},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "none", "nvme_path": None},
+        "offload_param": {"device": "none", "nvme_path": None},
+        "stage3_gather_16bit_weights_on_model_save": False,
+    },
     "gradient_clipping": 1.0,
     "steps_per_print": float("inf"),
     "fp16": {"enabled": True, "auto_cast": True},
@@ -91,8 +116,9 @@ def test_hf_zero3_template() -> None:
     assert cfg.optimizer_params == {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
 
 
-def test_accelerate_config_with_inf_and_unknown_key(ds_logs: list[logging.LogRecord],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_accelerate_config_with_inf_and_unknown_key(
+    ds_logs: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = DeepSpeedConfig(copy.deepcopy(ACCELERATE))
     assert cfg.steps_per_print == float("inf")
@@ -120,17 +146,20 @@ def test_strict_mode_keeps_auto() -> None:
         DeepSpeedZeroConfig(strict=True, reduce_bucket_size="auto")
 
 
-@pytest.mark.parametrize("alias,field,value", [
-    ("stage3_prefetch_bucket_size", "prefetch_bucket_size", 123),
-    ("stage3_param_persistence_threshold", "param_persistence_threshold", 7),
-    ("stage3_model_persistence_threshold", "model_persistence_threshold", 99),
-    ("stage3_max_live_parameters", "max_live_parameters", 11),
-    ("stage3_max_reuse_distance", "max_reuse_distance", 12),
-    ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", True),
-    ("stage3_module_granularity_threshold", "module_granularity_threshold", 5),
-    ("stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params", True),
-    ("stage3_allgather_sequential", "allgather_sequential", True),
-])
+@pytest.mark.parametrize(
+    "alias,field,value",
+    [
+        ("stage3_prefetch_bucket_size", "prefetch_bucket_size", 123),
+        ("stage3_param_persistence_threshold", "param_persistence_threshold", 7),
+        ("stage3_model_persistence_threshold", "model_persistence_threshold", 99),
+        ("stage3_max_live_parameters", "max_live_parameters", 11),
+        ("stage3_max_reuse_distance", "max_reuse_distance", 12),
+        ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", True),
+        ("stage3_module_granularity_threshold", "module_granularity_threshold", 5),
+        ("stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params", True),
+        ("stage3_allgather_sequential", "allgather_sequential", True),
+    ],
+)
 def test_zero_aliases_and_field_names(alias: str, field: str, value: object) -> None:
     assert getattr(DeepSpeedZeroConfig(**{alias: value}), field) == value
     assert getattr(DeepSpeedZeroConfig(**{field: value}), field) == value
@@ -174,8 +203,9 @@ def test_bfloat16_alias_block() -> None:
 
 
 def test_offload_defaults() -> None:
-    zero = DeepSpeedZeroConfig(stage=3, offload_param={"device": "nvme", "nvme_path": "/tmp/x"},
-                               offload_optimizer={"device": "cpu"})
+    zero = DeepSpeedZeroConfig(
+        stage=3, offload_param={"device": "nvme", "nvme_path": "/tmp/x"}, offload_optimizer={"device": "cpu"}
+    )
     assert zero.offload_param.buffer_count == 5 and zero.offload_param.buffer_size == 100_000_000
     assert zero.offload_param.max_in_cpu == 1_000_000_000 and str(zero.offload_param.nvme_path) == "/tmp/x"
     assert zero.offload_optimizer.buffer_count == 4 and zero.offload_optimizer.ratio == 1.0
@@ -193,11 +223,15 @@ def test_zero_stage_enum_is_picklable_at_upstream_path() -> None:
 
 
 def test_precision_blocks_and_loss_scale_views() -> None:
-    cfg = DeepSpeedConfig({"train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 8,
-                                                           "hysteresis": 3}})
+    cfg = DeepSpeedConfig({"train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 3}})
     assert cfg.loss_scale == 0 and cfg.initial_dynamic_scale == 256
-    assert cfg.dynamic_loss_scale_args == {"init_scale": 256, "scale_window": 1000, "delayed_shift": 3,
-                                           "consecutive_hysteresis": False, "min_scale": 1}
+    assert cfg.dynamic_loss_scale_args == {
+        "init_scale": 256,
+        "scale_window": 1000,
+        "delayed_shift": 3,
+        "consecutive_hysteresis": False,
+        "min_scale": 1,
+    }
     static = DeepSpeedConfig({"train_batch_size": 2, "fp16": {"enabled": True, "loss_scale": 128}})
     assert static.dynamic_loss_scale_args is None and static.loss_scale == 128
     bf16 = DeepSpeedConfig({"train_batch_size": 2, "bf16": {"enabled": True}})
@@ -205,10 +239,14 @@ def test_precision_blocks_and_loss_scale_views() -> None:
 
 
 def test_monitor_comms_and_activation_checkpointing() -> None:
-    cfg = DeepSpeedConfig({"train_batch_size": 2, "tensorboard": {"enabled": True, "output_path": "/tmp/tb"},
-                           "comms_logger": {"enabled": True, "prof_ops": ["all_reduce"]},
-                           "activation_checkpointing": {"partition_activations": True, "number_checkpoints": 4,
-                                                        "some_future_key": 1}})
+    cfg = DeepSpeedConfig(
+        {
+            "train_batch_size": 2,
+            "tensorboard": {"enabled": True, "output_path": "/tmp/tb"},
+            "comms_logger": {"enabled": True, "prof_ops": ["all_reduce"]},
+            "activation_checkpointing": {"partition_activations": True, "number_checkpoints": 4, "some_future_key": 1},
+        }
+    )
     assert cfg.monitor_config.enabled and cfg.monitor_config.tensorboard.output_path == "/tmp/tb"
     assert cfg.monitor_config.wandb.project == "deepspeed" and cfg.monitor_config.comet.samples_log_interval == 100
     assert cfg.comms_config.comms_logger_enabled and cfg.comms_config.comms_logger.prof_ops == ["all_reduce"]
@@ -221,15 +259,23 @@ def test_monitor_comms_and_activation_checkpointing() -> None:
 
 
 def test_other_blocks_and_views() -> None:
-    cfg = DeepSpeedConfig({"train_batch_size": 2, "checkpoint": {"tag_validation": "fail"},
-                           "flops_profiler": {"enabled": True}, "aio": {"queue_depth": 16},
-                           "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "bf16"})
+    cfg = DeepSpeedConfig(
+        {
+            "train_batch_size": 2,
+            "checkpoint": {"tag_validation": "fail"},
+            "flops_profiler": {"enabled": True},
+            "aio": {"queue_depth": 16},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "communication_data_type": "bf16",
+        }
+    )
     assert cfg.checkpoint_tag_validation_enabled and cfg.checkpoint_tag_validation_fail
     assert cfg.load_universal_checkpoint is False and cfg.use_node_local_storage is False
     assert cfg.wall_clock_breakdown is True  # forced by the flops profiler
     assert cfg.aio_config["queue_depth"] == 16 and cfg.aio_config["block_size"] == 1048576
     assert cfg.grad_accum_dtype == "fp32"
     import torch
+
     assert cfg.communication_data_type == torch.bfloat16
     ignore = DeepSpeedConfig({"train_batch_size": 2, "checkpoint": {"tag_validation": "Ignore"}})
     assert not ignore.checkpoint_tag_validation_enabled

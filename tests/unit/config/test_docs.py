@@ -1,4 +1,5 @@
 """Every config field is documented where declared and listed in docs/config.md."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,10 +23,27 @@ from deepspeed.runtime.precision_config import DataTypesConfig, DeepSpeedBF16Con
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
 
-MODELS = [_RootConfig, DeepSpeedZeroConfig, DeepSpeedZeroOffloadParamConfig, DeepSpeedZeroOffloadOptimizerConfig,
-          DeepSpeedFP16Config, DeepSpeedBF16Config, DataTypesConfig, OptimizerBlockConfig, SchedulerBlockConfig,
-          DeepSpeedActivationCheckpointingConfig, DeepSpeedFlopsProfilerConfig, CheckpointConfig, AioConfig,
-          CommsLoggerConfig, TensorBoardConfig, WandbConfig, CSVConfig, CometConfig, MemoryTimelineConfig]
+MODELS = [
+    _RootConfig,
+    DeepSpeedZeroConfig,
+    DeepSpeedZeroOffloadParamConfig,
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedFP16Config,
+    DeepSpeedBF16Config,
+    DataTypesConfig,
+    OptimizerBlockConfig,
+    SchedulerBlockConfig,
+    DeepSpeedActivationCheckpointingConfig,
+    DeepSpeedFlopsProfilerConfig,
+    CheckpointConfig,
+    AioConfig,
+    CommsLoggerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+    CSVConfig,
+    CometConfig,
+    MemoryTimelineConfig,
+]
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "config.md").read_text()
 
 
@@ -37,6 +55,10 @@ def test_fields_documented(model: type[BaseModel]) -> None:
 
 
 def test_lean_switches_explained() -> None:
-    for key in ("lean_inplace_flatten", "lean_eager_grad_release", "lean_stream_ordered_release",
-                "lean_grads_in_param_shards"):
+    for key in (
+        "lean_inplace_flatten",
+        "lean_eager_grad_release",
+        "lean_stream_ordered_release",
+        "lean_grads_in_param_shards",
+    ):
         assert DOC.count(key) >= 2  # the switch table and the key reference

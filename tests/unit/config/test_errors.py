@@ -1,4 +1,5 @@
 """Every bad input raises DeepSpeedConfigError naming the offending key and what would be valid."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Config input forms: dict, JSON/hjson file, base64 string, raw JSON string, and their failure modes."""
+
 from __future__ import annotations
 
 import base64

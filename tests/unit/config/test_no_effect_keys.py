@@ -3,6 +3,7 @@
 These keys have no field in the run plan (``tests/unit/config/test_plan.py`` checks that); the config surface
 (``deepspeed/_core/config/surface.py``) is what tells the user, once per key per process.
 """
+
 from __future__ import annotations
 
 import logging

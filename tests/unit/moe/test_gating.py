@@ -1,4 +1,5 @@
 """Gating on one rank: capacity, token dropping, the load-balancing loss by hand, top-2 ordering, RTS."""
+
 from __future__ import annotations
 
 import math
@@ -108,10 +109,13 @@ def test_gate_eval_capacity_and_fp32_router() -> None:
     assert train_combine.dtype == torch.float32  # routing is computed in fp32
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"k": 3}, "k=3"),
-    ({"noisy_gate_policy": "Gaussian"}, "noisy_gate_policy"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"k": 3}, "k=3"),
+        ({"noisy_gate_policy": "Gaussian"}, "noisy_gate_policy"),
+    ],
+)
 def test_gate_rejects_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TopKGate(8, 4, **kwargs)

@@ -1,4 +1,5 @@
 """The MoE layer on one rank (no process group): shapes, residual MoE, argument checks, param helpers."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,13 +46,16 @@ def test_residual_moe_mixes_dense_branch() -> None:
     assert layer.coefficient.weight.grad is not None and layer.mlp.weight.grad is not None
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"num_experts": 6, "ep_size": 4}, ValueError, "num_experts"),
-    ({"use_tutel": True}, ValueError, "use_tutel"),
-    ({"k": 4}, ValueError, "k=4"),
-    ({"noisy_gate_policy": "bad"}, ValueError, "noisy_gate_policy"),
-    ({"enable_expert_tensor_parallelism": True}, NotImplementedError, "enable_expert_tensor_parallelism"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"num_experts": 6, "ep_size": 4}, ValueError, "num_experts"),
+        ({"use_tutel": True}, ValueError, "use_tutel"),
+        ({"k": 4}, ValueError, "k=4"),
+        ({"noisy_gate_policy": "bad"}, ValueError, "noisy_gate_policy"),
+        ({"enable_expert_tensor_parallelism": True}, NotImplementedError, "enable_expert_tensor_parallelism"),
+    ],
+)
 def test_bad_arguments_raise(kwargs: dict, error: type, match: str) -> None:
     args = {"num_experts": 4, **kwargs}
     with pytest.raises(error, match=match):
@@ -71,11 +75,14 @@ def test_param_helpers() -> None:
     expert_params = [p for p in model.parameters() if is_moe_param(p)]
     assert len(expert_params) == 8 and all(p.group_name == "ep_size_1" for p in expert_params)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "lr": 0.1})
-    assert [(len(g["params"]), g.get("moe", False), g.get("name")) for g in groups] == [(3, False, None),
-                                                                                       (8, True, "ep_size_1")]
+    assert [(len(g["params"]), g.get("moe", False), g.get("name")) for g in groups] == [
+        (3, False, None),
+        (8, True, "ep_size_1"),
+    ]
     assert all(g["lr"] == 0.1 for g in groups)
-    small = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters())}],
-                                                                 max_group_size=64)
+    small = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": list(model.parameters())}], max_group_size=64
+    )
     assert all(sum(p.numel() for p in g["params"]) <= 72 for g in small if g.get("moe"))
     assert len([g for g in small if g.get("moe")]) > 1
     out, _, _ = model[1](model[0](torch.randn(4, 8)))

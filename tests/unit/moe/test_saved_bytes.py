@@ -5,6 +5,7 @@ The layer must keep only per-route indices, weights and gathered rows, never an 
 combine or dispatch tensor saved again would add ``S * E * C`` elements, far above the whole analytic figure
 at these sizes. ``benchmarks/moe_saved_bytes.py`` prints the same accounting at the benchmark's shape.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,14 @@ def _analytic_bytes(k: int, dtype: torch.dtype) -> int:
 @pytest.mark.parametrize("k", [1, 2])
 def test_saved_bytes_per_layer_match_the_sparse_routes_figure(k: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    layer = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=EXPERTS, k=k, capacity_factor=CAPACITY_FACTOR,
-                min_capacity=4).to(dtype)
+    layer = MoE(
+        HIDDEN,
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        num_experts=EXPERTS,
+        k=k,
+        capacity_factor=CAPACITY_FACTOR,
+        min_capacity=4,
+    ).to(dtype)
     x = torch.randn(TOKENS, HIDDEN, dtype=dtype, requires_grad=True)
     measured = _saved_bytes(layer, x)
     assert measured == _analytic_bytes(k, dtype)

@@ -1,4 +1,5 @@
 """The pipeline benchmark's pure parts: the metadata wire and the target arithmetic (no GPU, no engine)."""
+
 from __future__ import annotations
 
 import datetime
@@ -23,8 +24,9 @@ def _port() -> int:
 
 def test_wire_carries_metadata_and_zero_fills_payloads() -> None:
     port = _port()
-    master = td.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=10))
+    master = td.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+    )
     a, b = bench.StoreWire(0, port, 10.0, small=8), bench.StoreWire(1, port, 10.0, small=8)
     for wire in (a, b):
         wire.begin("g1")
@@ -46,15 +48,31 @@ def test_targets_and_comparison() -> None:
     model = dict(bench.SMOKE, seq=4, hidden=8)
     act = bench.activation_bytes(model, 2)
     assert act == 3 * 4 * 8 * 2
-    gib = 2.0 ** 30
+    gib = 2.0**30
 
     def rec(impl: str, gas: int, stage: int, peak_bytes: float, tps: float) -> dict:
-        return {"impl": impl, "gas": gas, "stage": stage, "status": "ok", "peak_alloc_gib": peak_bytes / gib,
-                "peak_reserved_gib": peak_bytes / gib, "step_s": 1.0, "tokens_per_s": tps, "stage_layers": 2}
+        return {
+            "impl": impl,
+            "gas": gas,
+            "stage": stage,
+            "status": "ok",
+            "peak_alloc_gib": peak_bytes / gib,
+            "peak_reserved_gib": peak_bytes / gib,
+            "step_s": 1.0,
+            "tokens_per_s": tps,
+            "stage_layers": 2,
+        }
 
-    records = [rec("ours", 1, 0, 1000, 10), rec("ours", 4, 0, 1000 + act, 30), rec("ours", 1, 1, 500, 10),
-               rec("ours", 4, 1, 500, 31), rec("upstream", 1, 0, 1000, 9), rec("upstream", 4, 0, 1000 + 3 * act, 20),
-               rec("upstream", 1, 1, 500, 9), rec("upstream", 4, 1, 500 + 3 * act, 25)]
+    records = [
+        rec("ours", 1, 0, 1000, 10),
+        rec("ours", 4, 0, 1000 + act, 30),
+        rec("ours", 1, 1, 500, 10),
+        rec("ours", 4, 1, 500, 31),
+        rec("upstream", 1, 0, 1000, 9),
+        rec("upstream", 4, 0, 1000 + 3 * act, 20),
+        rec("upstream", 1, 1, 500, 9),
+        rec("upstream", 4, 1, 500 + 3 * act, 25),
+    ]
     summary = bench.summarize(records, model)
     ours = {row["gas"]: row for row in summary["per_impl"]["ours"]}
     assert ours[4]["s0"]["allowed_growth_bytes"] == act  # (min(P - 0, G) - 1) micro-batches, P = 2

@@ -1,5 +1,6 @@
 """Pipeline-engine pieces that need no process group: p2p metadata, activation slots and their release policy,
 the data contract."""
+
 from __future__ import annotations
 
 import gc
@@ -12,11 +13,14 @@ from deepspeed._core.pipe.data import DataFeed, check_item
 from deepspeed._core.pipe.p2p import Payload, TensorMeta, as_tensors
 
 
-@pytest.mark.parametrize("value", [
-    torch.zeros(3, 5, 7),
-    (torch.zeros(2, 4, dtype=torch.bfloat16, requires_grad=True), torch.ones(2, 4, dtype=torch.bool)),
-    [torch.zeros(1), torch.zeros((), dtype=torch.int64), torch.zeros(1, 2, 3, 4, 5, 6, 7, 8, dtype=torch.float16)],
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.zeros(3, 5, 7),
+        (torch.zeros(2, 4, dtype=torch.bfloat16, requires_grad=True), torch.ones(2, 4, dtype=torch.bool)),
+        [torch.zeros(1), torch.zeros((), dtype=torch.int64), torch.zeros(1, 2, 3, 4, 5, 6, 7, 8, dtype=torch.float16)],
+    ],
+)
 def test_payload_round_trips_through_its_packed_form(value: object) -> None:
     payload = Payload.of(value)
     packed = payload.pack()
@@ -51,8 +55,10 @@ def _fill(buffers: StageBuffers, buffer_id: int, micro_batch: int) -> list:
     return [slot.inputs, slot.outputs]
 
 
-@pytest.mark.parametrize("policy, live_after", [(ReleasePolicy.AFTER_BACKWARD, [0, 0, 0]),
-                                                 (ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS, [1, 2, 3])])
+@pytest.mark.parametrize(
+    "policy, live_after",
+    [(ReleasePolicy.AFTER_BACKWARD, [0, 0, 0]), (ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS, [1, 2, 3])],
+)
 def test_last_stage_release_policy(policy: ReleasePolicy, live_after: list[int]) -> None:
     buffers = StageBuffers(1, policy, is_last_stage=True)
     seen = []
@@ -95,11 +101,14 @@ def test_ledger_sees_references_held_elsewhere() -> None:
     assert ledger.live() == [0] and ledger.observe() == 1 and ledger.peak == 1
 
 
-@pytest.mark.parametrize("item, message", [
-    (torch.zeros(3), "must yield \\(inputs, labels\\) pairs .* got a Tensor"),
-    ((torch.zeros(3),), "got a tuple of length 1"),
-    (("text", torch.zeros(3)), "inputs must be a tensor or a tuple of tensors, got str"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        (torch.zeros(3), "must yield \\(inputs, labels\\) pairs .* got a Tensor"),
+        ((torch.zeros(3),), "got a tuple of length 1"),
+        (("text", torch.zeros(3)), "inputs must be a tensor or a tuple of tensors, got str"),
+    ],
+)
 def test_data_contract(item: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_item(item)

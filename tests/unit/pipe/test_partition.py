@@ -1,4 +1,5 @@
 """Partition arithmetic and topologies: pure functions, no process group."""
+
 from __future__ import annotations
 
 import itertools
@@ -61,12 +62,15 @@ def test_parameters_method_uses_counts() -> None:
     assert partition_layers("PARAMETERS", 2, names, [1, 1, 1, 100]) == [0, 3, 4]
 
 
-@pytest.mark.parametrize("method, needle", [
-    ("best", "valid: 'parameters', 'uniform', 'type:<regex>'"),
-    ("type:", "needs a regular expression"),
-    ("type:(", "invalid regular expression"),
-    ("type:conv", "matches none"),
-])
+@pytest.mark.parametrize(
+    "method, needle",
+    [
+        ("best", "valid: 'parameters', 'uniform', 'type:<regex>'"),
+        ("type:", "needs a regular expression"),
+        ("type:(", "invalid regular expression"),
+        ("type:conv", "matches none"),
+    ],
+)
 def test_bad_methods_name_the_setting(method: str, needle: str) -> None:
     with pytest.raises(PartitionError, match="partition_method") as info:
         partition_layers(method, 2, ["Linear"] * 4, [1] * 4)

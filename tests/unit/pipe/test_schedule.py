@@ -1,4 +1,5 @@
 """Pipeline schedules as data: replay every stage's stream together and check what the engine relies on."""
+
 from __future__ import annotations
 
 import itertools
@@ -142,9 +143,14 @@ def test_two_stage_stream_exact() -> None:
     """The 1F1B pattern for P=2, G=3, written out."""
     f, b, load = sched.ForwardPass, sched.BackwardPass, sched.LoadMicroBatch
     first = list(sched.TrainSchedule(3, 2, 0).steps())
-    assert first[:6] == [[load(0), f(0)], [sched.SendActivation(0)], [load(1), f(1)],
-                         [sched.RecvGrad(0), sched.SendActivation(1), b(0)], [load(0), f(0)],
-                         [sched.RecvGrad(1), sched.SendActivation(0), b(1)]]
+    assert first[:6] == [
+        [load(0), f(0)],
+        [sched.SendActivation(0)],
+        [load(1), f(1)],
+        [sched.RecvGrad(0), sched.SendActivation(1), b(0)],
+        [load(0), f(0)],
+        [sched.RecvGrad(1), sched.SendActivation(0), b(1)],
+    ]
     last = list(sched.TrainSchedule(3, 2, 1).steps())
     assert last[1] == [sched.RecvActivation(0), load(0), f(0)]
     assert last[2] == [b(0)]

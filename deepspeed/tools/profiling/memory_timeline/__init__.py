@@ -11,6 +11,7 @@ imports only, so benchmark workers running any DeepSpeed -- or none -- can load 
 ``__init__.py`` with ``submodule_search_locations`` set to this directory, registered in ``sys.modules`` under a
 name of their own before it is executed (the relative imports resolve through that entry).
 """
+
 from __future__ import annotations
 
 from .classify import classify
@@ -19,19 +20,39 @@ from .hints import tensor_hints
 from .plot import MatplotlibMissingError, plot_timeline
 from .report import Report, TimelineAnalyser
 from .rules import (
-                    ALLOC_RULES,
-                    BACKWARD_RULES,
-                    BEFORE_RECORDING,
-                    CATEGORIES,
-                    FREE_RULES,
-                    HELPER,
-                    HELPER_RULES,
-                    OURS,
-                    PLOT_CATEGORIES,
-                    Rule,
+    ALLOC_RULES,
+    BACKWARD_RULES,
+    BEFORE_RECORDING,
+    CATEGORIES,
+    FREE_RULES,
+    HELPER,
+    HELPER_RULES,
+    OURS,
+    PLOT_CATEGORIES,
+    Rule,
 )
 from .timeline import Timeline, build_timeline, deferred_frees, summarize
 
-__all__ = ["ALLOC_RULES", "BACKWARD_RULES", "BEFORE_RECORDING", "CATEGORIES", "FREE_RULES", "HELPER", "HELPER_RULES",
-           "OURS", "PLOT_CATEGORIES", "MatplotlibMissingError", "Report", "Rule", "Timeline", "TimelineAnalyser",
-           "build_timeline", "classify", "deferred_frees", "main", "plot_timeline", "summarize", "tensor_hints"]
+__all__ = [
+    "ALLOC_RULES",
+    "BACKWARD_RULES",
+    "BEFORE_RECORDING",
+    "CATEGORIES",
+    "FREE_RULES",
+    "HELPER",
+    "HELPER_RULES",
+    "OURS",
+    "PLOT_CATEGORIES",
+    "MatplotlibMissingError",
+    "Report",
+    "Rule",
+    "Timeline",
+    "TimelineAnalyser",
+    "build_timeline",
+    "classify",
+    "deferred_frees",
+    "main",
+    "plot_timeline",
+    "summarize",
+    "tensor_hints",
+]

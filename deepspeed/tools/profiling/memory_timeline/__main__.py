@@ -1,4 +1,5 @@
 """``python -m deepspeed.tools.profiling.memory_timeline`` or ``python <this directory>``: the command line."""
+
 from __future__ import annotations
 
 import sys
@@ -10,8 +11,9 @@ else:  # run as a directory: load the package by path, so another DeepSpeed (or 
     from pathlib import Path
 
     _HERE = Path(__file__).resolve().parent
-    _SPEC = importlib.util.spec_from_file_location("ds_lean_memory_timeline", _HERE / "__init__.py",
-                                                   submodule_search_locations=[str(_HERE)])
+    _SPEC = importlib.util.spec_from_file_location(
+        "ds_lean_memory_timeline", _HERE / "__init__.py", submodule_search_locations=[str(_HERE)]
+    )
     assert _SPEC is not None and _SPEC.loader is not None
     _PACKAGE = importlib.util.module_from_spec(_SPEC)
     sys.modules[_SPEC.name] = _PACKAGE  # the package's relative imports resolve through this entry

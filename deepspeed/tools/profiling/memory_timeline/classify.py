@@ -32,6 +32,7 @@ Classification (:func:`classify`) of a block allocated during the recording
     4. Else ``activations`` when the stack is empty (autograd's device thread) or goes through autograd
        (:data:`~.rules.BACKWARD_RULES`); else ``buffers``.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -113,8 +114,16 @@ def classify(alloc_frames: _Frames | None, free_frames: _Frames | None = None) -
 class _Block:
     """One allocation's lifetime in the trace (mutable while the trace is replayed)."""
 
-    __slots__ = ("addr", "alloc_frames", "alloc_index", "category", "free_completed", "free_frames", "free_requested",
-                 "size")
+    __slots__ = (
+        "addr",
+        "alloc_frames",
+        "alloc_index",
+        "category",
+        "free_completed",
+        "free_frames",
+        "free_requested",
+        "size",
+    )
 
     def __init__(self, addr: int, size: int, alloc_frames: _Frames, alloc_index: int) -> None:
         self.addr, self.size, self.alloc_frames = addr, size, alloc_frames
@@ -186,8 +195,11 @@ def _segment_blocks(snapshot: Mapping[str, Any], device: int) -> Iterable[tuple[
 
 
 def _hint_index(snapshot: Mapping[str, Any]) -> tuple[list[int], list[tuple[int, str]]]:
-    hints = sorted((int(h["address"]), int(h.get("size", 0)), str(h["category"]))
-                   for h in snapshot.get("category_hints") or () if h.get("category") in CATEGORIES)
+    hints = sorted(
+        (int(h["address"]), int(h.get("size", 0)), str(h["category"]))
+        for h in snapshot.get("category_hints") or ()
+        if h.get("category") in CATEGORIES
+    )
     return [h[0] for h in hints], [(h[1], h[2]) for h in hints]
 
 
@@ -202,8 +214,11 @@ def _hinted_category(block: _Block, index: tuple[list[int], list[tuple[int, str]
 
 
 def _classify_baseline(block: _Block, hints: tuple[list[int], list[tuple[int, str]]]) -> str:
-    found = (_hinted_category(block, hints) or _by_alloc_stack(_python_frames(block.alloc_frames))
-             or _scan(FREE_RULES, _python_frames(block.free_frames)))
+    found = (
+        _hinted_category(block, hints)
+        or _by_alloc_stack(_python_frames(block.alloc_frames))
+        or _scan(FREE_RULES, _python_frames(block.free_frames))
+    )
     return found if found is not None else BEFORE_RECORDING
 
 

@@ -4,6 +4,7 @@
 [--device D]``; where another DeepSpeed (or none) is importable, run the package directory itself:
 ``python <repo>/deepspeed/tools/profiling/memory_timeline SNAPSHOT ...`` (it needs neither torch nor DeepSpeed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def _default_device(snapshot: Mapping[str, Any]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: summarise (and optionally plot) a pickled snapshot; prints the summary as JSON."""
-    parser = argparse.ArgumentParser(prog="memory_timeline",
-                                     description="Per-category memory timeline of a CUDA allocator snapshot.")
+    parser = argparse.ArgumentParser(
+        prog="memory_timeline", description="Per-category memory timeline of a CUDA allocator snapshot."
+    )
     parser.add_argument("snapshot", help="pickle written by torch.cuda.memory._dump_snapshot or memory_timeline")
     parser.add_argument("--png", help="write the stacked-area chart here (needs matplotlib)")
     parser.add_argument("--json", help="write the summary here as well")

@@ -3,6 +3,7 @@
 Blocks allocated before recording started carry no stack; these addresses let the analysis place them. The
 functions are duck-typed (no torch import), so benchmark workers can use them on any model and optimizer.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

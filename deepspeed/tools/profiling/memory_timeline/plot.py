@@ -1,4 +1,5 @@
 """The stacked-area chart of a :class:`~.timeline.Timeline` (matplotlib, imported only when a chart is drawn)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -6,8 +7,15 @@ from collections.abc import Sequence
 from .rules import BEFORE_RECORDING, PLOT_CATEGORIES
 from .timeline import Timeline
 
-_STACK_ORDER = (BEFORE_RECORDING, "parameters", "optimizer state", "gradients", "gathered parameters", "activations",
-                "buffers")  # chart bottom to top: long-lived state first, transients on top
+_STACK_ORDER = (
+    BEFORE_RECORDING,
+    "parameters",
+    "optimizer state",
+    "gradients",
+    "gathered parameters",
+    "activations",
+    "buffers",
+)  # chart bottom to top: long-lived state first, transients on top
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728", "#8c564b", "#7f7f7f")
 _COLORS = dict(zip(PLOT_CATEGORIES, _PALETTE, strict=True))  # strict: a new category needs its own colour
 

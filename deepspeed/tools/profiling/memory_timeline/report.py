@@ -4,6 +4,7 @@ The core (``deepspeed/_core/engine/memory.py``) records one step's allocator his
 asks a ``SnapshotAnalyser`` it is given for the ``category_hints`` to store in the snapshot and for the report
 files. :class:`TimelineAnalyser` is that analyser; the core never imports this package.
 """
+
 from __future__ import annotations
 
 import json

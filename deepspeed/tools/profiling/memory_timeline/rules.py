@@ -38,6 +38,7 @@ buffers            everything else (inputs, communication staging, module buffer
 To extend the rules, add a :class:`Rule` to the right table; order matters only between rules that can match the
 same frame (the first matching rule of a table decides for that frame).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -74,8 +75,18 @@ OURS = "deepspeed/_core/"
 _C = OURS
 _UP = "deepspeed/runtime/"
 _FSDP = "torch/distributed/fsdp/_fully_shard/"
-_UP_GRAD_NAMES = ("*reduce*", "*ipg*", "*_grads*", "*gradient*", "*grad_to*", "average_tensor", "*allreduce*",
-                  "partition_grads", "_setup_for_real_optimizer", "*accumulate*")
+_UP_GRAD_NAMES = (
+    "*reduce*",
+    "*ipg*",
+    "*_grads*",
+    "*gradient*",
+    "*grad_to*",
+    "average_tensor",
+    "*allreduce*",
+    "partition_grads",
+    "_setup_for_real_optimizer",
+    "*accumulate*",
+)
 _BACKWARD_SIDE = ("prepare_backward", "finish_backward")  # EngineOptimizer's gradient half, every stage
 _STAGE3_GRADS = ("_on_grad", "_launch_bucket", "_finish", "flush")  # ZeRO-3 gradient hook and buckets
 
@@ -106,19 +117,44 @@ ALLOC_RULES: tuple[Rule, ...] = (
     Rule(OPTIM, _C + "engine/training.py", ("step", "_take_model_step")),
     Rule(ACTS, _C + "engine/training.py", ("forward",)),
     # upstream DeepSpeed and PyTorch FSDP2: gathered parameters
-    Rule(GATHERED, _UP + "zero/partition_parameters.py", ("*all_gather*", "*allgather*", "wait",
-                                                          "_ensure_availability_of_partitioned_params")),
+    Rule(
+        GATHERED,
+        _UP + "zero/partition_parameters.py",
+        ("*all_gather*", "*allgather*", "wait", "_ensure_availability_of_partitioned_params"),
+    ),
     Rule(GATHERED, _UP + "zero/partitioned_param_coordinator.py", ("*fetch*", "*all_gather*")),
-    Rule(GATHERED, _FSDP + "_fsdp_collectives.py", ("foreach_all_gather*", "all_gather_copy_in*",
-                                                    "_get_param_all_gather_inputs")),
-    Rule(GATHERED, _FSDP + "_fsdp_param.py", ("*all_gather*", "alloc_storage", "init_unsharded_param", "to_unsharded",
-                                              "unsharded_param", "to_sharded_post_forward*")),
+    Rule(
+        GATHERED,
+        _FSDP + "_fsdp_collectives.py",
+        ("foreach_all_gather*", "all_gather_copy_in*", "_get_param_all_gather_inputs"),
+    ),
+    Rule(
+        GATHERED,
+        _FSDP + "_fsdp_param.py",
+        (
+            "*all_gather*",
+            "alloc_storage",
+            "init_unsharded_param",
+            "to_unsharded",
+            "unsharded_param",
+            "to_sharded_post_forward*",
+        ),
+    ),
     Rule(GATHERED, _FSDP + "_fsdp_param_group.py", ("*unshard*", "_backward_prefetch", "_to_sharded_post_forward")),
     # gradients
     Rule(GRADS, _UP + "zero/stage3.py", _UP_GRAD_NAMES),
     Rule(GRADS, _UP + "zero/stage_1_and_2.py", _UP_GRAD_NAMES),
-    Rule(GRADS, _UP + "engine.py", ("allreduce_*", "*_gradients", "buffered_allreduce_fallback", "sparse_allreduce*",
-                                    "_get_gradients_for_reduction")),
+    Rule(
+        GRADS,
+        _UP + "engine.py",
+        (
+            "allreduce_*",
+            "*_gradients",
+            "buffered_allreduce_fallback",
+            "sparse_allreduce*",
+            "_get_gradients_for_reduction",
+        ),
+    ),
     Rule(GRADS, _FSDP + "_fsdp_collectives.py", ("foreach_reduce*", "_div_if_needed")),
     Rule(GRADS, _FSDP + "_fsdp_param.py", ("*grad*",)),
     Rule(GRADS, _FSDP + "_fsdp_param_group.py", ("post_backward", "finalize_backward")),
@@ -126,10 +162,16 @@ ALLOC_RULES: tuple[Rule, ...] = (
     # optimizer state
     Rule(OPTIM, "torch/optim/"),
     Rule(OPTIM, "deepspeed/ops/"),
-    Rule(OPTIM, _UP + "zero/stage3.py", ("step", "_optimizer_step", "*fp32*", "initialize_optimizer_states",
-                                         "_create_momentum_buffer")),
-    Rule(OPTIM, _UP + "zero/stage_1_and_2.py", ("step", "_optimizer_step", "initialize_optimizer_states",
-                                                "_lazy_init_hp_params_optimizer_state")),
+    Rule(
+        OPTIM,
+        _UP + "zero/stage3.py",
+        ("step", "_optimizer_step", "*fp32*", "initialize_optimizer_states", "_create_momentum_buffer"),
+    ),
+    Rule(
+        OPTIM,
+        _UP + "zero/stage_1_and_2.py",
+        ("step", "_optimizer_step", "initialize_optimizer_states", "_lazy_init_hp_params_optimizer_state"),
+    ),
     Rule(OPTIM, _UP + "bf16_optimizer.py"),
     Rule(OPTIM, _UP + "fp16/"),
     Rule(OPTIM, _UP + "engine.py", ("step", "_take_model_step")),

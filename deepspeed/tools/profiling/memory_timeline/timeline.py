@@ -1,4 +1,5 @@
 """Live bytes per category over one recorded window, the deferred frees, and the JSON summary."""
+
 from __future__ import annotations
 
 from array import array
@@ -89,8 +90,15 @@ def _deferred_from(analysis: Analysis) -> dict[str, Any]:
     progress = array("q", [0])
     for entry in analysis.trace:
         progress.append(progress[-1] + (entry.get("action") in ("alloc", "free_requested")))
-    out: dict[str, Any] = {"count": 0, "bytes": 0, "max_delay_entries": 0, "max_delay_us": None,
-                           "pending_at_end": 0, "gathered_count": 0, "gathered_bytes": 0}
+    out: dict[str, Any] = {
+        "count": 0,
+        "bytes": 0,
+        "max_delay_entries": 0,
+        "max_delay_us": None,
+        "pending_at_end": 0,
+        "gathered_count": 0,
+        "gathered_bytes": 0,
+    }
     for block in analysis.blocks:
         req, done = block.free_requested, block.free_completed
         if req is None:
@@ -129,8 +137,10 @@ def _phase_before(timeline: Timeline, x: float) -> str | None:
 def _warnings(analysis: Analysis, max_entries: int | None) -> list[str]:
     notes = []
     if max_entries is not None and len(analysis.trace) >= max_entries:
-        notes.append(f"the trace holds max_entries={max_entries} entries: the allocator's ring buffer probably "
-                     "dropped the oldest ones; raise memory_timeline.max_entries")
+        notes.append(
+            f"the trace holds max_entries={max_entries} entries: the allocator's ring buffer probably "
+            "dropped the oldest ones; raise memory_timeline.max_entries"
+        )
     if analysis.anomalies.get("free_completed_without_request") or analysis.anomalies.get("alloc_of_live_address"):
         notes.append(f"inconsistent trace (entries missing): {analysis.anomalies}")
     if analysis.anomalies.get("oom"):
