@@ -1,7 +1,9 @@
-"""Batched parameter collectives: copy-in -> one collective -> copy-out, with typed split-phase results.
+"""Batched collectives with typed split-phase results: parameter all-gathers and gradient reductions.
 
 The schedule code never calls ``dist.*`` itself; it calls :func:`start_all_gather` (issue, keep the handle) and
-later :func:`finish_all_gather` (wait, copy out). The flat buffer's lifetime rules are in [Note: streams-flat]
+later :func:`finish_all_gather` (wait, copy out). Gradient buckets are reduced the same way: one of
+:func:`start_all_reduce`, :func:`start_reduce_to_owners` or :func:`start_reduce_scatter` issues the asynchronous
+collective and returns a :class:`ReduceResult`; :func:`finish_reduce` waits for it. The flat buffer's lifetime rules are in [Note: streams-flat]
 (``docs/design/streams.md``): it comes from the pool of the stream that frees it, and is dropped only once that
 stream is ordered behind the copy-out that last read it (the compute stream under lean release).
 """
@@ -15,7 +17,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
-from deepspeed._core.layout.shards import Stage3GroupLayout, plan_stage3_group
+from deepspeed._core.layout.shards import Range, Stage3GroupLayout, plan_stage3_group
 from deepspeed._core.params.param import ShardGroup
 from deepspeed._core.comm.streams import StreamRole, StreamSet
 
@@ -119,3 +121,46 @@ def broadcast_from(tensor: torch.Tensor, group: ShardGroup, src_group_rank: int)
     staging = tensor.contiguous()
     dist.broadcast(staging, src=group.global_rank(src_group_rank), group=group.handle)
     tensor.copy_(staging)
+
+
+@dataclass
+class ReduceResult:
+    """An issued gradient reduction.
+
+    Attributes:
+        reduced: where the reduced values land: the input itself (all-reduce, reduce to owners: each owner's
+            slice of it) or a new row-sized output (reduce-scatter).
+        works: the asynchronous collective handles, waited for in order by :func:`finish_reduce`.
+    """
+
+    reduced: torch.Tensor
+    works: list[Any]
+
+
+def start_all_reduce(data: torch.Tensor, group: Any) -> ReduceResult:
+    """Issue an asynchronous sum of ``data`` over ``group`` (in place: every rank gets the full sum)."""
+    return ReduceResult(data, [dist.all_reduce(data, group=group, async_op=True)])
+
+
+def start_reduce_to_owners(data: torch.Tensor, pieces: Sequence[tuple[int, Range]], group: Any) -> ReduceResult:
+    """Issue one asynchronous reduce per ``(group rank, range of data)`` piece: the owner gets that range's sum."""
+    works = []
+    for owner, local in pieces:
+        dst = dist.get_global_rank(group, owner) if group is not None else owner
+        works.append(dist.reduce(data[local.as_slice()], dst=dst, group=group, async_op=True))
+    return ReduceResult(data, works)
+
+
+def start_reduce_scatter(rows: torch.Tensor, group: Any) -> ReduceResult:
+    """Issue an asynchronous reduce-scatter of the ``(world, width)`` ``rows``: rank ``r`` gets row ``r`` summed
+    over ranks, in a new ``width``-element output. ``rows`` is only read (a routed gradient may be its storage)."""
+    output = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    work = dist.reduce_scatter_tensor(output, rows.view(-1), group=group, async_op=True)
+    return ReduceResult(output, [work])
+
+
+def finish_reduce(result: ReduceResult) -> torch.Tensor:
+    """Wait for every handle of ``result``; returns :attr:`ReduceResult.reduced`."""
+    for work in result.works:
+        work.wait()
+    return result.reduced

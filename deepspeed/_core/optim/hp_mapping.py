@@ -13,7 +13,7 @@ data-parallel group must call it, in the same order. A *full* write is local: ea
 own fragment out of the given value; the working (bit16) weights see the change when the optimizer
 next publishes them (after its next step).
 
-Gradients ([Note: gradient lifetime] in grad_reduce.py): the lean paths drop autograd's ``.grad`` as
+Gradients ([Note: gradient lifetime] in ``grads/partitions.py``): the lean paths drop autograd's ``.grad`` as
 soon as it has been folded into a bucket, so a full gradient exists only as partition gradients, from
 the first backward of an accumulation window until the step (or ``zero_grad``) consumes it. Stage 2
 holds the reduced (averaged) gradient from each backward on; lean stage 1 reduces only in the

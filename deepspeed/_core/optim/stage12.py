@@ -3,7 +3,7 @@
 Set-up, per optimizer parameter group: the trainable parameters are flattened on their own device
 (lean: in place, chunk by chunk, [Note: layout]; A/B: via host memory as upstream did), this rank's
 partition is copied to an fp32 master that replaces the group's parameters in the inner optimizer, and
-gradient hooks are installed ([Note: gradient lifetime] in grad_reduce.py). A step checks overflow and
+gradient hooks are installed ([Note: gradient lifetime] in ``deepspeed/_core/grads/partitions.py``). A step checks overflow and
 the global norm with one scalar all-reduce, unscales and clips the fp32 partition gradient in place,
 steps the inner optimizer, writes the masters back and all-gathers the bit16 partitions.
 """
@@ -24,7 +24,8 @@ from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.optim import stage12_state as stage12_checkpoint
 from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.layout.flat_buffer import FlatBuffer
-from deepspeed._core.grads.reducer import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
+from deepspeed._core.grads.partitions import GradPath, GroupGrads, PartitionConfig, PartitionGrads
+from deepspeed._core.grads.reducer import ReduceMode, ReducerConfig
 from deepspeed._core.layout.inplace_flatten import FlattenPath, flatten_params
 from deepspeed._core.layout.shards import plan_group
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
@@ -101,8 +102,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         self.rank = dist.get_rank(group=dp_group)
         self.path = GradPath.select(plan.zero.stage, plan.zero.lean.eager_grad_release)
         self.groups = [self._build_group(g, param_names or {}) for g in optimizer.param_groups]
-        self.reducer = GradReducer([g.grads for g in self.groups], self._reducer_config(), dp_group,
-                                   process_groups=[g.process_group for g in self.groups])
+        devices = PartitionConfig(self.path, self.groups[0].flat.device, self.groups[0].master.param.device)
+        self.grad_pipeline = PartitionGrads([g.grads for g in self.groups], devices, self._reducer_config(),
+                                            [g.process_group for g in self.groups])
+        self.reducer = self.grad_pipeline.reducer
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
@@ -158,13 +161,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
     def _reducer_config(self) -> ReducerConfig:
         buckets = self.plan.zero.buckets
         return ReducerConfig(
-            path=self.path,
             mode=ReduceMode.TO_OWNERS if buckets.reduce_scatter else ReduceMode.ALL_REDUCE,
             bucket_numel=buckets.reduce_bucket_size,
             comm_dtype=self.plan.precision.comm_dtype,
             scaling=ReduceScaling.from_policy(self.plan.grads, self.world_size),
-            device=self.groups[0].flat.device,
-            grad_device=self.groups[0].master.param.device,
             max_in_flight=2 if buckets.overlap_comm else 1,
         )
 
@@ -172,11 +172,11 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
     def prepare_backward(self, kind: MicroStepKind) -> None:
         """Arm the reducer (stage 2 reduces every micro-step; stage 1 only at the boundary)."""
         self._cleared_after_step = False
-        self.reducer.begin(kind)
+        self.grad_pipeline.begin(kind)
 
     def finish_backward(self) -> None:
         """Flush this backward's buckets into the partition gradients."""
-        self.reducer.finish()
+        self.grad_pipeline.finish()
 
     def _grad_partition(self, group: ZeroGroup) -> torch.Tensor | None:
         """This rank's partition gradient, as accumulated (``grad_accum_dtype``; not copied)."""
@@ -234,7 +234,7 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         out = []
         for p in params:
             group, slot = next((g, s) for g in self.groups for s, q in enumerate(g.params) if q is p)
-            acc = group.grads.ensure_accumulator(self.reducer.config.device)
+            acc = group.grads.ensure_accumulator(self.grad_pipeline.partition.device)
             out.append(acc[group.grads.layout.slots[slot].range.as_slice()].view(p.shape))
         return out
 
@@ -270,13 +270,13 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient buffer of the current window (partition gradients and ``.grad``)."""
-        self.reducer.discard()
+        self.grad_pipeline.discard()
         self._clear_grads()
 
     def destroy(self) -> None:
         """Remove hooks and drop gradient buffers."""
-        self.reducer.discard()
-        self.reducer.remove_hooks()
+        self.grad_pipeline.discard()
+        self.grad_pipeline.remove_hooks()
         self._clear_grads()
         detach_hp_mapping(self)
 

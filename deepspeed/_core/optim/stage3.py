@@ -2,9 +2,9 @@
 
 Parameters are partitioned and fetched by :class:`~deepspeed._core.params.manager.ZeroParamManager`. This
 module subscribes to its "gradient ready" seam: each full gradient (available while its parameter is
-still gathered) is copied into a bucket laid out rank-major, ``param.grad`` is dropped at once (lean) and,
-when the bucket is full, one ``reduce_scatter_tensor`` hands every rank the sum of its own slices
-([Note: zero3-grads] below). Reduced slices are added into an accumulator per optimizer group, kept in
+still gathered) is added to the shared gradient reducer, ``param.grad`` is dropped at once (lean) and,
+when the bucket is full, one reduce-scatter of rank-major rows hands every rank the sum of its own slices
+([Note: zero3-grads] in ``deepspeed/_core/grads/shard_rows.py``). Reduced slices are added into an accumulator per optimizer group, kept in
 ``grad_accum_dtype`` (``data_types.grad_accum_dtype``; the working dtype by default, the ``bg`` of the
 memory floors), in chunks allocated as reductions reach them ([Note: lazy grad shard]). The step reads one
 chunk at a time: in place when it matches the master's dtype and device, else through one converted copy
@@ -14,20 +14,14 @@ With ``offload_optimizer`` the master, the optimizer state and the accumulator l
 memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
 weights go back to the shards one chunk at a time, so host memory is the master, the moments and the
 accumulator plus a few fixed-size staging buffers.
-
-[Note: zero3-grads] A bucket of parameters p_1..p_k with per-rank shard sizes s_i is a ``(world, S)``
-staging tensor, ``S = sum(s_i)``; row ``r`` holds, for each p_i, the ``r``-th ``s_i`` slice of its
-zero-padded flattened gradient. ``reduce_scatter_tensor`` over the rows leaves rank ``r`` with row ``r``
-summed over ranks: exactly its shards of every p_i, back to back.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -42,6 +36,8 @@ from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slo
 from deepspeed._core.params.manager import ZeroParamManager
 from deepspeed._core.optim.master import send_through_host
 from deepspeed._core.grads.parked import ParkedGrads, ParkedWindow
+from deepspeed._core.grads.reducer import GradReducer, ReduceMode, ReducerConfig
+from deepspeed._core.grads.shard_rows import GradRelease, RowEntry, ShardRows
 from deepspeed._core.optim.stage3_access import Stage3ParamAccess
 from deepspeed._core.optim.sharded_step import ShardedStepMixin
 from deepspeed._core.optim.stage12 import _package_version
@@ -84,22 +80,6 @@ class Stage3Group:
             self.accumulator = None
 
 
-@dataclass
-class _Pending:
-    """A launched bucket: its reduced output, the handle and where each slice goes."""
-
-    output: torch.Tensor
-    handle: Any
-    targets: list[tuple[int, int, int, int]]  # (group index, offset in group shard, offset in output, size)
-
-
-@dataclass
-class _Bucket:
-    entries: list[tuple[torch.Tensor, ZeroParam, int, int]] = field(default_factory=list)  # grad, state, g, off
-    numel: int = 0
-    borrowed: bool = False  # holds a routed use's gradient, which autograd may share with another consumer
-
-
 class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     """The ZeRO-3 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer_Stage3``).
 
@@ -128,8 +108,6 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         self.groups = [self._build_group(g) for g in optimizer.param_groups]
         self._where = {s.ds_id: (g, off) for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
-        self.bucket = _Bucket()
-        self.pending: list[_Pending] = []
         self.host = HostTransfers(slot_bytes_for(bucket_bytes))
         self._state_at = {(g, off): s for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
         # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
@@ -142,8 +120,12 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             manager.gatherer.on_release.append(self.parked.released)
         self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, made on first use
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
-        self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
+        release = GradRelease.EAGER if self.eager_release else GradRelease.ZEROED
+        rows = ShardRows(self.world_size, precision.comm_dtype, self.scaling, release, self._fold, dp_group)
+        self.reducer = GradReducer(rows, ReducerConfig(ReduceMode.REDUCE_SCATTER, plan.zero.buckets.reduce_bucket_size,
+                                                       precision.comm_dtype, self.scaling,
+                                                       max_in_flight=2 if plan.zero.buckets.overlap_comm else 1))
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
         self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
@@ -191,91 +173,10 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         if state is None or state.ds_id not in self._where or grad is None:
             return
         g, off = self._where[state.ds_id]
-        self.bucket.entries.append((grad, state, g, off))
-        self.bucket.numel += state.layout.padded_numel
-        self.bucket.borrowed |= grad is not param.grad
+        borrowed = grad is not param.grad
         if self.eager_release:
             param.grad = None  # the bucket holds the only reference until its staging copy
-        if self.bucket.numel >= self.plan.zero.buckets.reduce_bucket_size:
-            self._launch_bucket()
-
-    def _launch_bucket(self) -> None:
-        bucket, self.bucket = self.bucket, _Bucket()
-        if not bucket.entries:
-            return
-        comm_dtype = self.plan.precision.comm_dtype
-        if self.world_size == 1:
-            self._fold_unreduced(bucket, comm_dtype)
-            return
-        width = sum(state.layout.partition_numel for _, state, _, _ in bucket.entries)
-        staging = self._single_entry_rows(bucket, comm_dtype)
-        targets, col = [], 0
-        if staging is not None:  # the gradient already is the (world, width) layout
-            _, _, g, off = bucket.entries[0]
-            targets.append((g, off, 0, width))
-            bucket.entries.clear()
-        else:
-            staging = torch.empty(self.world_size, width, dtype=comm_dtype, device=bucket.entries[0][0].device)
-        for grad, state, g, off in bucket.entries:
-            size = state.layout.partition_numel
-            flat = grad.reshape(-1).to(comm_dtype)
-            flat = F.pad(flat, (0, state.layout.padded_numel - flat.numel())) if state.layout.padding else flat
-            staging[:, col : col + size].copy_(flat.view(self.world_size, size))
-            if not self.eager_release:
-                grad.zero_()  # upstream-behaviour A/B: the buffer stays allocated until the step ends
-            targets.append((g, off, col, size))
-            col += size
-        bucket.entries.clear()  # drops the last references to the full gradients
-        if self.scaling.pre != 1.0:
-            staging.mul_(self.scaling.pre)
-        output = torch.empty(width, dtype=comm_dtype, device=staging.device)
-        handle = dist.reduce_scatter_tensor(output, staging.view(-1), group=self.dp_group, async_op=True)
-        self.pending.append(_Pending(output, handle, targets))
-        while len(self.pending) > self.max_in_flight - 1:  # room for the bucket that fills next
-            self._finish(self.pending.pop(0))
-
-    def _single_entry_rows(self, bucket: _Bucket, comm_dtype: torch.dtype) -> torch.Tensor | None:
-        """The bucket's one gradient viewed as the ``(world, S)`` staging rows, when no copy is needed.
-
-        A parameter larger than the bucket (a tied embedding) travels alone; with no padding and the wire dtype
-        its flattened gradient's row ``r`` is already rank ``r``'s shard, and a staging copy would hold its
-        bytes twice. Only under eager release, where the bucket owns an accumulated gradient; a routed one is
-        only read (the reduce-scatter leaves its input alone: NCCL's contract, gloo's checked by
-        ``tests/dist/test_comm.py``), so it qualifies unless
-        pre-division would scale it in place.
-        """
-        if len(bucket.entries) != 1 or not self.eager_release:
-            return None
-        if bucket.borrowed and self.scaling.pre != 1.0:
-            return None  # pre-division scales in place; a routed gradient is not ours to change
-        grad, state, _, _ = bucket.entries[0]
-        if grad.dtype != comm_dtype or not grad.is_contiguous() or state.layout.padding:
-            return None
-        return grad.view(self.world_size, state.layout.partition_numel)
-
-    def _fold_unreduced(self, bucket: _Bucket, comm_dtype: torch.dtype) -> None:
-        """One rank: the reduction is the identity, so each gradient folds straight into its accumulator.
-
-        A staging row and an output would cost the bucket's bytes twice more; for the largest parameter
-        (a tied embedding) that was most of ZeRO-3's excess over FSDP2 at world size 1 on the H200.
-        """
-        scale = self.scaling.pre * self.scaling.post
-        for grad, state, g, off in bucket.entries:
-            piece = grad.reshape(-1).to(comm_dtype)
-            if scale != 1.0:
-                piece = piece * scale
-            self._fold(g, off, piece)
-            if not self.eager_release:
-                grad.zero_()
-        bucket.entries.clear()
-
-    def _finish(self, pending: _Pending) -> None:
-        pending.handle.wait()
-        out = pending.output
-        if self.scaling.post != 1.0:
-            out.mul_(self.scaling.post)
-        for g, off, col, size in pending.targets:
-            self._fold(g, off, out[col : col + size])
+        self.reducer.add(RowEntry(grad, state, g, off, borrowed), state.layout.padded_numel)
 
     def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
         """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset`` (or park a region's
@@ -304,9 +205,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
 
     def flush(self) -> None:
         """End of backward: reduce the partial bucket and fold every pending result."""
-        self._launch_bucket()
-        while self.pending:
-            self._finish(self.pending.pop(0))
+        self.reducer.finish()
         self.parked.settle()
         self.host.drain()
 
@@ -430,10 +329,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this window's gradient shards and any in-flight bucket."""
-        self.bucket = _Bucket()
-        for pending in self.pending:
-            pending.handle.wait()
-        self.pending.clear()
+        self.reducer.discard()
         self.host.discard()
         self._clear_grads()
         for grp in self.groups:
@@ -462,7 +358,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         return {
             "param_grads": sum(p is not None and p.grad is not None for p in params),
             "accumulators": sum(grp.window_grad() is not None for grp in self.groups),
-            "bucketed_grads": len(self.bucket.entries),
-            "in_flight": len(self.pending),
+            "bucketed_grads": len(self.reducer.open.entries),
+            "in_flight": self.reducer.in_flight,
             "parked": len(self.parked),
         }
