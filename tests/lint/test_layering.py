@@ -205,7 +205,6 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
 # stale one), and none is added without a reason here.
 ROOM_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("_core/comm/collectives.py", "params"): "the gather/scatter collectives take the ZeRO-3 ShardGroup and ShardCodec",
-    ("_core/grads/reducer.py", "optim"): "the reducer is driven by optim.base.MicroStepKind",
     ("_core/grads/parked.py", "optim"): "parked gradients reuse optim.chunked_step's scaled conversion",
 }
 

@@ -50,7 +50,7 @@ LINEAR = fr("torch/nn/functional.py", "linear")
             "gathered parameters",
         ),
         ([fr("deepspeed/_core/comm/collectives.py", "start_all_gather"), USER], "gathered parameters"),
-        ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
+        ([fr("deepspeed/_core/grads/shard_rows.py", "wire")], "gradients"),
         ([fr("deepspeed/_core/grads/reducer.py", "ensure_accumulator")], "gradients"),
         (
             [fr("deepspeed/_core/optim/master.py", "__init__"), fr("deepspeed/_core/optim/stage12.py", "_build_group")],
@@ -160,7 +160,7 @@ def test_classify_by_allocation_stack(frames: list, expected: str) -> None:
 @pytest.mark.parametrize(
     "free_frames, expected",
     [
-        ([fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")], "gradients"),
+        ([fr("deepspeed/_core/grads/shard_rows.py", "wire")], "gradients"),
         ([fr("deepspeed/_core/grads/reducer.py", "_on_grad")], "gradients"),
         ([fr("deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads")], "gradients"),
         ([fr("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce")], "gradients"),
@@ -239,7 +239,7 @@ def ev(action: str, addr: int, size: int, t: int, frames: list | None = None) ->
 PARAM_ALLOC = [fr("deepspeed/_core/params/init_context.py", "_partition_param")]
 GATHER_ALLOC = [fr("deepspeed/_core/params/gather.py", "_copy_out"), fr("deepspeed/_core/params/manager.py", "fetch")]
 ACT_ALLOC = [LINEAR, CALL]
-REDUCE_FREE = [fr("deepspeed/_core/optim/stage3.py", "_launch_bucket")]
+REDUCE_FREE = [fr("deepspeed/_core/grads/shard_rows.py", "wire")]
 
 
 def snapshot(trace: list[dict], segments: list | None = None, **extra: object) -> dict:

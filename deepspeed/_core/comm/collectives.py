@@ -1,10 +1,14 @@
-"""Batched parameter collectives: copy-in -> one collective -> copy-out, with typed split-phase results.
+"""Batched collectives with typed split-phase results: parameter all-gathers and gradient reductions.
 
 The schedule code never calls ``dist.*`` itself; it calls :func:`start_all_gather` (issue, keep the handle) and
-later :func:`finish_all_gather` (wait, copy out). The flat buffer's lifetime rules are in [Note: streams-flat]
+later :func:`finish_all_gather` (wait, copy out). Gradient buckets are reduced the same way: one of
+:func:`start_all_reduce`, :func:`start_reduce_to_owners` or :func:`start_reduce_scatter` issues the asynchronous
+collective and returns a :class:`ReduceResult`; :func:`finish_reduce` waits for it. The flat buffer's lifetime rules
+are in [Note: streams-flat]
 (``docs/design/streams.md``): it comes from the pool of the stream that frees it, and is dropped only once that
 stream is ordered behind the copy-out that last read it (the compute stream under lean release).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,10 +18,10 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
-from deepspeed._core.layout.shards import Stage3GroupLayout, plan_stage3_group
-from deepspeed._core.params.param import ShardGroup
 from deepspeed._core.comm.streams import StreamRole, StreamSet
+from deepspeed._core.layout.shards import Range, Stage3GroupLayout, plan_stage3_group
+from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
+from deepspeed._core.params.param import ShardGroup
 
 
 @dataclass
@@ -45,9 +49,15 @@ class AllGatherResult:
         return self.flat.view(self.world_size, self.layout.rank_numel)
 
 
-def start_all_gather(shards: Sequence[torch.Tensor], numels: Sequence[int], group: ShardGroup,
-                     streams: StreamSet, codec: ShardCodec, device: torch.device,
-                     alloc_role: StreamRole = StreamRole.ALL_GATHER) -> AllGatherResult:
+def start_all_gather(
+    shards: Sequence[torch.Tensor],
+    numels: Sequence[int],
+    group: ShardGroup,
+    streams: StreamSet,
+    codec: ShardCodec,
+    device: torch.device,
+    alloc_role: StreamRole = StreamRole.ALL_GATHER,
+) -> AllGatherResult:
     """Copy the local ``shards`` into one buffer on ``device`` and issue one all-gather of it on the all-gather
     stream.
 
@@ -69,10 +79,11 @@ def start_all_gather(shards: Sequence[torch.Tensor], numels: Sequence[int], grou
     with streams.use(StreamRole.ALL_GATHER):
         streams.wait(StreamRole.ALL_GATHER, ready)
         local = flat.narrow(0, group.rank * layout.rank_numel, layout.rank_numel)
-        for slot, shard in zip(layout.slots, shards):
+        for slot, shard in zip(layout.slots, shards, strict=False):
             if layout.rank_range(slot).size != shard.numel():
-                raise ValueError(f"shard {slot.index} has {shard.numel()} elements, layout expects "
-                                 f"{layout.rank_range(slot).size}")
+                raise ValueError(
+                    f"shard {slot.index} has {shard.numel()} elements, layout expects {layout.rank_range(slot).size}"
+                )
         codec.encode(shards, local)  # the windows tile the row in slot order
         work = None
         if group.world_size > 1:
@@ -81,8 +92,13 @@ def start_all_gather(shards: Sequence[torch.Tensor], numels: Sequence[int], grou
     return AllGatherResult(flat, layout, event, work, group.world_size)
 
 
-def finish_all_gather(result: AllGatherResult, outputs: Sequence[torch.Tensor], streams: StreamSet,
-                      copy_role: StreamRole, codec: ShardCodec) -> Any:
+def finish_all_gather(
+    result: AllGatherResult,
+    outputs: Sequence[torch.Tensor],
+    streams: StreamSet,
+    copy_role: StreamRole,
+    codec: ShardCodec,
+) -> Any:
     """Wait for ``result`` and copy each parameter into its 1-D ``padded_numel`` output on ``copy_role``'s stream.
 
     Returns the event recorded on ``copy_role``'s stream after the copy-out: the flat buffer may be reused by
@@ -93,7 +109,7 @@ def finish_all_gather(result: AllGatherResult, outputs: Sequence[torch.Tensor], 
         if result.work is not None:
             result.work.wait()
         if result.sources is not None:
-            for src, out in zip(result.sources, outputs):
+            for src, out in zip(result.sources, outputs, strict=False):
                 if src.data_ptr() != out.data_ptr():  # a gathered tensor that is its shard needs no copy
                     codec.decode(src.reshape(1, -1), [out.view(1, -1)])
             done = streams.record(copy_role)
@@ -101,8 +117,10 @@ def finish_all_gather(result: AllGatherResult, outputs: Sequence[torch.Tensor], 
                 streams.wait(StreamRole.COMPUTE, done)
             return done
         ws, layout = result.world_size, result.layout
-        codec.decode(result.rows(), [out.view(ws, layout.rank_range(slot).size)
-                                     for slot, out in zip(layout.slots, outputs)])
+        codec.decode(
+            result.rows(),
+            [out.view(ws, layout.rank_range(slot).size) for slot, out in zip(layout.slots, outputs, strict=False)],
+        )
         done = streams.record(copy_role)
     if copy_role is not StreamRole.COMPUTE:
         streams.wait(StreamRole.COMPUTE, done)
@@ -119,3 +137,46 @@ def broadcast_from(tensor: torch.Tensor, group: ShardGroup, src_group_rank: int)
     staging = tensor.contiguous()
     dist.broadcast(staging, src=group.global_rank(src_group_rank), group=group.handle)
     tensor.copy_(staging)
+
+
+@dataclass
+class ReduceResult:
+    """An issued gradient reduction.
+
+    Attributes:
+        reduced: where the reduced values land: the input itself (all-reduce, reduce to owners: each owner's
+            slice of it) or a new row-sized output (reduce-scatter).
+        works: the asynchronous collective handles, waited for in order by :func:`finish_reduce`.
+    """
+
+    reduced: torch.Tensor
+    works: list[Any]
+
+
+def start_all_reduce(data: torch.Tensor, group: Any) -> ReduceResult:
+    """Issue an asynchronous sum of ``data`` over ``group`` (in place: every rank gets the full sum)."""
+    return ReduceResult(data, [dist.all_reduce(data, group=group, async_op=True)])
+
+
+def start_reduce_to_owners(data: torch.Tensor, pieces: Sequence[tuple[int, Range]], group: Any) -> ReduceResult:
+    """Issue one asynchronous reduce per ``(group rank, range of data)`` piece: the owner gets that range's sum."""
+    works = []
+    for owner, local in pieces:
+        dst = dist.get_global_rank(group, owner) if group is not None else owner
+        works.append(dist.reduce(data[local.as_slice()], dst=dst, group=group, async_op=True))
+    return ReduceResult(data, works)
+
+
+def start_reduce_scatter(rows: torch.Tensor, group: Any) -> ReduceResult:
+    """Issue an asynchronous reduce-scatter of the ``(world, width)`` ``rows``: rank ``r`` gets row ``r`` summed
+    over ranks, in a new ``width``-element output. ``rows`` is only read (a routed gradient may be its storage)."""
+    output = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    work = dist.reduce_scatter_tensor(output, rows.view(-1), group=group, async_op=True)
+    return ReduceResult(output, [work])
+
+
+def finish_reduce(result: ReduceResult) -> torch.Tensor:
+    """Wait for every handle of ``result``; returns :attr:`ReduceResult.reduced`."""
+    for work in result.works:
+        work.wait()
+    return result.reduced

@@ -11,6 +11,7 @@ allocator keeps every pinned block it ever handed out and rounds each request up
 staging one pinned tensor per reduced slice grows host memory with the gradient's size (up to twice
 it) and never returns it. Slots here are allocated once, at a power-of-two size, and reused.
 """
+
 from __future__ import annotations
 
 import enum
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.comm.streams import record_current
 from deepspeed.accelerator import get_accelerator
 
 DEFAULT_SLOT_BYTES = 1 << 26  # 64 MiB: large enough to run copies at full PCIe speed
@@ -72,8 +74,9 @@ class HostTransfers:
         staging: which pieces go through the ring (see :class:`Staging`).
     """
 
-    def __init__(self, slot_bytes: int = DEFAULT_SLOT_BYTES, slots: int = DEFAULT_SLOTS,
-                 staging: Staging = Staging.DEVICE_ONLY) -> None:
+    def __init__(
+        self, slot_bytes: int = DEFAULT_SLOT_BYTES, slots: int = DEFAULT_SLOTS, staging: Staging = Staging.DEVICE_ONLY
+    ) -> None:
         self.slot_bytes = slot_bytes_for(slot_bytes, cap=max(slot_bytes, 4096))
         self.num_slots = max(1, slots)
         self.staging = staging
@@ -109,16 +112,14 @@ class HostTransfers:
             target.view(-1).copy_(piece.reshape(-1))
             return
         target.view(-1).copy_(piece.reshape(-1), non_blocking=True)
-        event = get_accelerator().Event()
-        event.record()
+        event = record_current()
         self.pending.append(_InFlight(target, None, None, event, Fold.COPY))
 
     def _submit_part(self, target: torch.Tensor, piece: torch.Tensor, fold: Fold) -> None:
         slot = self._take_slot()
         staged = self._ring[slot][: piece.numel() * piece.element_size()].view(piece.dtype)
         staged.copy_(piece, non_blocking=True)
-        event = get_accelerator().Event()
-        event.record()
+        event = record_current()
         self.pending.append(_InFlight(target, staged, slot, event, fold))
 
     def _take_slot(self) -> int:

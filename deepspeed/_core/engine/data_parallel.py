@@ -4,6 +4,7 @@ Every rank keeps whole parameters and gradients. Gradients accumulate in ``.grad
 and are all-reduced (bucketed, overlapped with the boundary backward) before the step. With fp16 or
 bf16 working weights the inner optimizer steps on fp32 masters (:class:`MasterWeights`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -12,13 +13,13 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.moe.params import ExpertGroup, by_reduce_group
-from deepspeed._core.optim.clipping import NormScope, clip_, counts_in_norm, global_norm, global_norm_of_parts
-from deepspeed._core.grads.allreduce import BucketedAllReduce
-from deepspeed._core.grads.scaling import ReduceScaling
-from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
-from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan
 from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan
+from deepspeed._core.grads.replicas import ReplicaGrads
+from deepspeed._core.grads.scaling import ReduceScaling
+from deepspeed._core.moe.params import ExpertGroup, by_reduce_group
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.clipping import NormScope, clip_, counts_in_norm, global_norm, global_norm_of_parts
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 
 
@@ -57,14 +58,15 @@ class DataParallelOptimizer(EngineOptimizer):
         # expert-data-parallel group. Both divide by the full dp_world_size: every rank's loss feeds the
         # experts through the token exchange, so that is the mean the single-process model would compute.
         self.parts = by_reduce_group([p for p in self.params if p.requires_grad])
-        self.syncs: list[BucketedAllReduce] = []
+        self.syncs: list[ReplicaGrads] = []
         if dp_world_size > 1:
             scaling = ReduceScaling.from_policy(plan.grads, dp_world_size)
             for name, params in self.parts:
                 if params:
                     group = dp_group if name is None else self.expert_groups[name].edp_group
-                    self.syncs.append(BucketedAllReduce(params, plan.zero.buckets.reduce_bucket_size,
-                                                        precision.comm_dtype, scaling, group))
+                    self.syncs.append(
+                        ReplicaGrads(params, plan.zero.buckets.reduce_bucket_size, precision.comm_dtype, scaling, group)
+                    )
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         attach_hp_mapping(self)  # safe_get_full_fp32_param & co.
 
@@ -184,7 +186,7 @@ class DataParallelOptimizer(EngineOptimizer):
             self.loss_scaler = state_dict["loss_scaler"]
         if self.masters is not None and "fp32_groups" in state_dict:
             with torch.no_grad():
-                for (_, master), saved in zip(self.masters.pairs, state_dict["fp32_groups"]):
+                for (_, master), saved in zip(self.masters.pairs, state_dict["fp32_groups"], strict=False):
                     master.copy_(saved)
             self.masters.masters_to_working()
         self.overflow = bool(state_dict.get("overflow", False))

@@ -17,6 +17,7 @@ into 128M bf16 elements took 0.15 s into fresh chunks and 0.06-0.07 s into kept 
 turns "released" into "stale": the storage stays, is zeroed when the next window first writes to it, and counts
 as allocated only while it holds this window's values.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -36,8 +37,15 @@ class ChunkedGradShard:
         pin_memory: allocate host chunks page-locked, so device copies can land in them directly.
     """
 
-    def __init__(self, numel: int, chunk_numel: int, dtype: torch.dtype, device: torch.device | str,
-                 keep_storage: bool = False, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        numel: int,
+        chunk_numel: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        keep_storage: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
         if numel < 0 or chunk_numel <= 0:
             raise ValueError(f"ChunkedGradShard: numel must be >= 0 and chunk_numel > 0 (got {numel}, {chunk_numel})")
         self.numel = numel
@@ -143,7 +151,7 @@ class ChunkedGradShard:
 
     def allocated(self) -> list[torch.Tensor]:
         """The chunks holding this window's values (for the norm: the others are zeros)."""
-        return [c for c, live in zip(self._chunks, self._live) if live]
+        return [c for c, live in zip(self._chunks, self._live, strict=False) if live]
 
     @property
     def allocated_numel(self) -> int:

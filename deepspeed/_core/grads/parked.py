@@ -25,6 +25,7 @@ Eligible: window of one micro-step, gradient dtype equal to the shard's, a param
 of their own instead, so that they do not bring back a host accumulator chunk. Switch:
 ``zero_optimization.lean_grads_in_param_shards``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepspeed._core.comm.streams import record_current
 from deepspeed._core.optim.chunked_step import _convert_scaled
 from deepspeed._core.params.param import ShardedState, ZeroParam
 
@@ -65,9 +67,14 @@ class ParkedGrads:
         side_dtype: dtype of the side tensors (the accumulator's).
     """
 
-    def __init__(self, master_of: Callable[[int], torch.Tensor], accumulator_of: Callable[[int], object],
-                 copy_to_host: Callable[[torch.Tensor, torch.Tensor], None], drain: Callable[[], None],
-                 side_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        master_of: Callable[[int], torch.Tensor],
+        accumulator_of: Callable[[int], object],
+        copy_to_host: Callable[[torch.Tensor, torch.Tensor], None],
+        drain: Callable[[], None],
+        side_dtype: torch.dtype,
+    ) -> None:
         self._master_of = master_of
         self._accumulator_of = accumulator_of
         self._copy_to_host = copy_to_host
@@ -181,8 +188,9 @@ class ParkedWindow:
     step's fp32 buffer (:meth:`convert_into`) when the chunk has no device-resident piece.
     """
 
-    def __init__(self, accumulator: object, regions: list[Parked], buffers: list[torch.Tensor], chunk_numel: int,
-                 numel: int) -> None:
+    def __init__(
+        self, accumulator: object, regions: list[Parked], buffers: list[torch.Tensor], chunk_numel: int, numel: int
+    ) -> None:
         """``buffers``: two tensors of at least ``chunk_numel`` elements in the accumulator's dtype, on the
         master's device; ``numel``: the group's flat size (the chunks are ``[k * chunk_numel, ...)``)."""
         self.accumulator = accumulator
@@ -208,11 +216,7 @@ class ParkedWindow:
             issued = True
         if not issued:
             return None
-        from deepspeed.accelerator import get_accelerator
-
-        event = get_accelerator().Event()
-        event.record()
-        return event
+        return record_current()
 
     def window(self, start: int, end: int) -> torch.Tensor:
         """The gradient of ``[start, end)``."""
@@ -252,8 +256,9 @@ class ParkedWindow:
             event.synchronize()
         return self.buffers[index][: end - start]
 
-    def _fill(self, start: int, end: int, out: torch.Tensor,
-              put: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    def _fill(
+        self, start: int, end: int, out: torch.Tensor, put: Callable[[torch.Tensor, torch.Tensor], object]
+    ) -> None:
         """``put(out_piece, source_piece)`` for the host-resident regions of ``[start, end)`` and for the gaps (from
         the accumulator, which holds evicted regions, else zeros). Device-resident regions are left alone: only
         :meth:`window` has them, already staged into ``out``."""

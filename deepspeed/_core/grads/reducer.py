@@ -1,365 +1,286 @@
-"""Bucketed gradient reduction for ZeRO-1/2, with the gradient buffers' lifetime as a policy.
+"""The one bucketed gradient reducer of every ZeRO stage: buckets, launch order, in-flight bound, collectives.
 
-[Note: gradient lifetime] (user report 1). Autograd hands each parameter's gradient to a
-post-accumulate-grad hook. What happens next is the :class:`GradPath`:
+Stage 0, ZeRO-1/2 and ZeRO-3 differ in what a bucket holds and where its reduced values go, not in how
+buckets are scheduled. That difference is a :class:`BucketIO` (``replicas.py`` for stage 0, ``partitions.py``
+for ZeRO-1/2, ``shard_rows.py`` for ZeRO-3); :class:`GradReducer` does the rest, in one of three
+:class:`ReduceMode` s, through the split-phase collectives of ``deepspeed/_core/comm/collectives.py``.
 
-- ``STAGE2_FREE`` (lean ZeRO-2): the gradient is copied into its bucket's communication buffer and
-  ``param.grad`` is dropped at once; the bucket is reduced to the owning ranks as soon as it is complete and
-  its buffer freed after the owner has folded its slice into the fp32 partition gradient. No full-size
-  gradient outlives its bucket, whatever ``gradient_accumulation_steps`` is.
-- ``STAGE2_RETAIN`` (upstream behaviour, for A/B): same reduction, but autograd's ``.grad`` buffers are
-  kept (zeroed) until the step ends.
-- ``STAGE1_ACCUMULATE`` (lean ZeRO-1): gradients are folded into one persistent full-size accumulator and
-  dropped at once; the accumulator is reduced bucket by bucket during the boundary backward. A window of one
-  micro-step (``gradient_accumulation_steps`` 1) has nothing to accumulate, so its backward takes the
-  ``STAGE2_FREE`` route into the partition gradient instead: a full-size accumulator there cost 2 bytes per
-  parameter at the simulated N=8 step peak on the H200, where upstream's ZeRO-1 only stages buckets
-  (``benchmarks/results/diag/call3``, git history at f28fd62).
-- ``STAGE1_AUTOGRAD`` (upstream behaviour, for A/B): gradients accumulate in ``.grad`` and are reduced from
-  there at the boundary.
+[Note: launch order] Every rank must issue the same collectives in the same sequence, even when its
+parameters receive gradients in a different order or not at all. Buckets therefore launch strictly in one
+order, the same on every rank: a bucket is started once it is complete *and* every bucket before it has been
+started (the "ready prefix"); at the end of the backward whatever is left is started in that order (a bucket
+none of whose parameters got a gradient reduces zeros). Two bucket plans share this loop:
 
-Buckets are fixed at construction, ordered like backward produces gradients, and launched strictly in that
-order once complete, so every rank issues the same collectives in the same sequence even when parameters
-receive gradients in different orders or not at all ([Note: launch order]).
+- a static plan (stage 0, ZeRO-1/2): buckets are fixed at construction in reverse parameter order, roughly
+  the order autograd produces gradients; a bucket is complete when each of its parameters has reported;
+- arrival order (ZeRO-3): gradients are appended to one open bucket in the order the parameter manager hands
+  them over (the same on every rank, the backward being the same program), and the bucket is complete once it
+  holds ``bucket_numel`` elements; it is then the next in order by construction.
+
+``max_in_flight`` bounds the buckets alive at once, counting the one being filled: after each start the oldest
+started buckets are finished until at most ``max_in_flight - 1`` remain (2 with ``overlap_comm``: one reduces
+while the next fills; 1 without). Stage 0 keeps every bucket in flight until the end of the backward
+(``None``), as it always has.
 """
+
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import (
+    ReduceResult,
+    finish_reduce,
+    start_all_reduce,
+    start_reduce_scatter,
+    start_reduce_to_owners,
+)
 from deepspeed._core.grads.scaling import ReduceScaling
-from deepspeed._core.optim.base import MicroStepKind
-from deepspeed._core.comm.host_transfer import Fold, HostTransfers, slot_bytes_for
-from deepspeed._core.layout.shards import GroupLayout, Range, plan_buckets
-
-
-class GradPath(enum.Enum):
-    """Where gradients go between autograd and the partition gradient (see module docstring)."""
-
-    STAGE2_FREE = "stage2_free"
-    STAGE2_RETAIN = "stage2_retain"
-    STAGE1_ACCUMULATE = "stage1_accumulate"
-    STAGE1_AUTOGRAD = "stage1_autograd"
-
-    @staticmethod
-    def select(stage: int, eager_release: bool) -> GradPath:
-        """The path for a ZeRO stage (1 or 2) and the ``lean_eager_grad_release`` switch."""
-        if stage >= 2:
-            return GradPath.STAGE2_FREE if eager_release else GradPath.STAGE2_RETAIN
-        return GradPath.STAGE1_ACCUMULATE if eager_release else GradPath.STAGE1_AUTOGRAD
-
-    @property
-    def reduces_every_micro_step(self) -> bool:
-        """Stage 2 reduces each micro-batch's gradients; stage 1 only at the boundary."""
-        return self in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN)
+from deepspeed._core.layout.shards import ParamSlot, Range, plan_buckets
 
 
 class ReduceMode(enum.Enum):
-    """``reduce_scatter: true`` reduces each slice to its owner; otherwise every rank gets the full sum."""
+    """Which collective reduces a bucket.
 
-    TO_OWNERS = "to_owners"
+    ``ALL_REDUCE``: every rank gets the full sum (stage 0; ZeRO-1/2 without ``reduce_scatter``).
+    ``TO_OWNERS``: each range's sum goes to the rank owning it (ZeRO-1/2 with ``reduce_scatter``).
+    ``REDUCE_SCATTER``: the bucket is ``(world, width)`` rank-major rows and rank ``r`` gets row ``r`` summed
+    (ZeRO-3, [Note: zero3-grads]).
+    """
+
     ALL_REDUCE = "all_reduce"
+    TO_OWNERS = "to_owners"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+class ReducePhase(enum.Enum):
+    """Whether a backward's gradients are reduced (a boundary micro-step, or every one for ZeRO-2) or only
+    accumulated."""
+
+    REDUCE = "reduce"
+    SKIP = "skip"
+
+
+class MicroStepKind(enum.Enum):
+    """What the coming backward must do with gradients (the engine decides it; the reducers act on it)."""
+
+    ACCUMULATE = "accumulate"  # keep accumulating locally
+    REDUCE = "reduce"  # last micro-step of the window: reduce across data-parallel ranks
 
 
 @dataclass
-class GroupGrads:
-    """The gradient-side state of one flat parameter group on this rank."""
+class Bucket:
+    """One gradient bucket: its members, its staging buffer and its collective.
 
-    layout: GroupLayout
-    params: list[torch.nn.Parameter]
-    rank: int
-    accum_dtype: torch.dtype
-    partition_grad: torch.Tensor | None = None  # accum dtype, this rank's partition (stage 2, stage-1 A/B path)
-    accumulator: torch.Tensor | None = None  # full padded group, accum dtype (lean stage 1)
-    # Offloaded: the host partition gradient's storage outlives its step and is zeroed for the next one
-    # instead of being page-faulted in afresh ([Note: kept host chunks]).
-    keep_storage: bool = False
-    _kept: torch.Tensor | None = None
+    A statically planned bucket names its members by ``slots`` (indices into group ``group``'s parameters)
+    spanning ``range`` of the group; an arrival-order bucket lists what was added in ``entries``.
+    """
 
-    @property
-    def partition(self) -> Range:
-        """This rank's range of the flat group."""
-        return self.layout.partition(self.rank)
-
-    def ensure_partition_grad(self, device: torch.device) -> torch.Tensor:
-        """The partition gradient (``grad_accum_dtype``), allocated (zeroed) on first use in a step."""
-        if self.partition_grad is None:
-            kept, self._kept = self._kept, None
-            if kept is not None and kept.device == device:
-                self.partition_grad = kept.zero_()
-            else:
-                self.partition_grad = torch.zeros(self.layout.partition_numel, dtype=self.accum_dtype, device=device)
-        return self.partition_grad
-
-    def ensure_accumulator(self, device: torch.device) -> torch.Tensor:
-        """The full-size accumulator (lean stage 1), allocated (zeroed) on first use in a step."""
-        if self.accumulator is None:
-            self.accumulator = torch.zeros(self.layout.padded_numel, dtype=self.accum_dtype, device=device)
-        return self.accumulator
-
-    def release(self) -> None:
-        """Drop this step's gradient buffers (a kept host partition gradient only turns stale)."""
-        if self.keep_storage and self.partition_grad is not None:
-            self._kept = self.partition_grad
-        self.partition_grad = None
-        self.accumulator = None
-
-
-@dataclass
-class _Bucket:
     index: int
-    group: int
-    slots: tuple[int, ...]
-    range: Range
-    pending: int = 0
+    group: int = 0
+    slots: tuple[int, ...] = ()
+    range: Range = Range(0, 0)
+    pending: int = 0  # members that have not reported yet (static plan)
     ready: set[int] = field(default_factory=set)
-    data: torch.Tensor | None = None
-    handles: list[Any] = field(default_factory=list)
+    entries: list[Any] = field(default_factory=list)  # arrival order: what the bucket holds until its start
+    numel: int = 0  # arrival order: elements added so far
+    data: torch.Tensor | None = None  # staging buffer; reduced in place by ALL_REDUCE and TO_OWNERS
+    result: ReduceResult | None = None  # set from start to finish
+    targets: list[Any] = field(default_factory=list)  # where the reduced values go (the BucketIO's business)
+
+
+class BucketIO(Protocol):
+    """What a bucket holds and where its reduced values go: the part of a gradient pipeline that is stage-specific."""
+
+    def wire(self, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket's values in the wire dtype, ready to be pre-scaled and reduced (``(world, width)`` rows for
+        ``REDUCE_SCATTER``); ``None`` when the reduction is the identity and the values already reached their
+        home (one rank)."""
+
+    def owners(self, bucket: Bucket) -> list[tuple[int, Range]]:
+        """``TO_OWNERS``: ``(group rank, range of the wire tensor)`` per owner of part of the bucket."""
+
+    def process_group(self, bucket: Bucket) -> Any:
+        """The process group the bucket is reduced over."""
+
+    def kept(self, bucket: Bucket, reduced: torch.Tensor) -> torch.Tensor | None:
+        """The part of the reduced values this rank keeps (post-scaled in place by the reducer), or ``None``."""
+
+    def deliver(self, bucket: Bucket, kept: torch.Tensor) -> None:
+        """Move the kept, scaled values to their home."""
 
 
 @dataclass(frozen=True)
 class ReducerConfig:
-    """Static settings of a :class:`GradReducer`."""
+    """Static settings of a :class:`GradReducer`.
 
-    path: GradPath
+    ``max_in_flight``: bucket buffers alive at once, counting the one being filled ([Note: launch order]);
+    ``None`` leaves every started bucket in flight until :meth:`GradReducer.finish`.
+    """
+
     mode: ReduceMode
     bucket_numel: int
     comm_dtype: torch.dtype
     scaling: ReduceScaling
-    device: torch.device
-    grad_device: torch.device  # where partition gradients live: the master's device (host when offloading)
-    # Bucket buffers alive at once, counting the one being filled: 2 with overlap_comm (double buffering:
-    # one reducing while the next fills), 1 without (each bucket reduced before the next is staged).
-    max_in_flight: int = 1
+    max_in_flight: int | None = 1
 
 
 class GradReducer:
-    """Reduces gradients of every ZeRO-1/2 group, bucket by bucket, in one global launch order.
+    """Reduces gradient buckets in one global launch order with a bounded number in flight.
 
     Args:
-        groups: per-group gradient state (layouts and parameters in slot order).
-        config: path, reduction mode, bucket size, dtypes and scaling.
-        group: the data-parallel process group.
-        observer: optional callback ``(event, bucket_index)`` for tests and memory accounting.
-        process_groups: per entry of ``groups``, the process group it is partitioned and reduced over when it
-            is not ``group`` (MoE expert groups reduce over their expert-data-parallel group); ``None`` = all
-            over ``group``. A bucket never spans two groups, so each bucket has exactly one.
+        io: the stage-specific half (:class:`BucketIO`).
+        config: mode, bucket size, wire dtype, scaling and in-flight bound.
+        buckets: a static plan (see :func:`plan_static`), or ``None`` for arrival-order buckets
+            (:meth:`add`).
+        observer: optional callback ``(event, bucket_index)``: "launched" and "reduced" (and whatever the
+            ``io`` reports, e.g. "staging_alloc"), for tests and memory accounting.
     """
 
     def __init__(
         self,
-        groups: Sequence[GroupGrads],
+        io: BucketIO,
         config: ReducerConfig,
-        group: Any = None,
+        buckets: Sequence[Bucket] | None = None,
         observer: Callable[[str, int], None] | None = None,
-        process_groups: Sequence[Any] | None = None,
     ) -> None:
-        self.groups = list(groups)
+        self.io = io
         self.config = config
-        self.group = group
-        self.process_groups = list(process_groups) if process_groups is not None else [group] * len(self.groups)
+        self.static = buckets is not None
+        self.buckets: list[Bucket] = list(buckets) if buckets is not None else []
         self.observer = observer or (lambda event, index: None)
-        self.buckets = self._plan()
-        # parameter id -> (bucket index, group index, slot index)
-        self._where: dict[int, tuple[int, int, int]] = {}
-        for bucket in self.buckets:
-            for s in bucket.slots:
-                self._where[id(self.groups[bucket.group].params[s])] = (bucket.index, bucket.group, s)
+        self.open = Bucket(0)  # arrival order: the bucket being filled
+        self.reducing = not self.static  # arrival-order buckets reduce every backward
         self._next_launch = 0
-        self._reducing = False
-        self._in_flight: list[_Bucket] = []
-        self._path = config.path  # this backward's route; begin() may pick STAGE2_FREE for lean ZeRO-1
-        self._direct = self._folds_directly(self._path)
-        comm_bytes = torch.empty((), dtype=config.comm_dtype).element_size()
-        self.host = HostTransfers(slot_bytes_for(config.bucket_numel * comm_bytes))
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
-        ]
+        self._in_flight: list[Bucket] = []
 
-    def _folds_directly(self, path: GradPath) -> bool:
-        # Lean ZeRO-2 on one rank: the reduction is the identity, so gradients fold straight into the
-        # partition gradient; staging buckets would only add their bytes to the peak (benchmarks S1, N=1).
-        return path is GradPath.STAGE2_FREE and all(g.layout.world_size == 1 for g in self.groups)
+    @property
+    def in_flight(self) -> int:
+        """Buckets started and not finished yet."""
+        return len(self._in_flight)
 
-    def _plan(self) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        for g in reversed(range(len(self.groups))):
-            layout = self.groups[g].layout
-            for planned in plan_buckets(layout.slots, max(1, self.config.bucket_numel)):
-                slots = [layout.slots[i] for i in planned.slot_indices]
-                span = Range(min(s.offset for s in slots), max(s.range.end for s in slots))
-                buckets.append(_Bucket(len(buckets), g, planned.slot_indices, span))
-        return buckets
-
-    # --- micro-step protocol ------------------------------------------------------------------------
-    def begin(self, kind: MicroStepKind) -> None:
-        """Prepare for a backward; ``REDUCE`` marks the last micro-step of an accumulation window."""
-        self._path = self.config.path
-        if (self._path is GradPath.STAGE1_ACCUMULATE and kind is MicroStepKind.REDUCE
-                and all(g.accumulator is None for g in self.groups)):
-            self._path = GradPath.STAGE2_FREE  # a one-micro-step window: nothing to accumulate
-        self._direct = self._folds_directly(self._path)
-        self._reducing = kind is MicroStepKind.REDUCE or self._path.reduces_every_micro_step
+    # --- one backward ---------------------------------------------------------------------------------
+    def begin(self, reducing: ReducePhase) -> None:
+        """Start a backward; ``ReducePhase.SKIP`` makes reports only bookkeeping (nothing launches)."""
+        self.reducing = reducing is ReducePhase.REDUCE
         self._next_launch = 0
         for bucket in self.buckets:
             bucket.pending = len(bucket.slots)
             bucket.ready.clear()
 
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        bucket_index, g, s = self._where[id(param)]
-        bucket, grads = self.buckets[bucket_index], self.groups[g]
-        path = self._path
-        if path is GradPath.STAGE1_ACCUMULATE:
-            acc = grads.ensure_accumulator(self.config.device)
-            acc[grads.layout.slots[s].range.as_slice()].add_(param.grad.reshape(-1))
-            param.grad = None
-        elif self._direct:
-            self._fold_direct(grads, s, param.grad)
-            param.grad = None
-        elif path in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN):
-            self._stage(bucket, s, param.grad)
-            if path is GradPath.STAGE2_FREE:
-                param.grad = None
-            else:
-                param.grad.zero_()
-        if self._reducing and s not in bucket.ready:
-            bucket.ready.add(s)
-            bucket.pending -= 1
-            self._launch_ready_prefix()
+    def mark_ready(self, bucket_index: int, member: int) -> None:
+        """Static plan: member ``member`` of bucket ``bucket_index`` has its gradient; start the ready prefix."""
+        bucket = self.buckets[bucket_index]
+        if not self.reducing or member in bucket.ready:
+            return
+        bucket.ready.add(member)
+        bucket.pending -= 1
+        self._launch_ready_prefix()
 
-    def _stage(self, bucket: _Bucket, slot_index: int, grad: torch.Tensor) -> None:
-        if bucket.data is None:
-            bucket.data = torch.zeros(bucket.range.size, dtype=self.config.comm_dtype, device=self.config.device)
-            self.observer("staging_alloc", bucket.index)
-        slot = self.groups[bucket.group].layout.slots[slot_index]
-        local = slot.range.shift(-bucket.range.start)
-        bucket.data[local.as_slice()].add_(grad.reshape(-1))
+    def add(self, entry: Any, numel: int) -> None:
+        """Arrival order: append ``entry`` (``numel`` elements) to the open bucket; a full bucket starts."""
+        self.open.entries.append(entry)
+        self.open.numel += numel
+        if self.open.numel >= self.config.bucket_numel:
+            self._close_open()
+
+    def _close_open(self) -> None:
+        bucket, self.open = self.open, Bucket(self.open.index + 1)
+        if bucket.entries:
+            self.buckets.append(bucket)
+            self._launch_ready_prefix()
 
     def _launch_ready_prefix(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
-            self._launch(self.buckets[self._next_launch])
+            # The started bucket's wire tensor stays referenced while older buckets finish: the reduce-scatter
+            # rows are otherwise dropped at the start, and their bytes must not be reused by those folds.
+            wire = self._start(self.buckets[self._next_launch])
             self._next_launch += 1
-            self._drain(self.config.max_in_flight - 1)  # leave room for the bucket that fills next
+            self._drain(None if self.config.max_in_flight is None else self.config.max_in_flight - 1)
+            del wire
 
-    def _drain(self, keep: int) -> None:
-        """Finish the oldest launched buckets until at most ``keep`` remain in flight (bounds staging memory)."""
-        while len(self._in_flight) > keep:
-            self._finish_bucket(self._in_flight.pop(0))
-
-    # --- one bucket ---------------------------------------------------------------------------------
-    def _bucket_data(self, bucket: _Bucket) -> torch.Tensor:
-        path, grads = self._path, self.groups[bucket.group]
-        if path is GradPath.STAGE1_ACCUMULATE:
-            acc = grads.ensure_accumulator(self.config.device)[bucket.range.as_slice()]
-            return acc if acc.dtype == self.config.comm_dtype else acc.to(self.config.comm_dtype)
-        if path is GradPath.STAGE1_AUTOGRAD:
-            pieces = []
-            for s in sorted(bucket.slots):
-                p = grads.params[s]
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                pieces.append(g.reshape(-1).to(self.config.comm_dtype))
-            return torch.cat(pieces)
-        if bucket.data is None:  # no parameter of the bucket got a gradient on this rank
-            return torch.zeros(bucket.range.size, dtype=self.config.comm_dtype, device=self.config.device)
-        return bucket.data
-
-    def _fold_direct(self, grads: GroupGrads, slot_index: int, grad: torch.Tensor) -> None:
-        """One rank, lean ZeRO-2: add ``grad`` (scaled as a reduction would) into the partition gradient."""
-        piece = grad.reshape(-1).to(self.config.comm_dtype)
-        scale = self.config.scaling.pre * self.config.scaling.post
-        if scale != 1.0:
-            piece = piece * scale
-        owned = grads.layout.slots[slot_index].range
-        self._sink(grads, owned, piece)
-
-    def _launch(self, bucket: _Bucket) -> None:
-        if self._direct:  # every gradient of the bucket is already in the partition gradient
-            self.observer("launched", bucket.index)
-            self.observer("reduced", bucket.index)
-            return
-        data = self._bucket_data(bucket)
-        bucket.data = data
-        if self.config.scaling.pre != 1.0:
-            data.mul_(self.config.scaling.pre)
-        layout = self.groups[bucket.group].layout
-        pg = self.process_groups[bucket.group]
-        if self.config.mode is ReduceMode.ALL_REDUCE:
-            bucket.handles = [dist.all_reduce(data, group=pg, async_op=True)]
-        else:
-            bucket.handles = []
-            for r in range(layout.world_size):
-                piece = bucket.range.intersect(layout.partition(r))
-                if piece.is_empty:
-                    continue
-                dst = dist.get_global_rank(pg, r) if pg is not None else r
-                view = data[piece.shift(-bucket.range.start).as_slice()]
-                bucket.handles.append(dist.reduce(view, dst=dst, group=pg, async_op=True))
-        self._in_flight.append(bucket)
-        self.observer("launched", bucket.index)
-
-    def _finish_bucket(self, bucket: _Bucket) -> None:
-        for handle in bucket.handles:
-            handle.wait()
-        grads = self.groups[bucket.group]
-        owned = bucket.range.intersect(grads.partition)
-        if not owned.is_empty:
-            piece = bucket.data[owned.shift(-bucket.range.start).as_slice()]
-            if self.config.scaling.post != 1.0:
-                piece.mul_(self.config.scaling.post)
-            self._sink(grads, owned, piece)
-        bucket.data, bucket.handles = None, []
-        self.observer("reduced", bucket.index)
-
-    def _sink(self, grads: GroupGrads, owned: Range, piece: torch.Tensor) -> None:
-        path = self._path
-        if path is GradPath.STAGE1_ACCUMULATE:
-            acc = grads.ensure_accumulator(self.config.device)
-            target = acc[owned.as_slice()]
-            if target.data_ptr() != piece.data_ptr():
-                target.copy_(piece)
-            return
-        local = owned.shift(-grads.partition.start)
-        target = grads.ensure_partition_grad(self.config.grad_device)[local.as_slice()]
-        if target.device != piece.device:
-            # Optimizer offload: an event-ordered copy to pinned memory, folded at the end of backward.
-            fold = Fold.COPY if path is GradPath.STAGE1_AUTOGRAD else Fold.ADD
-            self.host.submit(target, piece, fold)
-            return
-        if path is GradPath.STAGE1_AUTOGRAD:
-            target.copy_(piece)
-        else:
-            target.add_(piece)
+    def _drain(self, keep: int | None) -> None:
+        """Finish the oldest started buckets until at most ``keep`` remain in flight (bounds staging memory)."""
+        while keep is not None and len(self._in_flight) > keep:
+            self._finish(self._in_flight.pop(0))
 
     def finish(self) -> None:
-        """End of a backward: launch what is left (if reducing), wait for everything, fold into partitions."""
-        if not self._reducing:
+        """End of a backward: start what is left, in order, and finish everything."""
+        if not self.reducing:
             return
+        if not self.static:
+            self._close_open()
         for bucket in self.buckets[self._next_launch :]:
-            self._launch(bucket)
+            self._start(bucket)
             self._drain(self.config.max_in_flight)
         self._next_launch = len(self.buckets)
         self._drain(0)
-        self.host.drain()
-        self._reducing = False
+        self.reducing = not self.static
+        if not self.static:
+            self.buckets, self._next_launch = [], 0
 
     def discard(self) -> None:
-        """Drop every in-flight buffer without folding (used after an overflow or by destroy)."""
+        """Drop every bucket without delivering it (after an overflow, ``zero_grad`` or destroy)."""
         for bucket in self.buckets:
-            for handle in bucket.handles:
-                handle.wait()
-            bucket.data, bucket.handles = None, []
+            if bucket.result is not None:
+                finish_reduce(bucket.result)
+            bucket.data, bucket.result = None, None
+        self.open = Bucket(self.open.index + 1)
         self._in_flight.clear()
-        self.host.discard()
-        self._reducing = False
+        self.reducing = not self.static
+        if not self.static:
+            self.buckets, self._next_launch = [], 0
 
-    def remove_hooks(self) -> None:
-        """Detach the post-accumulate-grad hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.host.release()
+    # --- one bucket -----------------------------------------------------------------------------------
+    def _start(self, bucket: Bucket) -> torch.Tensor | None:
+        """Issue ``bucket``'s collective; returns the tensor it reads (``None`` for the identity reduction)."""
+        data = self.io.wire(bucket)
+        if data is None:  # the identity reduction: the io already put the values home
+            self.observer("launched", bucket.index)
+            self.observer("reduced", bucket.index)
+            return None
+        if self.config.scaling.pre != 1.0:
+            data.mul_(self.config.scaling.pre)
+        group = self.io.process_group(bucket)
+        mode = self.config.mode
+        if mode is ReduceMode.ALL_REDUCE:
+            bucket.result = start_all_reduce(data, group)
+        elif mode is ReduceMode.TO_OWNERS:
+            bucket.result = start_reduce_to_owners(data, self.io.owners(bucket), group)
+        else:
+            bucket.result = start_reduce_scatter(data, group)
+        # The in-place modes read the reduced values from the staging buffer itself; the reduce-scatter's rows
+        # are dropped here, as soon as the collective holds them, and only its output stays.
+        bucket.data = data if mode is not ReduceMode.REDUCE_SCATTER else None
+        self._in_flight.append(bucket)
+        self.observer("launched", bucket.index)
+        return data
+
+    def _finish(self, bucket: Bucket) -> None:
+        assert bucket.result is not None
+        reduced = finish_reduce(bucket.result)
+        kept = self.io.kept(bucket, reduced)
+        if kept is not None:
+            if self.config.scaling.post != 1.0:
+                kept.mul_(self.config.scaling.post)
+            self.io.deliver(bucket, kept)
+        bucket.data, bucket.result, bucket.targets = None, None, []
+        self.observer("reduced", bucket.index)
+
+
+def plan_static(groups: Sequence[Sequence[ParamSlot]], bucket_numel: int) -> list[Bucket]:
+    """Buckets of at most ``bucket_numel`` elements over the slots of ``groups`` (last group first, each in
+    reverse slot order: :func:`~deepspeed._core.layout.shards.plan_buckets`); a bucket never spans two groups.
+    Each bucket's ``range`` spans its slots."""
+    buckets: list[Bucket] = []
+    for g in reversed(range(len(groups))):
+        slots = groups[g]
+        for planned in plan_buckets(slots, max(1, bucket_numel)):
+            members = [slots[i] for i in planned.slot_indices]
+            span = Range(min(s.offset for s in members), max(s.range.end for s in members))
+            buckets.append(Bucket(len(buckets), g, planned.slot_indices, span))
+    return buckets

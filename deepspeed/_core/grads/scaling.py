@@ -1,5 +1,6 @@
 """Factors around a sum-reduction of gradients over data-parallel ranks (``prescale_gradients`` and
 ``gradient_predivide_factor`` semantics), shared by every stage's reducer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -54,11 +54,12 @@ class Routes:
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's ``(combine_weights, dispatch_mask)``, both ``(S, E, C)``."""
         combine_weights = None
-        for expert, slot, weight in zip(self.experts, self.slots, self.weights):
+        for expert, slot, weight in zip(self.experts, self.slots, self.weights, strict=False):
             mask = F.one_hot(expert.clamp(min=0), self.num_experts).to(weight.dtype)
             mask = mask * (expert >= 0).unsqueeze(1).to(weight.dtype)
             part = _combine(weight.unsqueeze(1) * mask, slot, self.capacity)
             combine_weights = part if combine_weights is None else combine_weights + part
+        assert combine_weights is not None, "a route record holds at least one route per token"
         return combine_weights, combine_weights.bool()
 
 
@@ -72,7 +73,7 @@ def _routes(
     exp_counts: torch.Tensor,
 ) -> Routes:
     """Pack per-route ``(S,)`` choices, capacity-masked ``(S, E)`` one-hots, slots and weights."""
-    experts = [torch.where(mask.sum(dim=1) > 0, choice, -1) for choice, mask in zip(choices, masks)]
+    experts = [torch.where(mask.sum(dim=1) > 0, choice, -1) for choice, mask in zip(choices, masks, strict=False)]
     return Routes(
         l_aux, int(cap), masks[0].shape[1], torch.stack(experts), torch.stack(slots), torch.stack(weights), exp_counts
     )

@@ -4,19 +4,16 @@ The engine's micro-step is ``prepare_backward(kind)`` → ``backward(loss)`` →
 at the accumulation boundary ``step()``. Keeping this one interface means the engine never branches
 on the ZeRO stage.
 """
+
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
 
+from deepspeed._core.grads.reducer import MicroStepKind
 
-class MicroStepKind(enum.Enum):
-    """What the coming backward must do with gradients."""
-
-    ACCUMULATE = "accumulate"  # keep accumulating locally
-    REDUCE = "reduce"  # last micro-step of the window: reduce across data-parallel ranks
+__all__ = ["EngineOptimizer", "MicroStepKind"]
 
 
 class EngineOptimizer:

@@ -9,12 +9,12 @@ copy of just that chunk of the gradient. In-place optimizers (Adam/AdamW/Adagrad
 ours) then update the master's state directly; state an optimizer creates lazily on its first step is
 copied into master-shaped tensors once. Peak extra memory: one chunk of fp32 gradient.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-
 
 STEP_CHUNK_BYTES_CAP = 1 << 28
 """At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
@@ -82,7 +82,11 @@ def _convert_scaled(out: torch.Tensor, src: torch.Tensor, coef: float) -> None:
 
 
 def step_in_chunks(
-    optimizer: torch.optim.Optimizer, group_index: int, grad: Any, chunk_numel: int, coef: float = 1.0,
+    optimizer: torch.optim.Optimizer,
+    group_index: int,
+    grad: Any,
+    chunk_numel: int,
+    coef: float = 1.0,
     consume: bool = False,
 ) -> None:
     """Apply one update to the single master parameter of ``optimizer.param_groups[group_index]``.

@@ -3,6 +3,7 @@
 With partitioned gradients (ZeRO) each rank holds a disjoint part of the gradient, so the global norm
 is the square root of the sum of the ranks' squared local norms: one all-reduce of one scalar.
 """
+
 from __future__ import annotations
 
 import enum

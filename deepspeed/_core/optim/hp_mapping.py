@@ -13,7 +13,7 @@ data-parallel group must call it, in the same order. A *full* write is local: ea
 own fragment out of the given value; the working (bit16) weights see the change when the optimizer
 next publishes them (after its next step).
 
-Gradients ([Note: gradient lifetime] in grad_reduce.py): the lean paths drop autograd's ``.grad`` as
+Gradients ([Note: gradient lifetime] in ``grads/partitions.py``): the lean paths drop autograd's ``.grad`` as
 soon as it has been folded into a bucket, so a full gradient exists only as partition gradients, from
 the first backward of an accumulation window until the step (or ``zero_grad``) consumes it. Stage 2
 holds the reduced (averaged) gradient from each backward on; lean stage 1 reduces only in the
@@ -28,6 +28,7 @@ that outlives its engine does not keep the fp32 masters, optimizer state or flat
 the optimizer is gone the mapping reports ``alive`` False and the public helpers treat the parameter
 as unmanaged.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -97,7 +98,9 @@ class ZeroHpMapping:
     def get_hp_fragment(self, optim_state_key: str | None = None) -> torch.Tensor:
         """This rank's 1-D fp32 fragment of the parameter (or of one optimizer state); a view, maybe empty."""
         master = self._group.master.param
-        source = master.data if optim_state_key is None else _state_of(self.optimizer.optimizer, master, optim_state_key)
+        source = (
+            master.data if optim_state_key is None else _state_of(self.optimizer.optimizer, master, optim_state_key)
+        )
         return source[self.hp_range.as_slice()]
 
     def _gather(self, local: torch.Tensor | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ Dynamic scaling rule (one :meth:`DynamicLossScaler.update_scale` call per optimi
   since the last overflow, not counting the one right after it, is a positive multiple of ``scale_window``
   the scale is multiplied by ``scale_factor`` and the hysteresis is refilled.
 """
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,7 @@ The inner optimizer sees exactly one parameter per group: the fp32 master partit
 the partition gradient the reducer produced (fp32), handed over without a copy, so the step never
 materialises a second copy of the gradient partition (memory_targets.md, report 1).
 """
+
 from __future__ import annotations
 
 import enum
@@ -13,9 +14,9 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.streams import record_current
 from deepspeed._core.layout.flat_buffer import FlatBuffer
 from deepspeed._core.layout.shards import Range, partition_windows
-from deepspeed.accelerator import get_accelerator
 
 
 class MasterPlacement(enum.Enum):
@@ -61,8 +62,14 @@ class MasterPartition:
         transfer: how values move between the two; ``None`` picks ``CHUNKED`` exactly when the devices differ.
     """
 
-    def __init__(self, flat: FlatBuffer, rank: int, master_dtype: torch.dtype, placement: MasterPlacement,
-                 transfer: TransferPath | None = None) -> None:
+    def __init__(
+        self,
+        flat: FlatBuffer,
+        rank: int,
+        master_dtype: torch.dtype,
+        placement: MasterPlacement,
+        transfer: TransferPath | None = None,
+    ) -> None:
         self.flat = flat
         self.rank = rank
         part = flat.layout.partition(rank)
@@ -90,14 +97,24 @@ class MasterPartition:
             if self.transfer is TransferPath.DIRECT:
                 self.flat.copy_in(part, master)
                 return
-            send_through_host(master, self.flat.dtype, self.flat.device, TRANSFER_CHUNK_NUMEL,
-                              lambda start, piece: self.flat.copy_in(Range(part.start + start,
-                                                                           part.start + start + piece.numel()), piece,
-                                                                     non_blocking=True))
+            send_through_host(
+                master,
+                self.flat.dtype,
+                self.flat.device,
+                TRANSFER_CHUNK_NUMEL,
+                lambda start, piece: self.flat.copy_in(
+                    Range(part.start + start, part.start + start + piece.numel()), piece, non_blocking=True
+                ),
+            )
 
 
-def send_through_host(src: torch.Tensor, dtype: torch.dtype, target: torch.device, chunk_numel: int,
-                      write: Callable[[int, torch.Tensor], None]) -> None:
+def send_through_host(
+    src: torch.Tensor,
+    dtype: torch.dtype,
+    target: torch.device,
+    chunk_numel: int,
+    write: Callable[[int, torch.Tensor], None],
+) -> None:
     """Convert the 1-D host tensor ``src`` to ``dtype`` ``chunk_numel`` elements at a time and hand each piece to
     ``write(offset, piece)``, which copies it to its destination on ``target``; returns once every copy is done.
 
@@ -112,8 +129,10 @@ def send_through_host(src: torch.Tensor, dtype: torch.dtype, target: torch.devic
         return
     accelerator = target.type != "cpu"
     width = min(chunk_numel, numel)
-    stages = [torch.empty(width, dtype=dtype, pin_memory=accelerator)
-              for _ in range(2 if accelerator and numel > chunk_numel else 1)]
+    stages = [
+        torch.empty(width, dtype=dtype, pin_memory=accelerator)
+        for _ in range(2 if accelerator and numel > chunk_numel else 1)
+    ]
     in_flight: list[Any] = [None] * len(stages)
     for index, start in enumerate(range(0, numel, chunk_numel)):
         slot = index % len(stages)
@@ -123,8 +142,7 @@ def send_through_host(src: torch.Tensor, dtype: torch.dtype, target: torch.devic
         piece.copy_(src[start : start + piece.numel()])
         write(start, piece)
         if accelerator:
-            in_flight[slot] = get_accelerator().Event()
-            in_flight[slot].record()
+            in_flight[slot] = record_current()
     for event in in_flight:
         if event is not None:
             event.synchronize()

@@ -1,5 +1,6 @@
 """The part of a sharded optimizer step every ZeRO stage shares: one scalar all-reduce decides overflow,
 the global norm and the single coefficient (unscale × clip) applied to the local gradient shards."""
+
 from __future__ import annotations
 
 import math

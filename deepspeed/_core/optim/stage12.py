@@ -3,10 +3,11 @@
 Set-up, per optimizer parameter group: the trainable parameters are flattened on their own device
 (lean: in place, chunk by chunk, [Note: layout]; A/B: via host memory as upstream did), this rank's
 partition is copied to an fp32 master that replaces the group's parameters in the inner optimizer, and
-gradient hooks are installed ([Note: gradient lifetime] in grad_reduce.py). A step checks overflow and
-the global norm with one scalar all-reduce, unscales and clips the fp32 partition gradient in place,
-steps the inner optimizer, writes the masters back and all-gathers the bit16 partitions.
+gradient hooks are installed ([Note: gradient lifetime] in ``deepspeed/_core/grads/partitions.py``). A step
+checks overflow and the global norm with one scalar all-reduce, unscales and clips the fp32 partition gradient in
+place, steps the inner optimizer, writes the masters back and all-gathers the bit16 partitions.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -16,20 +17,21 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.moe.params import ExpertGroup, is_moe_param_group
-from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
-from deepspeed._core.grads.scaling import ReduceScaling
-from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.config.plan import RunPlan
-from deepspeed._core.optim import stage12_state as stage12_checkpoint
-from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.grads.partitions import GradPath, GroupGrads, PartitionConfig, PartitionGrads
+from deepspeed._core.grads.reducer import ReduceMode, ReducerConfig
+from deepspeed._core.grads.scaling import ReduceScaling
 from deepspeed._core.layout.flat_buffer import FlatBuffer
-from deepspeed._core.grads.reducer import GradPath, GradReducer, GroupGrads, ReduceMode, ReducerConfig
 from deepspeed._core.layout.inplace_flatten import FlattenPath, flatten_params
 from deepspeed._core.layout.shards import plan_group
+from deepspeed._core.moe.params import ExpertGroup, is_moe_param_group
+from deepspeed._core.optim import stage12_state as stage12_checkpoint
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
-from deepspeed._core.optim.sharded_step import ShardedStepMixin
 from deepspeed._core.optim.master import MasterPartition, MasterPlacement, all_gather_partitions
+from deepspeed._core.optim.sharded_step import ShardedStepMixin
 from deepspeed.accelerator import get_accelerator
 
 
@@ -101,15 +103,19 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         self.rank = dist.get_rank(group=dp_group)
         self.path = GradPath.select(plan.zero.stage, plan.zero.lean.eager_grad_release)
         self.groups = [self._build_group(g, param_names or {}) for g in optimizer.param_groups]
-        self.reducer = GradReducer([g.grads for g in self.groups], self._reducer_config(), dp_group,
-                                   process_groups=[g.process_group for g in self.groups])
+        devices = PartitionConfig(self.path, self.groups[0].flat.device, self.groups[0].master.param.device)
+        self.grad_pipeline = PartitionGrads(
+            [g.grads for g in self.groups], devices, self._reducer_config(), [g.process_group for g in self.groups]
+        )
+        self.reducer = self.grad_pipeline.reducer
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
         # A step chunk holds at most one reduce bucket's bytes, the transient memory_targets.md allows.
         comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
-        self._step_chunk_numel = step_chunk_numel(plan.zero.buckets.reduce_bucket_size * comm_bytes,
-                                                  precision.master_dtype)
+        self._step_chunk_numel = step_chunk_numel(
+            plan.zero.buckets.reduce_bucket_size * comm_bytes, precision.master_dtype
+        )
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
@@ -135,11 +141,11 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
             placement = MasterPlacement.PINNED_HOST if offload.pin_memory else MasterPlacement.HOST
         master = MasterPartition(flat, rank, self.plan.precision.master_dtype, placement)
         param_group["params"] = [master.param]
-        grads = GroupGrads(layout, params, rank, self.plan.precision.grad_accum_dtype,
-                           keep_storage=offload.enabled)
+        grads = GroupGrads(layout, params, rank, self.plan.precision.grad_accum_dtype, keep_storage=offload.enabled)
         members = [dist.get_global_rank(pg, r) if pg is not None else r for r in range(world)]
-        return ZeroGroup(params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads,
-                         pg, rank, members)
+        return ZeroGroup(
+            params, [names.get(p, f"param_{i}") for i, p in enumerate(params)], flat, master, grads, pg, rank, members
+        )
 
     def _process_group_of(self, param_group: dict) -> tuple[Any, int, int]:
         """``(process group, its size, this rank's index)`` a parameter group is partitioned over."""
@@ -158,13 +164,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
     def _reducer_config(self) -> ReducerConfig:
         buckets = self.plan.zero.buckets
         return ReducerConfig(
-            path=self.path,
             mode=ReduceMode.TO_OWNERS if buckets.reduce_scatter else ReduceMode.ALL_REDUCE,
             bucket_numel=buckets.reduce_bucket_size,
             comm_dtype=self.plan.precision.comm_dtype,
             scaling=ReduceScaling.from_policy(self.plan.grads, self.world_size),
-            device=self.groups[0].flat.device,
-            grad_device=self.groups[0].master.param.device,
             max_in_flight=2 if buckets.overlap_comm else 1,
         )
 
@@ -172,11 +175,11 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
     def prepare_backward(self, kind: MicroStepKind) -> None:
         """Arm the reducer (stage 2 reduces every micro-step; stage 1 only at the boundary)."""
         self._cleared_after_step = False
-        self.reducer.begin(kind)
+        self.grad_pipeline.begin(kind)
 
     def finish_backward(self) -> None:
         """Flush this backward's buckets into the partition gradients."""
-        self.reducer.finish()
+        self.grad_pipeline.finish()
 
     def _grad_partition(self, group: ZeroGroup) -> torch.Tensor | None:
         """This rank's partition gradient, as accumulated (``grad_accum_dtype``; not copied)."""
@@ -212,14 +215,21 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         return True
 
     def _norm_pieces(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        """The partition gradients, less the ranges of tied-weight copies another stage counts ([Note: pipeline norm])."""
+        """The partition gradients, less the ranges of tied-weight copies another stage counts
+        ([Note: pipeline norm])."""
         pieces: list[torch.Tensor] = []
-        for group, part in zip(self.groups, parts):
+        for group, part in zip(self.groups, parts, strict=False):
             if part is None:
                 continue
             own = group.grads.partition
-            skip = sorted((group.grads.layout.slots[s].range.intersect(own) for s, p in enumerate(group.params)
-                           if not counts_in_norm(p)), key=lambda r: r.start)
+            skip = sorted(
+                (
+                    group.grads.layout.slots[s].range.intersect(own)
+                    for s, p in enumerate(group.params)
+                    if not counts_in_norm(p)
+                ),
+                key=lambda r: r.start,
+            )
             start = own.start
             for r in (r for r in skip if not r.is_empty):
                 pieces.append(part[start - own.start : r.start - own.start])
@@ -228,13 +238,14 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         return pieces
 
     def window_grads(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-        """Views of the window's accumulated gradients (the lean accumulator, else ``.grad``), shaped like ``params``."""
+        """Views of the window's accumulated gradients (the lean accumulator, else ``.grad``), shaped like
+        ``params``."""
         if self.path is not GradPath.STAGE1_ACCUMULATE:
             return super().window_grads(params)
         out = []
         for p in params:
             group, slot = next((g, s) for g in self.groups for s, q in enumerate(g.params) if q is p)
-            acc = group.grads.ensure_accumulator(self.reducer.config.device)
+            acc = group.grads.ensure_accumulator(self.grad_pipeline.partition.device)
             out.append(acc[group.grads.layout.slots[slot].range.as_slice()].view(p.shape))
         return out
 
@@ -270,13 +281,13 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient buffer of the current window (partition gradients and ``.grad``)."""
-        self.reducer.discard()
+        self.grad_pipeline.discard()
         self._clear_grads()
 
     def destroy(self) -> None:
         """Remove hooks and drop gradient buffers."""
-        self.reducer.discard()
-        self.reducer.remove_hooks()
+        self.grad_pipeline.discard()
+        self.grad_pipeline.remove_hooks()
         self._clear_grads()
         detach_hp_mapping(self)
 

@@ -6,6 +6,7 @@ partition counts. Loading always rebuilds each group's full unpadded vectors fro
 valid range and re-slices them for the live layout, so the same code serves resume at the same world
 size and resume at another one (2→1, 2→4, 4→2).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ import torch
 
 from deepspeed._core.layout.shards import GroupLayout
 
+
 @dataclass
-class fragment_address:  # noqa: N801 - upstream's class name, pickled into ZeRO-1/2 optimizer files
+class fragment_address:
     """Where a parameter's fragment sits inside a rank's flat partition (``param_slice_mappings`` values)."""
 
     numel: int

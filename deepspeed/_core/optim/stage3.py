@@ -2,50 +2,47 @@
 
 Parameters are partitioned and fetched by :class:`~deepspeed._core.params.manager.ZeroParamManager`. This
 module subscribes to its "gradient ready" seam: each full gradient (available while its parameter is
-still gathered) is copied into a bucket laid out rank-major, ``param.grad`` is dropped at once (lean) and,
-when the bucket is full, one ``reduce_scatter_tensor`` hands every rank the sum of its own slices
-([Note: zero3-grads] below). Reduced slices are added into an accumulator per optimizer group, kept in
-``grad_accum_dtype`` (``data_types.grad_accum_dtype``; the working dtype by default, the ``bg`` of the
-memory floors), in chunks allocated as reductions reach them ([Note: lazy grad shard]). The step reads one
-chunk at a time: in place when it matches the master's dtype and device, else through one converted copy
-([Note: chunked step]).
+still gathered) is added to the shared gradient reducer, ``param.grad`` is dropped at once (lean) and,
+when the bucket is full, one reduce-scatter of rank-major rows hands every rank the sum of its own slices
+([Note: zero3-grads] in ``deepspeed/_core/grads/shard_rows.py``). Reduced slices are added into an accumulator
+per optimizer group, kept in ``grad_accum_dtype`` (``data_types.grad_accum_dtype``; the working dtype by
+default, the ``bg`` of the memory floors), in chunks allocated as reductions reach them
+([Note: lazy grad shard]). The step reads one chunk at a time: in place when it matches the master's dtype and
+device, else through one converted copy ([Note: chunked step]).
 
 With ``offload_optimizer`` the master, the optimizer state and the accumulator live in pageable host
 memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
 weights go back to the shards one chunk at a time, so host memory is the master, the moments and the
 accumulator plus a few fixed-size staging buffers.
-
-[Note: zero3-grads] A bucket of parameters p_1..p_k with per-rank shard sizes s_i is a ``(world, S)``
-staging tensor, ``S = sum(s_i)``; row ``r`` holds, for each p_i, the ``r``-th ``s_i`` slice of its
-zero-padded flattened gradient. ``reduce_scatter_tensor`` over the rows leaves rank ``r`` with row ``r``
-summed over ranks: exactly its shards of every p_i, back to back.
 """
+
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
-from deepspeed._core.optim.clipping import local_sq_norm
-from deepspeed._core.grads.scaling import ReduceScaling
-from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
-from deepspeed._core.config.plan import RunPlan
-from deepspeed._core.optim import stage3_state as stage3_checkpoint
-from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
-from deepspeed._core.grads.accumulator import ChunkedGradShard
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
-from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.optim.master import send_through_host
+from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.grads.accumulator import ChunkedGradShard
 from deepspeed._core.grads.parked import ParkedGrads, ParkedWindow
-from deepspeed._core.optim.stage3_access import Stage3ParamAccess
+from deepspeed._core.grads.reducer import GradReducer, ReduceMode, ReducerConfig
+from deepspeed._core.grads.scaling import ReduceScaling
+from deepspeed._core.grads.shard_rows import GradRelease, RowEntry, ShardRows
+from deepspeed._core.optim import stage3_state as stage3_checkpoint
+from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.optim.clipping import local_sq_norm
+from deepspeed._core.optim.master import send_through_host
 from deepspeed._core.optim.sharded_step import ShardedStepMixin
+from deepspeed._core.optim.stage3_access import Stage3ParamAccess
 from deepspeed._core.optim.stage12 import _package_version
+from deepspeed._core.params.manager import ZeroParamManager
 from deepspeed._core.params.param import ZeroParam, zero_state
+from deepspeed.accelerator import get_accelerator
 
 
 @dataclass
@@ -66,9 +63,14 @@ class Stage3Group:
     def ensure_accumulator(self) -> ChunkedGradShard:
         """The gradient shard in ``accum_dtype`` beside the master; its chunks appear as gradients reach them."""
         if self.accumulator is None:
-            self.accumulator = ChunkedGradShard(self.master.numel(), self.chunk_numel, self.accum_dtype,
-                                                self.master.device, keep_storage=self.keep_storage,
-                                                pin_memory=self.pin_memory)
+            self.accumulator = ChunkedGradShard(
+                self.master.numel(),
+                self.chunk_numel,
+                self.accum_dtype,
+                self.master.device,
+                keep_storage=self.keep_storage,
+                pin_memory=self.pin_memory,
+            )
         return self.accumulator
 
     def window_grad(self) -> ChunkedGradShard | None:
@@ -84,22 +86,6 @@ class Stage3Group:
             self.accumulator = None
 
 
-@dataclass
-class _Pending:
-    """A launched bucket: its reduced output, the handle and where each slice goes."""
-
-    output: torch.Tensor
-    handle: Any
-    targets: list[tuple[int, int, int, int]]  # (group index, offset in group shard, offset in output, size)
-
-
-@dataclass
-class _Bucket:
-    entries: list[tuple[torch.Tensor, ZeroParam, int, int]] = field(default_factory=list)  # grad, state, g, off
-    numel: int = 0
-    borrowed: bool = False  # holds a routed use's gradient, which autograd may share with another consumer
-
-
 class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     """The ZeRO-3 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer_Stage3``).
 
@@ -112,7 +98,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any,
+        self,
+        optimizer: torch.optim.Optimizer,
+        plan: RunPlan,
+        loss_scaler: Any,
+        dp_group: Any,
         manager: ZeroParamManager,
     ) -> None:
         self.optimizer, self.plan, self.loss_scaler = optimizer, plan, loss_scaler
@@ -126,24 +116,47 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         # gradient shard is chunked the same way, so the step reads each of its chunks in place.
         self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
         self.groups = [self._build_group(g) for g in optimizer.param_groups]
-        self._where = {s.ds_id: (g, off) for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
+        self._where = {
+            s.ds_id: (g, off)
+            for g, grp in enumerate(self.groups)
+            for s, off in zip(grp.states, grp.offsets, strict=False)
+        }
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
-        self.bucket = _Bucket()
-        self.pending: list[_Pending] = []
         self.host = HostTransfers(slot_bytes_for(bucket_bytes))
-        self._state_at = {(g, off): s for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets)}
+        self._state_at = {
+            (g, off): s for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets, strict=False)
+        }
         # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
         # waits for the step in its parameter's shard instead of in host chunks.
-        self.parked = ParkedGrads(lambda g: self.groups[g].master.data, lambda g: self.groups[g].ensure_accumulator(),
-                                  self.host.submit_direct, self.host.drain, precision.grad_accum_dtype)
-        self._park = (plan.zero.lean.grads_in_param_shards and plan.zero.offload_optimizer.enabled
-                      and plan.batch.gradient_accumulation_steps == 1)
+        self.parked = ParkedGrads(
+            lambda g: self.groups[g].master.data,
+            lambda g: self.groups[g].ensure_accumulator(),
+            self.host.submit_direct,
+            self.host.drain,
+            precision.grad_accum_dtype,
+        )
+        self._park = (
+            plan.zero.lean.grads_in_param_shards
+            and plan.zero.offload_optimizer.enabled
+            and plan.batch.gradient_accumulation_steps == 1
+        )
         if self._park:
             manager.gatherer.on_release.append(self.parked.released)
         self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, made on first use
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
-        self.max_in_flight = 2 if plan.zero.buckets.overlap_comm else 1
         self.eager_release = plan.zero.lean.eager_grad_release
+        release = GradRelease.EAGER if self.eager_release else GradRelease.ZEROED
+        rows = ShardRows(self.world_size, precision.comm_dtype, self.scaling, release, self._fold, dp_group)
+        self.reducer = GradReducer(
+            rows,
+            ReducerConfig(
+                ReduceMode.REDUCE_SCATTER,
+                plan.zero.buckets.reduce_bucket_size,
+                precision.comm_dtype,
+                self.scaling,
+                max_in_flight=2 if plan.zero.buckets.overlap_comm else 1,
+            ),
+        )
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
         self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
@@ -173,13 +186,20 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         # sized (step_chunk_numel), and a reduced gradient's first fold is copied straight into them.
         pinned = offload.enabled and offload.pin_memory and get_accelerator().device_name() != "cpu"
         master = torch.empty(total, dtype=self.plan.precision.master_dtype, device=device)
-        for s, off in zip(states, offsets):
+        for s, off in zip(states, offsets, strict=False):
             master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
         param = torch.nn.Parameter(master, requires_grad=False)
         param_group["params"] = [param]
-        return Stage3Group(states, offsets, param, self._step_chunk_numel, self.plan.precision.grad_accum_dtype,
-                           keep_storage=offload.enabled,
-                           pin_memory=pinned, direct_first_fold=pinned)
+        return Stage3Group(
+            states,
+            offsets,
+            param,
+            self._step_chunk_numel,
+            self.plan.precision.grad_accum_dtype,
+            keep_storage=offload.enabled,
+            pin_memory=pinned,
+            direct_first_fold=pinned,
+        )
 
     # --- gradients ----------------------------------------------------------------------------------
     def prepare_backward(self, kind: MicroStepKind) -> None:
@@ -191,91 +211,10 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         if state is None or state.ds_id not in self._where or grad is None:
             return
         g, off = self._where[state.ds_id]
-        self.bucket.entries.append((grad, state, g, off))
-        self.bucket.numel += state.layout.padded_numel
-        self.bucket.borrowed |= grad is not param.grad
+        borrowed = grad is not param.grad
         if self.eager_release:
             param.grad = None  # the bucket holds the only reference until its staging copy
-        if self.bucket.numel >= self.plan.zero.buckets.reduce_bucket_size:
-            self._launch_bucket()
-
-    def _launch_bucket(self) -> None:
-        bucket, self.bucket = self.bucket, _Bucket()
-        if not bucket.entries:
-            return
-        comm_dtype = self.plan.precision.comm_dtype
-        if self.world_size == 1:
-            self._fold_unreduced(bucket, comm_dtype)
-            return
-        width = sum(state.layout.partition_numel for _, state, _, _ in bucket.entries)
-        staging = self._single_entry_rows(bucket, comm_dtype)
-        targets, col = [], 0
-        if staging is not None:  # the gradient already is the (world, width) layout
-            _, _, g, off = bucket.entries[0]
-            targets.append((g, off, 0, width))
-            bucket.entries.clear()
-        else:
-            staging = torch.empty(self.world_size, width, dtype=comm_dtype, device=bucket.entries[0][0].device)
-        for grad, state, g, off in bucket.entries:
-            size = state.layout.partition_numel
-            flat = grad.reshape(-1).to(comm_dtype)
-            flat = F.pad(flat, (0, state.layout.padded_numel - flat.numel())) if state.layout.padding else flat
-            staging[:, col : col + size].copy_(flat.view(self.world_size, size))
-            if not self.eager_release:
-                grad.zero_()  # upstream-behaviour A/B: the buffer stays allocated until the step ends
-            targets.append((g, off, col, size))
-            col += size
-        bucket.entries.clear()  # drops the last references to the full gradients
-        if self.scaling.pre != 1.0:
-            staging.mul_(self.scaling.pre)
-        output = torch.empty(width, dtype=comm_dtype, device=staging.device)
-        handle = dist.reduce_scatter_tensor(output, staging.view(-1), group=self.dp_group, async_op=True)
-        self.pending.append(_Pending(output, handle, targets))
-        while len(self.pending) > self.max_in_flight - 1:  # room for the bucket that fills next
-            self._finish(self.pending.pop(0))
-
-    def _single_entry_rows(self, bucket: _Bucket, comm_dtype: torch.dtype) -> torch.Tensor | None:
-        """The bucket's one gradient viewed as the ``(world, S)`` staging rows, when no copy is needed.
-
-        A parameter larger than the bucket (a tied embedding) travels alone; with no padding and the wire dtype
-        its flattened gradient's row ``r`` is already rank ``r``'s shard, and a staging copy would hold its
-        bytes twice. Only under eager release, where the bucket owns an accumulated gradient; a routed one is
-        only read (the reduce-scatter leaves its input alone: NCCL's contract, gloo's checked by
-        ``tests/dist/test_comm.py``), so it qualifies unless
-        pre-division would scale it in place.
-        """
-        if len(bucket.entries) != 1 or not self.eager_release:
-            return None
-        if bucket.borrowed and self.scaling.pre != 1.0:
-            return None  # pre-division scales in place; a routed gradient is not ours to change
-        grad, state, _, _ = bucket.entries[0]
-        if grad.dtype != comm_dtype or not grad.is_contiguous() or state.layout.padding:
-            return None
-        return grad.view(self.world_size, state.layout.partition_numel)
-
-    def _fold_unreduced(self, bucket: _Bucket, comm_dtype: torch.dtype) -> None:
-        """One rank: the reduction is the identity, so each gradient folds straight into its accumulator.
-
-        A staging row and an output would cost the bucket's bytes twice more; for the largest parameter
-        (a tied embedding) that was most of ZeRO-3's excess over FSDP2 at world size 1 on the H200.
-        """
-        scale = self.scaling.pre * self.scaling.post
-        for grad, state, g, off in bucket.entries:
-            piece = grad.reshape(-1).to(comm_dtype)
-            if scale != 1.0:
-                piece = piece * scale
-            self._fold(g, off, piece)
-            if not self.eager_release:
-                grad.zero_()
-        bucket.entries.clear()
-
-    def _finish(self, pending: _Pending) -> None:
-        pending.handle.wait()
-        out = pending.output
-        if self.scaling.post != 1.0:
-            out.mul_(self.scaling.post)
-        for g, off, col, size in pending.targets:
-            self._fold(g, off, out[col : col + size])
+        self.reducer.add(RowEntry(grad, state, g, off, borrowed), state.layout.padded_numel)
 
     def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
         """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset`` (or park a region's
@@ -293,8 +232,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             return
         # Optimizer offload. A region's first fold of the window lands in zeros, so into page-locked chunks it
         # is a plain asynchronous copy; later folds add through the pinned ring (flush() waits for both).
-        direct = (self.groups[group_index].direct_first_fold and piece.dtype == acc.dtype
-                  and (group_index, offset) not in self._folded)
+        direct = (
+            self.groups[group_index].direct_first_fold
+            and piece.dtype == acc.dtype
+            and (group_index, offset) not in self._folded
+        )
         self._folded.add((group_index, offset))
         for pos, target in acc.pieces(offset, piece.numel()):
             if direct:
@@ -304,9 +246,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
 
     def flush(self) -> None:
         """End of backward: reduce the partial bucket and fold every pending result."""
-        self._launch_bucket()
-        while self.pending:
-            self._finish(self.pending.pop(0))
+        self.reducer.finish()
         self.parked.settle()
         self.host.drain()
 
@@ -347,8 +287,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
             if not bufs or bufs[0].dtype != acc.dtype or bufs[0].device != grp.master.device:
                 # Page-locked under pin_memory: the parked shards are read from the device into them chunk by chunk.
                 bufs = self._window_buffers = [
-                    torch.empty(self._step_chunk_numel, dtype=acc.dtype, device=grp.master.device,
-                                pin_memory=grp.pin_memory) for _ in range(2)]
+                    torch.empty(
+                        self._step_chunk_numel, dtype=acc.dtype, device=grp.master.device, pin_memory=grp.pin_memory
+                    )
+                    for _ in range(2)
+                ]
             grad = ParkedWindow(acc, regions, bufs, self._step_chunk_numel, grp.master.numel())
         step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef, consume=True)
 
@@ -365,19 +308,30 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
                     continue
                 kinds = {(s.shard.dtype, s.shard.device) for s in grp.states}
                 if len(kinds) > 1 or grp.master.device == grp.states[0].shard.device:
-                    for state, off in zip(grp.states, grp.offsets):  # same device: converts in place
+                    for state, off in zip(grp.states, grp.offsets, strict=False):  # same device: converts in place
                         dst = state.shard.reshape(-1)
                         src = grp.master.data[off : off + dst.numel()]
                         if src.device == dst.device:
                             dst.copy_(src)
                         else:
-                            send_through_host(src, dst.dtype, dst.device, self._step_chunk_numel,
-                                              lambda start, piece, dst=dst: dst[start : start + piece.numel()].copy_(
-                                                  piece, non_blocking=True))
+                            send_through_host(
+                                src,
+                                dst.dtype,
+                                dst.device,
+                                self._step_chunk_numel,
+                                lambda start, piece, dst=dst: dst[start : start + piece.numel()].copy_(
+                                    piece, non_blocking=True
+                                ),
+                            )
                     continue
                 ((dtype, target),) = kinds
-                send_through_host(grp.master.data, dtype, target, self._step_chunk_numel,
-                                  lambda start, piece, grp=grp: self._scatter_to_shards(grp, start, piece))
+                send_through_host(
+                    grp.master.data,
+                    dtype,
+                    target,
+                    self._step_chunk_numel,
+                    lambda start, piece, grp=grp: self._scatter_to_shards(grp, start, piece),
+                )
         self.manager.refresh_persistent()
 
     @staticmethod
@@ -385,7 +339,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         """Copy ``piece`` (group shard coordinates ``[start, start + len)``) into the shards it overlaps."""
         end = start + piece.numel()
         first = max(0, bisect.bisect_right(grp.offsets, start) - 1)
-        for state, off in zip(grp.states[first:], grp.offsets[first:]):
+        for state, off in zip(grp.states[first:], grp.offsets[first:], strict=False):
             if off >= end:
                 break
             dst = state.shard.reshape(-1)
@@ -418,7 +372,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         """Rebuild the masters from the parameters' current shards (after a module-only load)."""
         with torch.no_grad():
             for grp in self.groups:
-                for state, off in zip(grp.states, grp.offsets):
+                for state, off in zip(grp.states, grp.offsets, strict=False):
                     grp.master.data[off : off + state.layout.partition_numel].copy_(state.shard.reshape(-1))
 
     def _clear_grads(self) -> None:
@@ -430,10 +384,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this window's gradient shards and any in-flight bucket."""
-        self.bucket = _Bucket()
-        for pending in self.pending:
-            pending.handle.wait()
-        self.pending.clear()
+        self.reducer.discard()
         self.host.discard()
         self._clear_grads()
         for grp in self.groups:
@@ -462,7 +413,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         return {
             "param_grads": sum(p is not None and p.grad is not None for p in params),
             "accumulators": sum(grp.window_grad() is not None for grp in self.groups),
-            "bucketed_grads": len(self.bucket.entries),
-            "in_flight": len(self.pending),
+            "bucketed_grads": len(self.reducer.open.entries),
+            "in_flight": self.reducer.in_flight,
             "parked": len(self.parked),
         }

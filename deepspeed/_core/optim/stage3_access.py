@@ -4,6 +4,7 @@ Each trainable ZeRO-3 parameter owns ``layout.partition_numel`` consecutive elem
 master shard on every rank (the valid part first, zero padding after). "Local" accessors read or write
 this rank's valid slice; "full" accessors all-gather the slices (collective: every rank must call).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -15,7 +16,8 @@ from deepspeed import comm as dist
 
 
 class Stage3ParamAccess:
-    """Mixin for ``Stage3Optimizer``: the methods ``deepspeed.utils.tensor_fragment`` calls on ``param._z3_optimizer``."""
+    """Mixin for ``Stage3Optimizer``: the methods ``deepspeed.utils.tensor_fragment`` calls on
+    ``param._z3_optimizer``."""
 
     groups: list
     _folded: set  # (group index, offset) regions written in this window
@@ -27,7 +29,7 @@ class Stage3ParamAccess:
     def _where_is(self, param: torch.nn.Parameter) -> tuple[Any, Any, int]:
         ds_id = getattr(param, "ds_id", None)
         for grp in self.groups:
-            for state, off in zip(grp.states, grp.offsets):
+            for state, off in zip(grp.states, grp.offsets, strict=False):
                 if state.ds_id == ds_id:
                     return grp, state, off
         raise ValueError(f"parameter with ds_id={ds_id} is not optimized by this ZeRO-3 optimizer")
@@ -39,8 +41,10 @@ class Stage3ParamAccess:
             return grp.master.data
         value = self.optimizer.state.get(grp.master, {}).get(key)
         if value is None:
-            raise ValueError(f"optimizer state {key!r} does not exist (yet); known: "
-                             f"{sorted(self.optimizer.state.get(grp.master, {}))}")
+            raise ValueError(
+                f"optimizer state {key!r} does not exist (yet); known: "
+                f"{sorted(self.optimizer.state.get(grp.master, {}))}"
+            )
         return value
 
     def _local(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor:
@@ -85,7 +89,9 @@ class Stage3ParamAccess:
         """Full fp32 master (or optimizer state ``optim_state_key``) of ``param``; collective."""
         return self._full(param, optim_state_key)
 
-    def set_full_hp_param(self, value: torch.Tensor, param: torch.nn.Parameter, optim_state_key: str | None = None) -> None:
+    def set_full_hp_param(
+        self, value: torch.Tensor, param: torch.nn.Parameter, optim_state_key: str | None = None
+    ) -> None:
         """Write this rank's slice of the full ``value`` into the master (or an optimizer state)."""
         self._write_slice(value, param, optim_state_key)
 
@@ -103,7 +109,8 @@ class Stage3ParamAccess:
         self._write(param, key, value.reshape(-1)[rng.start : rng.end])
 
     def update_fp32_grad_for_param_vectorized(
-        self, update_func: Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor],
+        self,
+        update_func: Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor],
         params: Sequence[torch.nn.Parameter],
     ) -> None:
         """Apply ``update_func(full_grad, param)`` to each parameter's full gradient; collective."""
@@ -117,7 +124,9 @@ class Stage3ParamAccess:
         """This rank's valid slice of the fp32 master (or of an optimizer state)."""
         return self._local(param, optim_state_key).clone()
 
-    def set_local_hp_param(self, value: torch.Tensor, param: torch.nn.Parameter, optim_state_key: str | None = None) -> None:
+    def set_local_hp_param(
+        self, value: torch.Tensor, param: torch.nn.Parameter, optim_state_key: str | None = None
+    ) -> None:
         """Overwrite this rank's valid slice of the master (or of an optimizer state)."""
         self._write(param, optim_state_key, value.reshape(-1))
 

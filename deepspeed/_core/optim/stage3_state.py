@@ -5,6 +5,7 @@ elements each, in group order: the layout ``zero_to_fp32`` expects. Loading rebu
 full values from all saved ranks' shards and re-slices them for the live world size, so resuming at the
 same or another data-parallel size is one code path.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,6 +6,7 @@ Two objects live here. :class:`Gatherer` owns the mechanics shared by every call
 of two :class:`ReleaseMode` s. :class:`FetchUnit` is one module's parameters with a use count, driven by the
 manager through ``unshard`` / ``wait_for_unshard`` / ``reshard``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -17,15 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.comm.collectives import (
     AllGatherResult,
     finish_all_gather,
     start_all_gather,
 )
+from deepspeed._core.comm.streams import (
+    DeferredFreeQueue,
+    Handoff,
+    StreamRole,
+    StreamSet,
+)
 from deepspeed._core.layout.flat_buffer import alloc_storage, free_storage
 from deepspeed._core.layout.shards import Stage3ParamLayout
-from deepspeed._core.params.placement import ShardPlacement, allocate_shard
+from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.params.param import (
     FullStorage,
     ShardedState,
@@ -35,12 +41,7 @@ from deepspeed._core.params.param import (
     placeholder,
     zero_state,
 )
-from deepspeed._core.comm.streams import (
-    DeferredFreeQueue,
-    Handoff,
-    StreamRole,
-    StreamSet,
-)
+from deepspeed._core.params.placement import ShardPlacement, allocate_shard
 
 _DS_IDS = itertools.count()
 
@@ -99,9 +100,14 @@ def _group_key(state: ZeroParam) -> tuple:
 class Gatherer:
     """Partition, gather and release parameters; implements :class:`~deepspeed._core.params.param.ParamGatherer`."""
 
-    def __init__(self, streams: StreamSet, codec: ShardCodec = IDENTITY_CODEC,
-                 release_mode: ReleaseMode = ReleaseMode.STREAM_ORDERED,
-                 placement: ShardPlacement | None = None, single_rank: FullStorage = FullStorage.SHARD) -> None:
+    def __init__(
+        self,
+        streams: StreamSet,
+        codec: ShardCodec = IDENTITY_CODEC,
+        release_mode: ReleaseMode = ReleaseMode.STREAM_ORDERED,
+        placement: ShardPlacement | None = None,
+        single_rank: FullStorage = FullStorage.SHARD,
+    ) -> None:
         """Use ``streams`` for collectives and copies, ``codec`` for the wire format, ``placement`` for shards;
         ``single_rank`` says whether one-rank parameters gather into their shard (``SHARD``, where it can hold)."""
         self.streams = streams
@@ -112,16 +118,16 @@ class Gatherer:
         self.deferred = DeferredFreeQueue()
         # Lean release takes flat all-gather buffers from the compute stream's pool and frees each right after
         # its copy-out; the A/B baseline allocates them on the all-gather stream and keeps one until the next.
-        self._flat_role = (StreamRole.COMPUTE if release_mode is ReleaseMode.STREAM_ORDERED
-                           else StreamRole.ALL_GATHER)
+        self._flat_role = StreamRole.COMPUTE if release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
         self._flat: Handoff | None = None
         self._last_copy_in: Any = None
         # Called with each state as it returns to SHARDED (the ZeRO-3 optimizer parks one-rank gradients then).
         self.on_release: list[Callable[[ZeroParam], None]] = []
 
     # ---------------------------------------------------------------- partitioning
-    def partition(self, param: nn.Parameter, group: ShardGroup, ds_id: int | None = None,
-                  target: ParamTarget = ParamTarget()) -> ZeroParam:
+    def partition(
+        self, param: nn.Parameter, group: ShardGroup, ds_id: int | None = None, target: ParamTarget = ParamTarget()
+    ) -> ZeroParam:
         """Turn ``param`` into a partitioned parameter (no-op for one that already is); frees its full data.
 
         ``target`` names the compute device and working dtype; the full values may lie anywhere (host memory
@@ -137,10 +143,14 @@ class Gatherer:
         shard.ds_numel = layout.partition_numel  # upstream readers use ds_tensor.ds_numel
         # One rank, lean release, plain codec: the gathered tensor can be the shard itself (ZeroParam checks
         # the rest: shard on the compute device, no padding). The upstream-like A/B mode keeps separate copies.
-        storage = self.single_rank if (self.release_mode is ReleaseMode.STREAM_ORDERED
-                                       and self.codec is IDENTITY_CODEC) else FullStorage.SEPARATE
-        state = ZeroParam(param, next_ds_id() if ds_id is None else ds_id, group, shard, data.shape, device,
-                          self, storage)
+        storage = (
+            self.single_rank
+            if (self.release_mode is ReleaseMode.STREAM_ORDERED and self.codec is IDENTITY_CODEC)
+            else FullStorage.SEPARATE
+        )
+        state = ZeroParam(
+            param, next_ds_id() if ds_id is None else ds_id, group, shard, data.shape, device, self, storage
+        )
         state.write_shard_from(data)
         attach_ds_view(param, state)
         param.data = placeholder(state.full)
@@ -159,8 +169,15 @@ class Gatherer:
                 batches.setdefault(_group_key(state), []).append(state)
         for batch in batches.values():
             self._retire_flat()
-            result = start_all_gather([s.shard for s in batch], [s.numel for s in batch], batch[0].group,
-                                      self.streams, self.codec, batch[0].full.device, self._flat_role)
+            result = start_all_gather(
+                [s.shard for s in batch],
+                [s.numel for s in batch],
+                batch[0].group,
+                self.streams,
+                self.codec,
+                batch[0].full.device,
+                self._flat_role,
+            )
             self._last_copy_in = result.event
             pending = PendingGather(result, batch)
             for state in batch:
@@ -279,8 +296,7 @@ class FetchUnit:
     parameters go back to ``SHARDED`` only when the last user is done ([Note: zero3-hooks]).
     """
 
-    def __init__(self, unit_id: int, name: str, gatherer: Gatherer,
-                 states_of: Callable[[], list[ZeroParam]]) -> None:
+    def __init__(self, unit_id: int, name: str, gatherer: Gatherer, states_of: Callable[[], list[ZeroParam]]) -> None:
         """``states_of`` lists the unit's states at call time (external params may be registered later)."""
         self.unit_id = unit_id
         self.name = name

@@ -6,6 +6,7 @@ it owns the :class:`~deepspeed._core.params.gather.Gatherer`, one
 :class:`~deepspeed._core.params.prefetch.StepTrace` and the :class:`~deepspeed._core.params.hooks.ModuleHooks`.
 See [Note: zero3-manager] in ``docs/design/zero3.md`` for the optimizer seam.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -16,12 +17,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspeed._core.comm.streams import StreamSet
 from deepspeed._core.config.plan import LeanPolicy, OffloadPolicy, Stage3Policy
 from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
+from deepspeed._core.params.gather import (
+    FetchUnit,
+    Gatherer,
+    ParamTarget,
+    ReleaseMode,
+    UnitState,
+)
 from deepspeed._core.params.grad_route import backward_reads_no_params, routed_keys
 from deepspeed._core.params.hooks import ModuleHooks
 from deepspeed._core.params.leaf_policy import report_leaf_selection, select_leaf_modules
-from deepspeed._core.params.placement import ShardPlacement
 from deepspeed._core.params.param import (
     FullStorage,
     Persistence,
@@ -30,15 +38,8 @@ from deepspeed._core.params.param import (
     ZeroParam,
     zero_state,
 )
-from deepspeed._core.params.gather import (
-    FetchUnit,
-    Gatherer,
-    ParamTarget,
-    ReleaseMode,
-    UnitState,
-)
+from deepspeed._core.params.placement import ShardPlacement
 from deepspeed._core.params.prefetch import PrefetchBudget, StepTrace
-from deepspeed._core.comm.streams import StreamSet
 
 Z3_LEAF_ATTR = "_z3_leaf"
 """Module attribute marking a ZeRO-3 leaf: its whole subtree is fetched as one unit (``set_z3_leaf_modules``)."""
@@ -86,8 +87,9 @@ def _all_parameters(module: nn.Module) -> Iterable[nn.Parameter]:
 def register_external(module: nn.Module, parameter: Any) -> None:
     """Record that ``module``'s forward uses ``parameter`` although another module owns it."""
     if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
-        raise RuntimeError(  # noqa: TRY004
-            f"register_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
+        raise RuntimeError(
+            f"register_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})"
+        )
     if EXTERNAL_PARAMS_ATTR not in module.__dict__:
         module.__dict__[EXTERNAL_PARAMS_ATTR] = {}
         module.ds_external_parameters = MethodType(_external_parameters, module)
@@ -101,8 +103,9 @@ def register_external(module: nn.Module, parameter: Any) -> None:
 def unregister_external(module: nn.Module, parameter: Any) -> None:
     """Undo :func:`register_external` (no-op when it was not registered)."""
     if not isinstance(parameter, nn.Parameter):  # upstream raises RuntimeError here, not TypeError
-        raise RuntimeError(  # noqa: TRY004
-            f"unregister_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})")
+        raise RuntimeError(
+            f"unregister_external_parameter: parameter is not a torch.nn.Parameter (got {type(parameter).__name__})"
+        )
     registry = module.__dict__.get(EXTERNAL_PARAMS_ATTR, {})
     registry.pop(id(parameter), None)
 
@@ -150,10 +153,18 @@ class _CallbackHandle:
 class ZeroParamManager:
     """Partition ``module``'s parameters over ``group`` and gather/release them around each use."""
 
-    def __init__(self, module: nn.Module, group: ShardGroup, stage3: Stage3Policy, lean: LeanPolicy,
-                 streams: StreamSet | None = None, codec: ShardCodec = IDENTITY_CODEC,
-                 offload_param: OffloadPolicy | None = None, single_rank: FullStorage = FullStorage.SHARD,
-                 target: ParamTarget = ParamTarget()) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ShardGroup,
+        stage3: Stage3Policy,
+        lean: LeanPolicy,
+        streams: StreamSet | None = None,
+        codec: ShardCodec = IDENTITY_CODEC,
+        offload_param: OffloadPolicy | None = None,
+        single_rank: FullStorage = FullStorage.SHARD,
+        target: ParamTarget = ParamTarget(),
+    ) -> None:
         """Partition every parameter (adopting those ``zero.Init`` already partitioned) and install hooks.
 
         ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]); ``single_rank``
@@ -168,8 +179,13 @@ class ZeroParamManager:
         self.group = group
         self.policy = stage3
         self.target = target
-        self.gatherer = Gatherer(streams if streams is not None else StreamSet(), codec, release_mode_of(lean),
-                                   ShardPlacement.from_policy(offload_param or OffloadPolicy()), single_rank)
+        self.gatherer = Gatherer(
+            streams if streams is not None else StreamSet(),
+            codec,
+            release_mode_of(lean),
+            ShardPlacement.from_policy(offload_param or OffloadPolicy()),
+            single_rank,
+        )
         self.trace = StepTrace(PrefetchBudget.from_policy(stage3))
         self.units: dict[int, FetchUnit] = {}
         self._unit_by_module: dict[int, FetchUnit] = {}
@@ -239,9 +255,11 @@ class ZeroParamManager:
             return
         keys = routed_keys(self.hooks.modules, lambda p: p.requires_grad and zero_state(p) is not None)
         self.hooks.route(keys)
-        self._quiet_backward = {id(m) for m in self.hooks.modules
-                                if id(m) in keys and backward_reads_no_params(m)
-                                and not getattr(m, EXTERNAL_PARAMS_ATTR, None)}
+        self._quiet_backward = {
+            id(m)
+            for m in self.hooks.modules
+            if id(m) in keys and backward_reads_no_params(m) and not getattr(m, EXTERNAL_PARAMS_ATTR, None)
+        }
 
     def _update_routing(self) -> None:
         # Routed gradients bypass param.grad, so they are handed out only while someone receives them.
@@ -250,8 +268,12 @@ class ZeroParamManager:
     def _unit_of(self, module: nn.Module) -> FetchUnit:
         unit = self._unit_by_module.get(id(module))
         if unit is None:
-            unit = FetchUnit(len(self.units), self._names.get(id(module), type(module).__name__), self.gatherer,
-                             lambda: self._states_of(module))
+            unit = FetchUnit(
+                len(self.units),
+                self._names.get(id(module), type(module).__name__),
+                self.gatherer,
+                lambda: self._states_of(module),
+            )
             self.units[unit.unit_id] = unit
             self._unit_by_module[id(module)] = unit
         return unit
@@ -366,8 +388,10 @@ class ZeroParamManager:
                 an open ``GatheredParameters`` context.
         """
         if any(s.grad_parked is not None for s in self.states.values()):
-            raise ValueError("offload_states: gradients of the current step wait in the parameter shards; call it "
-                             "after engine.step()")
+            raise ValueError(
+                "offload_states: gradients of the current step wait in the parameter shards; call it "
+                "after engine.step()"
+            )
         self.release_all()
         self._parked_persistent = [s for s in self.states.values() if s.is_persistent]
         for state in self._parked_persistent:
@@ -489,8 +513,11 @@ class ZeroParamManager:
     def count_gathered(self, event: str = "now", module: nn.Module | None = None) -> GatheredCounts:
         """How much gathered memory exists right now (see :class:`GatheredCounts`)."""
         pending = set(self.gatherer.deferred.pending_keys())
-        alive = {s.ds_id: s for s in self.states.values()
-                 if not s.is_persistent and (s.state is not ShardedState.SHARDED or s.ds_id in pending)}
+        alive = {
+            s.ds_id: s
+            for s in self.states.values()
+            if not s.is_persistent and (s.state is not ShardedState.SHARDED or s.ds_id in pending)
+        }
         units_alive = sum(1 for u in self.units.values() if any(s.ds_id in alive for s in u.managed_states()))
         units_active = sum(1 for u in self.units.values() if u.refs and u.numel())
         name = "" if module is None else self._names.get(id(module), type(module).__name__)

@@ -11,6 +11,7 @@ properties of :class:`ZeroParameter`, the class :func:`attach_ds_view` gives the
 state object. Gathering itself is done by whoever built the state (a :class:`ParamGatherer` passed in, so this
 module never depends on the schedule code to its right).
 """
+
 from __future__ import annotations
 
 import enum
@@ -131,9 +132,17 @@ class ZeroParam:
             grads]); calling it with the state puts the values back before anyone reads the shard.
     """
 
-    def __init__(self, param: nn.Parameter, ds_id: int, group: ShardGroup, shard: torch.Tensor,
-                 shape: Sequence[int], device: torch.device, gatherer: ParamGatherer,
-                 storage: FullStorage = FullStorage.SEPARATE) -> None:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        ds_id: int,
+        group: ShardGroup,
+        shard: torch.Tensor,
+        shape: Sequence[int],
+        device: torch.device,
+        gatherer: ParamGatherer,
+        storage: FullStorage = FullStorage.SEPARATE,
+    ) -> None:
         """Describe ``param`` (full ``shape``, computed on ``device``) by its local ``shard``.
 
         The shard may live elsewhere (offloaded); the caller swaps ``param.data`` for a placeholder.
@@ -145,8 +154,16 @@ class ZeroParam:
         self.layout = Stage3ParamLayout(int(torch.Size(self.shape).numel()), group.world_size)
         self.group = group
         self.shard = shard
-        self.storage = storage if (storage is FullStorage.SHARD and group.world_size == 1 and shard.device == device
-                                   and shard.numel() == self.layout.padded_numel) else FullStorage.SEPARATE
+        self.storage = (
+            storage
+            if (
+                storage is FullStorage.SHARD
+                and group.world_size == 1
+                and shard.device == device
+                and shard.numel() == self.layout.padded_numel
+            )
+            else FullStorage.SEPARATE
+        )
         if self.storage is FullStorage.SHARD:
             self.full = shard
         else:
@@ -208,8 +225,9 @@ class ZeroParam:
         return self.full.narrow(0, 0, self.numel).view(self.shape)
 
     def _assert_state(self, *allowed: ShardedState) -> None:
-        assert self.state in allowed, f"ds_id {self.ds_id}: in state {self.state.name}, expected one of " + \
-            ", ".join(s.name for s in allowed)
+        assert self.state in allowed, f"ds_id {self.ds_id}: in state {self.state.name}, expected one of " + ", ".join(
+            s.name for s in allowed
+        )
 
     # ---------------------------------------------------------------- transitions
     def mark_gathering(self, pending: Any) -> None:
@@ -221,8 +239,9 @@ class ZeroParam:
     def mark_full(self) -> None:
         """GATHERING -> FULL: :attr:`full` holds the values; the parameter now shows them."""
         self._assert_state(ShardedState.GATHERING)
-        assert self.holds_memory or self.aliases_shard or self.numel == 0, \
+        assert self.holds_memory or self.aliases_shard or self.numel == 0, (
             f"ds_id {self.ds_id}: FULL without gathered storage"
+        )
         self.state = ShardedState.FULL
         self.pending = None
         param = self.param
@@ -254,18 +273,27 @@ class ZeroParam:
     def receive_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """Optimizer seam: store the reduced gradient shard (``partition_numel`` elements) for this rank."""
         if grad_shard.numel() != self.layout.partition_numel:
-            raise ValueError(f"ds_id {self.ds_id}: grad shard has {grad_shard.numel()} elements, "
-                             f"expected {self.layout.partition_numel}")
+            raise ValueError(
+                f"ds_id {self.ds_id}: grad shard has {grad_shard.numel()} elements, "
+                f"expected {self.layout.partition_numel}"
+            )
         self.grad_shard = grad_shard
 
     def summary(self) -> dict[str, Any]:
         """A small dict describing the state (``ds_summary``)."""
         param = self.param
-        return {"id": self.ds_id, "status": self.status.name, "numel": 0 if param is None else param.numel(),
-                "ds_numel": self.numel, "shape": None if param is None else tuple(param.shape),
-                "ds_shape": self.shape, "requires_grad": None if param is None else param.requires_grad,
-                "persist": self.is_persistent, "active_sub_modules": set(self.active_modules),
-                "ds_tensor.shape": tuple(self.shard.shape)}
+        return {
+            "id": self.ds_id,
+            "status": self.status.name,
+            "numel": 0 if param is None else param.numel(),
+            "ds_numel": self.numel,
+            "shape": None if param is None else tuple(param.shape),
+            "ds_shape": self.shape,
+            "requires_grad": None if param is None else param.requires_grad,
+            "persist": self.is_persistent,
+            "active_sub_modules": set(self.active_modules),
+            "ds_tensor.shape": tuple(self.shard.shape),
+        }
 
 
 def placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -301,8 +329,10 @@ class ZeroParameter(nn.Parameter):
     ds_tensor = property(lambda self: self._ds_state.shard, doc="This rank's 1-D partition.")
     ds_param_type = property(lambda self: ZeroParamType.PARTITIONED, doc="Always ``PARTITIONED``.")
     ds_persist = property(lambda self: self._ds_state.is_persistent, doc="Stays gathered between uses.")
-    ds_active_sub_modules = property(lambda self: self._ds_state.active_modules,
-                                     doc="Ids of the modules currently using the gathered values (mutable set).")
+    ds_active_sub_modules = property(
+        lambda self: self._ds_state.active_modules,
+        doc="Ids of the modules currently using the gathered values (mutable set).",
+    )
     is_external_param = property(lambda self: self._ds_state.external, doc="Registered as an external param.")
     ds_process_group = property(lambda self: self._ds_state.group.handle, doc="The sharding process group.")
     ds_zero_partition_rank = property(lambda self: self._ds_state.group.rank, doc="This rank in the group.")
@@ -310,20 +340,27 @@ class ZeroParameter(nn.Parameter):
     ds_secondary_tensor = property(lambda self: None, doc="No secondary (hpZ) partition: always ``None``.")
     nvme_swapper = property(lambda self: None, doc="No NVMe swapping: always ``None``.")
 
-    def all_gather(self, param_list: Sequence[nn.Parameter] | None = None, async_op: bool = False,
-                   hierarchy: int = 0) -> _CompletedGather:
+    def all_gather(
+        self, param_list: Sequence[nn.Parameter] | None = None, async_op: bool = False, hierarchy: int = 0
+    ) -> _CompletedGather:
         """Gather this parameter (or ``param_list``) so its full value is visible on every rank."""
         states = _states(self, param_list)
         states[0].gatherer.gather(states)
         return _CompletedGather()
 
-    def all_gather_coalesced(self, params: Sequence[nn.Parameter], safe_mode: bool = False,
-                             quantize: bool = False) -> _CompletedGather:
+    def all_gather_coalesced(
+        self, params: Sequence[nn.Parameter], safe_mode: bool = False, quantize: bool = False
+    ) -> _CompletedGather:
         """Gather ``params`` with one collective."""
         return self.all_gather(list(params))
 
-    def partition(self, param_list: Sequence[nn.Parameter] | None = None, hierarchy: int = 0,
-                  has_been_updated: bool = False, free_data: bool = True) -> None:
+    def partition(
+        self,
+        param_list: Sequence[nn.Parameter] | None = None,
+        hierarchy: int = 0,
+        has_been_updated: bool = False,
+        free_data: bool = True,
+    ) -> None:
         """Return to the partitioned state; with ``has_been_updated`` the gathered values become the shard."""
         states = _states(self, param_list)
         if has_been_updated:

@@ -1,22 +1,23 @@
 """``deepspeed.zero`` / ``deepspeed.runtime.zero``: ZeRO-3 parameter partitioning entry points (upstream names)."""
+
 from typing import Any
 
 from deepspeed.runtime.zero.partition_parameters import (
-                                                         GatheredParameters,
-                                                         Init,
-                                                         ZeroParamStatus,
-                                                         ZeroParamType,
-                                                         register_external_parameter,
-                                                         unregister_external_parameter,
+    GatheredParameters,
+    Init,
+    ZeroParamStatus,
+    ZeroParamType,
+    register_external_parameter,
+    unregister_external_parameter,
 )
 
 __all__ = [
-                                                         "GatheredParameters",
-                                                         "Init",
-                                                         "ZeroParamStatus",
-                                                         "ZeroParamType",
-                                                         "register_external_parameter",
-                                                         "unregister_external_parameter",
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "ZeroParamType",
+    "register_external_parameter",
+    "unregister_external_parameter",
 ]
 
 

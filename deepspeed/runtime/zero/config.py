@@ -3,6 +3,7 @@
 ``ZeroStageEnum`` must stay importable from this module: upstream checkpoints pickle it (optimizer-state key
 ``zero_stage``), so ``torch.load`` of an upstream checkpoint resolves ``deepspeed.runtime.zero.config.ZeroStageEnum``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -112,18 +113,33 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     # Upstream's deprecation interface puts the converter function in json_schema_extra, typed by pydantic as JSON.
     cpu_offload_param: bool | None = Field(
-        None, json_schema_extra={"deprecated": True, "new_param": "offload_param",
-                                 "new_param_fn": _cpu_offload_param})  # type: ignore[dict-item]
+        None,
+        json_schema_extra={
+            "deprecated": True,
+            "new_param": "offload_param",
+            "new_param_fn": _cpu_offload_param,  # type: ignore[dict-item]
+        },
+    )
     """Deprecated: ``true`` means ``offload_param: {device: cpu}``."""
 
     cpu_offload_use_pin_memory: bool | None = Field(
-        None, json_schema_extra={"deprecated": True, "new_param": "offload_param or offload_optimizer",
-                                 "set_new_param": False})
+        None,
+        json_schema_extra={
+            "deprecated": True,
+            "new_param": "offload_param or offload_optimizer",
+            "set_new_param": False,
+        },
+    )
     """Deprecated: use ``pin_memory`` inside the offload blocks."""
 
     cpu_offload: bool | None = Field(
-        None, json_schema_extra={"deprecated": True, "new_param": "offload_optimizer",
-                                 "new_param_fn": _cpu_offload_optimizer})  # type: ignore[dict-item]  # as above
+        None,
+        json_schema_extra={
+            "deprecated": True,
+            "new_param": "offload_optimizer",
+            "new_param_fn": _cpu_offload_optimizer,  # type: ignore[dict-item]  # as above
+        },
+    )
     """Deprecated: ``true`` means ``offload_optimizer: {device: cpu}``."""
 
     prefetch_bucket_size: int = Field(pp_int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
@@ -132,8 +148,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     param_persistence_threshold: int = Field(pp_int(1e5), ge=0, alias="stage3_param_persistence_threshold")
     """ZeRO-3: parameters with fewer elements stay gathered (not partitioned)."""
 
-    model_persistence_threshold: int = Field(pp_int(sys.maxsize, "sys.maxsize"), ge=0,
-                                             alias="stage3_model_persistence_threshold")
+    model_persistence_threshold: int = Field(
+        pp_int(sys.maxsize, "sys.maxsize"), ge=0, alias="stage3_model_persistence_threshold"
+    )
     """ZeRO-3: cap on the total elements of persistent (unpartitioned) parameters."""
 
     max_live_parameters: int = Field(pp_int(1e9), ge=0, alias="stage3_max_live_parameters")
@@ -156,7 +173,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """ZeRO-3: gather parameters one at a time instead of coalesced."""
 
     stage3_gather_fp16_weights_on_model_save: bool = Field(
-        False, json_schema_extra={"deprecated": True, "new_param": "gather_16bit_weights_on_model_save"})
+        False, json_schema_extra={"deprecated": True, "new_param": "gather_16bit_weights_on_model_save"}
+    )
     """Deprecated spelling of ``gather_16bit_weights_on_model_save``."""
 
     ignore_unused_parameters: bool = True
@@ -255,8 +273,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         if self.overlap_comm is None:
             self.__dict__["overlap_comm"] = self.stage == ZeroStageEnum.weights
         if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
-            raise ValueError(f"offload_optimizer.ratio < 1.0 (got {self.offload_optimizer.ratio}) is supported "
-                             f"only with stage 3; stage is {self.stage}")
+            raise ValueError(
+                f"offload_optimizer.ratio < 1.0 (got {self.offload_optimizer.ratio}) is supported "
+                f"only with stage 3; stage is {self.stage}"
+            )
         if self.stage in (1, 2) and self.allgather_bucket_size % 2:
             raise ValueError(f"allgather_bucket_size must be even for stages 1 and 2; got {self.allgather_bucket_size}")
         return self

@@ -1,4 +1,5 @@
 """``zero_optimization.offload_param`` and ``zero_optimization.offload_optimizer`` blocks (upstream keys)."""
+
 from __future__ import annotations
 
 from enum import Enum

@@ -4,6 +4,7 @@ A façade over :class:`deepspeed._core.params.manager.ZeroParamManager`: the con
 arguments into the validated stage-3 ``zero_optimization`` block they stand for, converts it with the one
 config-to-plan conversion (``deepspeed/runtime/config_plan.py``) and delegates.
 """
+
 from __future__ import annotations
 
 import sys
@@ -42,25 +43,50 @@ class DeepSpeedZeRoOffload:
     handles; assignable), ``_register_deepspeed_module(module)``.
     """
 
-    def __init__(self, module: nn.Module, timers: Any = None, ds_config: Any = None, zenflow: Any = None,
-                 overlap_comm: bool = True, prefetch_bucket_size: int = 50_000_000,
-                 max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
-                 param_persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
-                 dp_process_group: Any = None, offload_param_config: Any = None, mpu: Any = None,
-                 zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
-                 zero_quantized_nontrainable_weights: bool = False, zero_module_granularity_threshold: int = 0,
-                 log_trace_cache_warnings: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        timers: Any = None,
+        ds_config: Any = None,
+        zenflow: Any = None,
+        overlap_comm: bool = True,
+        prefetch_bucket_size: int = 50_000_000,
+        max_reuse_distance: int = 1_000_000_000,
+        max_live_parameters: int = 1_000_000_000,
+        param_persistence_threshold: int = 100_000,
+        model_persistence_threshold: int = sys.maxsize,
+        dp_process_group: Any = None,
+        offload_param_config: Any = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        zero_module_granularity_threshold: int = 0,
+        log_trace_cache_warnings: bool = False,
+    ) -> None:
         """Build the policies from upstream's arguments and start a :class:`ZeroParamManager`."""
-        zero = _stage3_block(ds_config, offload_param_config, prefetch_bucket_size=int(prefetch_bucket_size),
-                             max_live_parameters=int(max_live_parameters), max_reuse_distance=int(max_reuse_distance),
-                             param_persistence_threshold=int(param_persistence_threshold),
-                             model_persistence_threshold=int(model_persistence_threshold),
-                             module_granularity_threshold=int(zero_module_granularity_threshold))
-        group = ShardGroup.resolve(zero_param_parallel_group if zero_param_parallel_group is not None
-                                   else dp_process_group)
+        zero = _stage3_block(
+            ds_config,
+            offload_param_config,
+            prefetch_bucket_size=int(prefetch_bucket_size),
+            max_live_parameters=int(max_live_parameters),
+            max_reuse_distance=int(max_reuse_distance),
+            param_persistence_threshold=int(param_persistence_threshold),
+            model_persistence_threshold=int(model_persistence_threshold),
+            module_granularity_threshold=int(zero_module_granularity_threshold),
+        )
+        group = ShardGroup.resolve(
+            zero_param_parallel_group if zero_param_parallel_group is not None else dp_process_group
+        )
         streams = StreamSet(side=SideStreams.SEPARATE if overlap_comm else SideStreams.SHARED)
-        self.manager = ZeroParamManager(module, group, stage3_policy(zero), _lean_policy(ds_config), streams,
-                                        offload_param=offload_policy(zero.offload_param))
+        self.manager = ZeroParamManager(
+            module,
+            group,
+            stage3_policy(zero),
+            _lean_policy(ds_config),
+            streams,
+            offload_param=offload_policy(zero.offload_param),
+        )
         self.module = module
         self.dp_process_group = dp_process_group
         self.timers = timers

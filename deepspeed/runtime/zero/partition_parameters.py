@@ -3,6 +3,7 @@
 ``Init`` and ``GatheredParameters`` accept upstream's arguments, resolve them once into plan objects and
 delegate; the algorithms live in ``deepspeed/_core/params/`` (see ``docs/design/zero3.md``).
 """
+
 from __future__ import annotations
 
 import os
@@ -106,12 +107,24 @@ class Init:
     when ``pin_memory``; gathered parameters still live on the accelerator.
     """
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
-                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
-                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
-                 dtype: torch.dtype | None = None, mpu: Any = None, zero_param_parallel_group: Any = None,
-                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
-                 sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+    ) -> None:
         """Resolve the config into an :class:`~deepspeed._core.params.init_context.InitPlan` and delegate."""
         self.enabled = enabled
         self._context: ZeroInitContext | None = None
@@ -128,8 +141,12 @@ class Init:
             ds_config = DeepSpeedConfig(source, mpu)
         device = torch.device(get_accelerator().current_device_name())
         self.dtype = _resolve_dtype(dtype, ds_config)
-        plan = InitPlan(_resolve_group(data_parallel_group, mpu, zero_param_parallel_group), self.dtype, device,
-                        _placement(remote_device, pin_memory, ds_config))
+        plan = InitPlan(
+            _resolve_group(data_parallel_group, mpu, zero_param_parallel_group),
+            self.dtype,
+            device,
+            _placement(remote_device, pin_memory, ds_config),
+        )
         self._context = ZeroInitContext(plan)
         if module is not None:
             for sub in module.modules():
@@ -159,8 +176,9 @@ class GatheredParameters:
         RuntimeError: on entry, when a parameter is already gathered by an enclosing context.
     """
 
-    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self, params: Any, modifier_rank: int | None = None, fwd_module: nn.Module | None = None, enabled: bool = True
+    ) -> None:
         """Collect the ZeRO states (sorted by ``ds_id``) and remember the modifier rank."""
         self._context: GatheredContext | None = None
         if not enabled:
@@ -180,8 +198,9 @@ class GatheredParameters:
             self._context.__enter__()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._context is not None:
             self._context.__exit__(exc_type, exc, tb)
 

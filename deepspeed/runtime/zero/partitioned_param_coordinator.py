@@ -3,6 +3,7 @@
 ``PartitionedParameterCoordinator`` here is a view of :class:`~deepspeed._core.params.manager.ZeroParamManager`
 (obtained from ``DeepSpeedZeRoOffload.get_param_coordinator()``), not a separately constructed object.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -3,6 +3,7 @@
 The engine builds :class:`deepspeed._core.optim.stage3.Stage3Optimizer` directly; this module gives it
 upstream's public name and the generation helper RL libraries import.
 """
+
 from __future__ import annotations
 
 import contextlib

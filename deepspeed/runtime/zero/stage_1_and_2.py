@@ -7,6 +7,7 @@ the working dtype and the gradient keywords go through the one config-to-plan co
 (``deepspeed/runtime/config_plan.py``) into a frozen :class:`~deepspeed._core.config.plan.RunPlan`; everything else
 is the core class. Stage 1 is ``partition_grads=False``, stage 2 ``partition_grads=True``, as upstream.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -45,8 +46,9 @@ def _working_dtype(optimizer: torch.optim.Optimizer) -> torch.dtype:
     raise ValueError("DeepSpeedZeroOptimizer(init_optimizer=...) has no parameters")
 
 
-def _loss_scaler(dtype: torch.dtype, static_loss_scale: float, dynamic_loss_scale: bool,
-                 dynamic_loss_args: Mapping[str, Any] | None) -> LossScalerBase | None:
+def _loss_scaler(
+    dtype: torch.dtype, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: Mapping[str, Any] | None
+) -> LossScalerBase | None:
     """The fp16 loss scaler (None for bf16/fp32, which the core runs unscaled)."""
     if dtype != torch.float16:
         return None
@@ -59,24 +61,33 @@ def _precision(dtype: torch.dtype, kw: Mapping[str, Any], scaler: LossScalerBase
     scale = None
     if scaler is not None:
         scale = LossScalePolicy(dynamic=bool(getattr(scaler, "dynamic", False)), static_scale=float(scaler.cur_scale))
-    return precision_policy(dtype, grad_accum_dtype=kw["gradient_accumulation_dtype"],
-                            comm_dtype=kw["communication_data_type"], loss_scale=scale,
-                            fp16_master_weights_and_grads=bool(kw["fp16_master_weights_and_gradients"]),
-                            bf16_master_weights_and_grads=bool(kw["bf16_master_weights_and_gradients"]),
-                            check_grad_overflow=bool(kw["check_grad_overflow"]))
+    return precision_policy(
+        dtype,
+        grad_accum_dtype=kw["gradient_accumulation_dtype"],
+        comm_dtype=kw["communication_data_type"],
+        loss_scale=scale,
+        fp16_master_weights_and_grads=bool(kw["fp16_master_weights_and_gradients"]),
+        bf16_master_weights_and_grads=bool(kw["bf16_master_weights_and_gradients"]),
+        check_grad_overflow=bool(kw["check_grad_overflow"]),
+    )
 
 
 def _zero_block(kw: Mapping[str, Any]) -> DeepSpeedZeroConfig:
     """The upstream keywords as the validated ``zero_optimization`` block they stand for (same checks and
     no-effect warnings as in a config)."""
     block = DeepSpeedZeroConfig(
-        stage=2 if kw["partition_grads"] else 1, reduce_bucket_size=int(kw["reduce_bucket_size"]),
-        allgather_bucket_size=int(kw["allgather_bucket_size"]), overlap_comm=bool(kw["overlap_comm"]),
-        reduce_scatter=bool(kw["reduce_scatter"]), contiguous_gradients=bool(kw["contiguous_gradients"]),
+        stage=2 if kw["partition_grads"] else 1,
+        reduce_bucket_size=int(kw["reduce_bucket_size"]),
+        allgather_bucket_size=int(kw["allgather_bucket_size"]),
+        overlap_comm=bool(kw["overlap_comm"]),
+        reduce_scatter=bool(kw["reduce_scatter"]),
+        contiguous_gradients=bool(kw["contiguous_gradients"]),
         use_multi_rank_bucket_allreduce=bool(kw["use_multi_rank_bucket_allreduce"]),
         round_robin_gradients=bool(kw["round_robin_gradients"]),
         ignore_unused_parameters=bool(kw["ignore_unused_parameters"]),
-        elastic_checkpoint=bool(kw["elastic_checkpoint"]), offload_optimizer=kw["offload_optimizer_config"])
+        elastic_checkpoint=bool(kw["elastic_checkpoint"]),
+        offload_optimizer=kw["offload_optimizer_config"],
+    )
     offload = block.offload_optimizer
     if offload is not None and OffloadDevice(offload.device) is OffloadDevice.NVME:
         raise _unsupported("offload_optimizer_config", "device=nvme", "ZeRO-1/2 offloads optimizer state to cpu only")
@@ -90,8 +101,11 @@ def _check_supported(kw: Mapping[str, Any]) -> None:
         raise _unsupported("zenflow_config", kw["zenflow_config"], "ZenFlow is not implemented")
     if kw["bf16_master_weights_and_gradients"] and not kw["bf16_optimizer_states"]:
         # Optimizer states follow the master dtype, so bf16 masters come with bf16 states.
-        raise _unsupported("bf16_master_weights_and_gradients", True, "bf16 masters with fp32 optimizer states are "
-                           "not implemented; pass bf16_optimizer_states=True as well")
+        raise _unsupported(
+            "bf16_master_weights_and_gradients",
+            True,
+            "bf16 masters with fp32 optimizer states are not implemented; pass bf16_optimizer_states=True as well",
+        )
 
 
 def _expert_groups(init_optimizer: torch.optim.Optimizer, kw: Mapping[str, Any]) -> dict[str, ExpertGroup]:
@@ -125,11 +139,18 @@ def build_plan(init_optimizer: torch.optim.Optimizer, dp_group: Any, kw: Mapping
     scaler = _loss_scaler(dtype, kw["static_loss_scale"], kw["dynamic_loss_scale"], kw["dynamic_loss_args"])
     world = dist.get_world_size(group=dp_group)
     gas = int(kw["gradient_accumulation_steps"])
-    grads = grad_policy(clip_norm=kw["clip_grad"], prescale=not kw["postscale_gradients"],
-                        predivide_factor=kw["gradient_predivide_factor"],
-                        reduce_op=ReduceOp.MEAN if kw["gradient_average"] else ReduceOp.SUM)
-    plan = RunPlan(batch=BatchPlan(gas * world, 1, gas, world), precision=_precision(dtype, kw, scaler),
-                   grads=grads, zero=zero_plan(_zero_block(kw)))
+    grads = grad_policy(
+        clip_norm=kw["clip_grad"],
+        prescale=not kw["postscale_gradients"],
+        predivide_factor=kw["gradient_predivide_factor"],
+        reduce_op=ReduceOp.MEAN if kw["gradient_average"] else ReduceOp.SUM,
+    )
+    plan = RunPlan(
+        batch=BatchPlan(gas * world, 1, gas, world),
+        precision=_precision(dtype, kw, scaler),
+        grads=grads,
+        zero=zero_plan(_zero_block(kw)),
+    )
     return plan, scaler
 
 
@@ -194,9 +215,15 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
         attach_hp_mapping(self)
 
     @classmethod
-    def from_plan(cls, init_optimizer: torch.optim.Optimizer, plan: RunPlan, loss_scaler: Any, dp_group: Any,
-                  param_names: dict | None, expert_groups: Mapping[str, ExpertGroup] | None = None
-                  ) -> DeepSpeedZeroOptimizer:
+    def from_plan(
+        cls,
+        init_optimizer: torch.optim.Optimizer,
+        plan: RunPlan,
+        loss_scaler: Any,
+        dp_group: Any,
+        param_names: dict | None,
+        expert_groups: Mapping[str, ExpertGroup] | None = None,
+    ) -> DeepSpeedZeroOptimizer:
         """Build from an already validated run plan (what ``deepspeed.initialize`` does).
 
         The engine's ZeRO-1/2 optimizer is this class, so integrations that check

@@ -1,4 +1,5 @@
 """ZeRO helper names at upstream's path (``deepspeed.runtime.zero.utils``)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,8 +24,16 @@ def _supported_classes() -> list[type]:
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
     from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
 
-    return [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, FusedAdam, DeepSpeedCPUAdam,
-            DeepSpeedCPUAdagrad, DeepSpeedCPULion, FusedLion]
+    return [
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adagrad,
+        FusedAdam,
+        DeepSpeedCPUAdam,
+        DeepSpeedCPUAdagrad,
+        DeepSpeedCPULion,
+        FusedLion,
+    ]
 
 
 ZERO_SUPPORTED_OPTIMIZERS: list[type] = _supported_classes()

@@ -1,4 +1,5 @@
 """Stepping a master through chunk views equals one plain step, for every optimizer we ship or accept."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def test_chunked_equals_plain(name: str, chunk: int) -> None:
     assert opt_chunked.param_groups[0]["params"] == [chunked]  # the group is restored
     for key, value in opt_plain.state[plain].items():
         got = opt_chunked.state[chunked][key]
-        assert (torch.equal(got, value) if torch.is_tensor(value) else got == value), key
+        assert torch.equal(got, value) if torch.is_tensor(value) else got == value, key
 
 
 def test_step_chunk_size_is_clamped_between_64_and_256_mib() -> None:

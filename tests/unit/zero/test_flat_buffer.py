@@ -1,4 +1,5 @@
 """FlatBuffer views and storage tricks, and the in-place flatten's memory bound, on CPU tensors."""
+
 from __future__ import annotations
 
 import random
@@ -150,8 +151,10 @@ class _LiveBytes:
 def _random_cases(count: int) -> Iterator[tuple[list[tuple[int, ...]], int, int | None]]:
     rng = random.Random(5)
     for _ in range(count):
-        shapes = [(rng.randint(1, 30), rng.randint(1, 30)) if rng.random() < 0.5 else (rng.randint(0, 200),)
-                  for _ in range(rng.randint(1, 20))]
+        shapes = [
+            (rng.randint(1, 30), rng.randint(1, 30)) if rng.random() < 0.5 else (rng.randint(0, 200),)
+            for _ in range(rng.randint(1, 20))
+        ]
         yield shapes, rng.choice([1, 2, 3, 8, 64]), rng.choice([None, 1, 50, 300, 1000])
 
 
@@ -175,8 +178,10 @@ class TestInplaceFlatten:
         assert probe.peak <= bound
         if chunk is not None and len(buf.segments) > 2:
             assert bound < 2 * probe.param_bytes, "a chunked flatten must beat the 2x single-buffer peak"
-        assert torch.equal(torch.cat(buf.pieces(Range(layout.numel, layout.padded_numel)) or [torch.zeros(0)]),
-                           torch.zeros(layout.padding))
+        assert torch.equal(
+            torch.cat(buf.pieces(Range(layout.numel, layout.padded_numel)) or [torch.zeros(0)]),
+            torch.zeros(layout.padding),
+        )
 
     def test_measurement_sees_the_single_buffer_peak(self) -> None:
         """The probe can fail: one segment of the whole group costs params + params."""
@@ -234,8 +239,11 @@ class TestInplaceFlatten:
 
     def test_shared_storage_released_after_last_user(self) -> None:
         base = torch.randn(60)
-        params = [torch.nn.Parameter(base[:30].view(5, 6)), torch.nn.Parameter(torch.randn(40)),
-                  torch.nn.Parameter(base[30:])]
+        params = [
+            torch.nn.Parameter(base[:30].view(5, 6)),
+            torch.nn.Parameter(torch.randn(40)),
+            torch.nn.Parameter(base[30:]),
+        ]
         expected = [p.detach().clone() for p in params]
         storage = base.untyped_storage()
         del base
@@ -364,8 +372,13 @@ def test_send_through_host_into_many_shards_straddling_pieces() -> None:
     grp = SimpleNamespace(states=states, offsets=offsets)
     master = torch.randn(sum(sizes))
     for chunk in (1, 4, 7, 30):
-        send_through_host(master, torch.bfloat16, CPU, chunk,
-                          lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece))
+        send_through_host(
+            master,
+            torch.bfloat16,
+            CPU,
+            chunk,
+            lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece),
+        )
         for state, off, n in zip(states, offsets, sizes, strict=True):
             assert torch.equal(state.shard, master[off : off + n].to(torch.bfloat16)), (chunk, off)
         for state in states:

@@ -1,4 +1,5 @@
 """Host transfers through the bounded staging ring: folded exactly once, in order, with bounded memory."""
+
 from __future__ import annotations
 
 import torch

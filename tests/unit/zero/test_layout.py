@@ -1,4 +1,5 @@
 """Layout arithmetic over seeded random grids of shapes and world sizes 1..64 (no process group, no device)."""
+
 from __future__ import annotations
 
 import itertools

@@ -1,5 +1,6 @@
 """Host<->device transfers of optimizer offload on a real device: the pipelined write-back (two pinned buffers,
 non-blocking copies) delivers every value, and offloaded masters stay pageable ([Note: pinned ring])."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -53,7 +54,12 @@ def test_zero3_write_back_pipeline_scatters_into_device_shards() -> None:
     master = torch.randn(sum(sizes))
     for chunk in (65_536, 1 << 20, 1 << 24):
         master.add_(1.0)
-        send_through_host(master, torch.bfloat16, _device(), chunk,
-                          lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece))
+        send_through_host(
+            master,
+            torch.bfloat16,
+            _device(),
+            chunk,
+            lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece),
+        )
         for state, off, n in zip(states, offsets, sizes, strict=True):
             assert torch.equal(state.shard.cpu(), master[off : off + n].to(torch.bfloat16)), (chunk, off)

@@ -6,6 +6,7 @@ H200 the kept buffer of the tied embedding was 0.58 GiB of the simulated N=8 ZeR
 
 A codec that is not the shared identity instance forces the flat path at world size 1 (no process group).
 """
+
 from __future__ import annotations
 
 import contextlib

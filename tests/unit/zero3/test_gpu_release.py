@@ -6,6 +6,7 @@ prefetch window (plus the flat all-gather buffers still in flight); the deferred
 every released layer until the device catches up. Outputs and gradients must equal an unsharded reference,
 which also checks that no freed block was reused too early.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,9 @@ def _run(lean: bool, prefetch_layers: int) -> dict:
     model = _model(device)
     policy = Stage3Policy(prefetch_bucket_size=prefetch_layers * (WIDTH * WIDTH + WIDTH), param_persistence_threshold=0)
     # SEPARATE: one rank would otherwise gather into the shards themselves and no gathered memory would exist.
-    manager = ZeroParamManager(model, ShardGroup(None, 0, 1), policy, LeanPolicy(stream_ordered_release=lean),
-                               single_rank=FullStorage.SEPARATE)
+    manager = ZeroParamManager(
+        model, ShardGroup(None, 0, 1), policy, LeanPolicy(stream_ordered_release=lean), single_rank=FullStorage.SEPARATE
+    )
     burn = torch.randn(4096, 4096, device=device)
     held: list[int] = []
 
@@ -103,8 +105,13 @@ def test_offloaded_shards_stay_pinned_on_host_and_gather_to_the_device() -> None
     reference = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).to(device)
     late = nn.Linear(8, 8).to(device)  # built outside Init: partitioned (and offloaded) by the manager
     offload = OffloadPolicy(device=OffloadDevice.CPU, pin_memory=True)
-    manager = ZeroParamManager(nn.Sequential(model, late), ShardGroup(None, 0, 1),
-                               Stage3Policy(param_persistence_threshold=0), LeanPolicy(), offload_param=offload)
+    manager = ZeroParamManager(
+        nn.Sequential(model, late),
+        ShardGroup(None, 0, 1),
+        Stage3Policy(param_persistence_threshold=0),
+        LeanPolicy(),
+        offload_param=offload,
+    )
     for param in manager.module.parameters():
         assert param.ds_tensor.device.type == "cpu" and param.ds_tensor.is_pinned()
     x = torch.randn(4, 64, device=device)

@@ -1,4 +1,5 @@
 """ChunkedGradShard against a dense reference over many shapes ([Note: lazy grad shard])."""
+
 from __future__ import annotations
 
 import itertools

@@ -1,5 +1,6 @@
 """The backward hooks see grad-requiring tensors however a module is called: plain arguments (the fast path),
 named tuples and keyword arguments (the pytree path), one output or several."""
+
 from __future__ import annotations
 
 import collections

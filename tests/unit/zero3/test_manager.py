@@ -1,5 +1,6 @@
 """ZeroParamManager behaviour at world size 1 (no process group): persistence, leaf modules, trace
 invalidation, the TRL hook-removal flow through the ``DeepSpeedZeRoOffload`` façade."""
+
 from __future__ import annotations
 
 import copy
@@ -59,8 +60,9 @@ def _collect(manager: ZeroParamManager) -> dict[int, torch.Tensor]:
 
 def test_persistent_params_stay_gathered_within_the_model_budget() -> None:
     model, _ = _pair()
-    manager = ZeroParamManager(model, WORLD1, Stage3Policy(param_persistence_threshold=16,
-                                                           model_persistence_threshold=40), LeanPolicy())
+    manager = ZeroParamManager(
+        model, WORLD1, Stage3Policy(param_persistence_threshold=16, model_persistence_threshold=40), LeanPolicy()
+    )
     persistent = [n for n, p in model.named_parameters() if p.ds_persist]
     assert persistent == ["0.a.bias", "0.b.bias"]  # 16 + 16 <= 40 < 48
     model(torch.randn(2, 16)).sum().backward()
@@ -94,8 +96,9 @@ def test_leaf_modules_are_one_unit_and_keep_numerics() -> None:
 
 def test_order_change_invalidates_the_trace_without_changing_results() -> None:
     model, reference = _pair()
-    manager = ZeroParamManager(model, WORLD1, Stage3Policy(param_persistence_threshold=0,
-                                                           prefetch_bucket_size=272), LeanPolicy())
+    manager = ZeroParamManager(
+        model, WORLD1, Stage3Policy(param_persistence_threshold=0, prefetch_bucket_size=272), LeanPolicy()
+    )
     grads = _collect(manager)
     x = torch.randn(3, 16)
     for step, swap in enumerate([False, False, True, True, False]):

@@ -1,4 +1,5 @@
 """ZeRO-3 parameter state machine and ds_* attribute view, without a process group."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ from deepspeed.runtime.zero.partition_parameters import (
 )
 
 
-def _partitioned(numel: int, rank: int = 0, world: int = 1,
-                 single_rank: FullStorage = FullStorage.SEPARATE) -> tuple[nn.Parameter, Gatherer]:
+def _partitioned(
+    numel: int, rank: int = 0, world: int = 1, single_rank: FullStorage = FullStorage.SEPARATE
+) -> tuple[nn.Parameter, Gatherer]:
     # These tests check the allocate/free mechanics, which one-rank parameters skip by default (see the
     # FullStorage.SHARD test at the end), so they ask for separate gathered storage.
     engine = Gatherer(StreamSet(), single_rank=single_rank)
@@ -33,13 +35,16 @@ def _partitioned(numel: int, rank: int = 0, world: int = 1,
     return param, engine
 
 
-@pytest.mark.parametrize("numel, rank, world, expected", [
-    (10, 3, 4, [9.0, 0.0, 0.0]),
-    (10, 0, 4, [0.0, 1.0, 2.0]),
-    (8, 1, 2, [4.0, 5.0, 6.0, 7.0]),
-    (3, 2, 4, [2.0]),
-    (3, 3, 4, [0.0]),
-])
+@pytest.mark.parametrize(
+    "numel, rank, world, expected",
+    [
+        (10, 3, 4, [9.0, 0.0, 0.0]),
+        (10, 0, 4, [0.0, 1.0, 2.0]),
+        (8, 1, 2, [4.0, 5.0, 6.0, 7.0]),
+        (3, 2, 4, [2.0]),
+        (3, 3, 4, [0.0]),
+    ],
+)
 def test_shard_contents_and_padding(numel: int, rank: int, world: int, expected: list[float]) -> None:
     param, _ = _partitioned(numel, rank, world)
     assert param.ds_tensor.tolist() == expected

@@ -1,5 +1,6 @@
 """ParkedWindow ([Note: parked grads]): a step chunk assembled from parked regions, side tensors and the
 accumulator (or zeros) in the gaps, through two alternating buffers."""
+
 from __future__ import annotations
 
 import itertools
@@ -83,8 +84,11 @@ def test_convert_into_writes_the_scaled_fp32_gradient_in_one_pass() -> None:
     full = torch.arange(1, NUMEL + 1, dtype=torch.float32)
     acc = ChunkedGradShard(NUMEL, CHUNK, torch.bfloat16, "cpu")
     acc.write(20, full[20:26])
-    regions = [_region(0, full[0:10].bfloat16()), _region(10, full[10:20].bfloat16(), side=True),
-               _region(30, full[30:40].bfloat16())]
+    regions = [
+        _region(0, full[0:10].bfloat16()),
+        _region(10, full[10:20].bfloat16(), side=True),
+        _region(30, full[30:40].bfloat16()),
+    ]
     window = ParkedWindow(acc, regions, [torch.empty(CHUNK, dtype=torch.bfloat16) for _ in range(2)], CHUNK, NUMEL)
     out = torch.full((CHUNK,), float("nan"))
     got = []

@@ -1,4 +1,5 @@
 """Prefetch trace logic with fake unit sizes (no tensors, no process group)."""
+
 from __future__ import annotations
 
 from deepspeed._core.config.plan import Stage3Policy
@@ -14,8 +15,11 @@ def _run_step(trace: StepTrace, order: list[int]) -> None:
 
 
 def _trace(prefetch: int, live: int = 10**9, reuse: int = 10**9) -> StepTrace:
-    return StepTrace(PrefetchBudget.from_policy(Stage3Policy(prefetch_bucket_size=prefetch, max_live_parameters=live,
-                                                             max_reuse_distance=reuse)))
+    return StepTrace(
+        PrefetchBudget.from_policy(
+            Stage3Policy(prefetch_bucket_size=prefetch, max_live_parameters=live, max_reuse_distance=reuse)
+        )
+    )
 
 
 def test_record_then_complete_then_invalidate_on_new_order() -> None:

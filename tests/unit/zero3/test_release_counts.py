@@ -4,6 +4,7 @@ World size 1 needs no process group, and the stream backend is injected: every e
 the fake device has seen ``lag`` more events recorded after it, i.e. the GPU is ``lag`` events behind the CPU.
 Stream-ordered release must not care; the deferred (record_stream-like) baseline must hold more and more.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,9 @@ def _run(lean: bool, prefetch: int, lag: int, steps: int = 3) -> tuple[ZeroParam
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     policy = Stage3Policy(prefetch_bucket_size=prefetch, param_persistence_threshold=0)
-    manager = ZeroParamManager(model, ShardGroup(None, 0, 1), policy, LeanPolicy(stream_ordered_release=lean),
-                               StreamSet(LaggingBackend(lag)))
+    manager = ZeroParamManager(
+        model, ShardGroup(None, 0, 1), policy, LeanPolicy(stream_ordered_release=lean), StreamSet(LaggingBackend(lag))
+    )
     manager.boundary_samples = []
     losses = []
     x = torch.randn(4, WIDTH)

@@ -1,6 +1,7 @@
 """Routed gradients ([Note: routed grads]): a tied table's uses are reduced as they are produced, and a plain
 embedding's backward runs without gathering its table. World size 1 with separate gathered storage, so a
 gather really allocates and the boundary samples see it."""
+
 from __future__ import annotations
 
 import copy
@@ -35,8 +36,13 @@ class TiedLM(nn.Module):
 
 
 def _manager(model: nn.Module, lean: LeanPolicy | None = None) -> ZeroParamManager:
-    return ZeroParamManager(model, WORLD1, Stage3Policy(param_persistence_threshold=0), lean or LeanPolicy(),
-                            single_rank=FullStorage.SEPARATE)
+    return ZeroParamManager(
+        model,
+        WORLD1,
+        Stage3Policy(param_persistence_threshold=0),
+        lean or LeanPolicy(),
+        single_rank=FullStorage.SEPARATE,
+    )
 
 
 def _subscribe(manager: ZeroParamManager, names: dict[int, str]) -> list[tuple[str, torch.Tensor]]:
@@ -147,10 +153,21 @@ def test_the_parameter_is_what_everyone_outside_forward_sees() -> None:
     assert isinstance(model.head.weight, nn.Parameter)
     model(torch.randint(0, VOCAB, (2, 3))).backward()
     assert seen and seen[0] is model.embed.weight
-    assert [n for n, _ in model.named_parameters()] == ["embed.weight", "mid.weight", "mid.bias", "mid2.weight",
-                                                         "mid2.bias"]
-    assert set(model.state_dict()) == {"embed.weight", "mid.weight", "mid.bias", "mid2.weight", "mid2.bias",
-                                       "head.weight"}
+    assert [n for n, _ in model.named_parameters()] == [
+        "embed.weight",
+        "mid.weight",
+        "mid.bias",
+        "mid2.weight",
+        "mid2.bias",
+    ]
+    assert set(model.state_dict()) == {
+        "embed.weight",
+        "mid.weight",
+        "mid.bias",
+        "mid2.weight",
+        "mid2.bias",
+        "head.weight",
+    }
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (2, 3)))  # eval: plain parameters, nothing to route
     assert manager.count_gathered().params_alive == 0

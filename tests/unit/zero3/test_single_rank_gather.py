@@ -1,5 +1,6 @@
 """ZeRO-3 gather copies: one-rank gathers read the shards directly (no flat buffer, same values as the
 collective path); a unit's copy-in and copy-out are one batched op each, whatever its parameter count."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,7 @@ from deepspeed._core.params.param import ShardGroup
 
 def test_single_rank_gather_allocates_no_flat_buffer_and_copies_each_shard() -> None:
     shards = [torch.arange(6, dtype=torch.float32), torch.arange(10, 13, dtype=torch.float32)]
-    result = start_all_gather(shards, [6, 3], ShardGroup(None, 0, 1), StreamSet(), IDENTITY_CODEC,
-                              torch.device("cpu"))
+    result = start_all_gather(shards, [6, 3], ShardGroup(None, 0, 1), StreamSet(), IDENTITY_CODEC, torch.device("cpu"))
     assert result.flat is None and result.sources is not None
     outs = [torch.full((6,), -1.0), torch.full((3,), -1.0)]
     finish_all_gather(result, outs, StreamSet(), StreamRole.COMPUTE, IDENTITY_CODEC)

@@ -88,7 +88,7 @@ _UP_GRAD_NAMES = (
     "*accumulate*",
 )
 _BACKWARD_SIDE = ("prepare_backward", "finish_backward")  # EngineOptimizer's gradient half, every stage
-_STAGE3_GRADS = ("_on_grad", "_launch_bucket", "_finish", "flush")  # ZeRO-3 gradient hook and buckets
+_STAGE3_GRADS = ("_on_grad", "_fold", "flush")  # ZeRO-3 gradient hook and folds (buckets live in grads/)
 
 ALLOC_RULES: tuple[Rule, ...] = (
     # ours, by room; the rows before a room's rule are its exceptions
