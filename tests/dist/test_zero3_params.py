@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from deepspeed import comm as dist
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import ShardGroup, ZeroParamStatus
+from deepspeed._core.comm.groups import ShardGroup
+from deepspeed._core.params.param import ZeroParamStatus
 from deepspeed.runtime.zero import GatheredParameters, Init, register_external_parameter
 from deepspeed.runtime.zero.partition_parameters import zero_init_depth
 from tests._harness import run_distributed

@@ -204,7 +204,6 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
 # everywhere else; an entry is removed when its import goes (test_known_room_exceptions_are_current fails on a
 # stale one), and none is added without a reason here.
 ROOM_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("_core/comm/collectives.py", "params"): "the gather/scatter collectives take the ZeRO-3 ShardGroup and ShardCodec",
     ("_core/grads/parked.py", "optim"): "parked gradients reuse optim.chunked_step's scaled conversion",
 }
 

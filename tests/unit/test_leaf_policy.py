@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES, LeafModulePolicy, LeanPolicy, Stage3Policy
 from deepspeed._core.params.leaf_policy import (
     GRANULARITY_KEY,
@@ -20,7 +21,6 @@ from deepspeed._core.params.leaf_policy import (
     subtree_numel,
 )
 from deepspeed._core.params.manager import ZeroParamManager, is_z3_leaf
-from deepspeed._core.params.param import ShardGroup
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils.logging import logger

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.codec import IDENTITY_CODEC, ShardCodec
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import StreamRole, StreamSet
 from deepspeed._core.layout.shards import Range, Stage3GroupLayout, plan_stage3_group
-from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
-from deepspeed._core.params.param import ShardGroup
 
 
 @dataclass

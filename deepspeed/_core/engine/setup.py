@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import SideStreams, StreamSet
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.engine.data_parallel import DataParallelOptimizer
@@ -22,7 +23,6 @@ from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed._core.optim.stage12 import ZeroOptimizer
 from deepspeed._core.params.gather import ParamTarget
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import ShardGroup
 from deepspeed.accelerator import get_accelerator
 
 

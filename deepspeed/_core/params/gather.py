@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspeed._core.comm.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.comm.collectives import (
     AllGatherResult,
     finish_all_gather,
@@ -31,7 +32,6 @@ from deepspeed._core.comm.streams import (
 )
 from deepspeed._core.layout.flat_buffer import alloc_storage, free_storage
 from deepspeed._core.layout.shards import Stage3ParamLayout
-from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.params.param import (
     FullStorage,
     ShardedState,

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from deepspeed._core.comm.collectives import broadcast_from
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import StreamSet
 from deepspeed._core.params.gather import Gatherer
-from deepspeed._core.params.param import ShardGroup, zero_state
+from deepspeed._core.params.param import zero_state
 from deepspeed._core.params.placement import ShardPlacement
 
 if TYPE_CHECKING:

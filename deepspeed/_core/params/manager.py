@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspeed._core.comm.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.comm.streams import StreamSet
 from deepspeed._core.config.plan import LeanPolicy, OffloadPolicy, Stage3Policy
-from deepspeed._core.params.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.params.gather import (
     FetchUnit,
     Gatherer,

@@ -12,10 +12,10 @@ from typing import Any
 
 from torch import nn
 
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import SideStreams, StreamSet
 from deepspeed._core.config.plan import LeanPolicy
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import ShardGroup
 from deepspeed.runtime.config_plan import offload_policy, stage3_policy
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.partitioned_param_coordinator import (

@@ -17,11 +17,12 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed._core.comm.codec import IdentityCodec
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import StreamSet
 from deepspeed._core.params import gather as param_group
-from deepspeed._core.params.codec import IdentityCodec
 from deepspeed._core.params.gather import Gatherer, ReleaseMode
-from deepspeed._core.params.param import FullStorage, ShardGroup
+from deepspeed._core.params.param import FullStorage
 
 
 class _Stream:

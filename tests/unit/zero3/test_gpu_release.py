@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import FullStorage, ShardGroup
+from deepspeed._core.params.param import FullStorage
 from deepspeed.accelerator import get_accelerator
 
 pytestmark = pytest.mark.gpu

@@ -8,9 +8,10 @@ import copy
 import torch
 from torch import nn
 
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import ShardGroup, ZeroParamStatus
+from deepspeed._core.params.param import ZeroParamStatus
 from deepspeed.runtime.zero import GatheredParameters, unregister_external_parameter
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params

@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import StreamSet
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import ShardedState, ShardGroup
+from deepspeed._core.params.param import ShardedState
 
 LAYERS = 8
 WIDTH = 16

@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.params.grad_route import backward_reads_no_params, routed_keys
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import FullStorage, ShardGroup
+from deepspeed._core.params.param import FullStorage
 
 WORLD1 = ShardGroup(None, 0, 1)
 VOCAB, HIDDEN = 11, 6

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from deepspeed._core.comm.codec import IDENTITY_CODEC
 from deepspeed._core.comm.collectives import finish_all_gather, start_all_gather
+from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import StreamRole, StreamSet
-from deepspeed._core.params.codec import IDENTITY_CODEC
-from deepspeed._core.params.param import ShardGroup
 
 
 def test_single_rank_gather_allocates_no_flat_buffer_and_copies_each_shard() -> None:
