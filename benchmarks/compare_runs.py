@@ -21,6 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import config_key  # the suite's one notion of a configuration
+
+# The fields of report.config_key, in its order.
 KEY_FIELDS = ("scenario", "impl", "stage", "dtype", "gas", "world_size", "model", "offload", "offload_param")
 MEMORY_FIELDS = (
     "peak_alloc_gib",
@@ -44,7 +49,7 @@ def load(path: Path) -> dict[tuple, dict[str, Any]]:
         record = json.loads(line)
         if record.get("status") != "ok":
             continue
-        rows[tuple(record.get(k) for k in KEY_FIELDS)] = record
+        rows[config_key(record)] = record
     return rows
 
 

@@ -48,7 +48,7 @@ def bucket_gib(double: bool = True, elem_bytes: int = 2) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _key(r: dict) -> tuple:
+def config_key(r: dict) -> tuple:
     """Identity of a configuration (S3 also by model and offload: one worker each)."""
     return (
         r.get("scenario"),
@@ -71,7 +71,7 @@ def load(paths: Iterable[Path]) -> list[dict]:
             if line.strip():
                 rec = json.loads(line)
                 rec["_source"] = Path(path).name
-                merged[_key(rec)] = rec
+                merged[config_key(rec)] = rec
     return list(merged.values())
 
 

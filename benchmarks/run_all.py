@@ -250,20 +250,10 @@ CALIBRATED_MARGIN_GIB = 1.0
 
 
 def calibration_key(r: dict) -> str:
-    """The configuration of a spec or record (``report._key``'s fields) as a string."""
-    return json.dumps(
-        [
-            r.get("scenario"),
-            r.get("impl"),
-            r.get("stage"),
-            r.get("dtype"),
-            r.get("gas"),
-            r.get("world_size"),
-            r.get("model"),
-            bool(r.get("offload")),
-            bool(r.get("offload_param")),
-        ]
-    )
+    """The configuration of a spec or record (``report.config_key``) as a string."""
+    import report
+
+    return json.dumps(list(report.config_key(r)))
 
 
 def measured_peak_gib(r: dict) -> float | None:
@@ -908,10 +898,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rerun:
         import report
 
-        redo = {
-            report._key(r) for r in report.load([Path(p) for p in args.rerun.split(",")]) if r.get("status") != "ok"
-        }
-        jobs = [j for j in jobs if report._key(j.spec) in redo]
+        earlier = report.load([Path(p) for p in args.rerun.split(",")])
+        redo = {report.config_key(r) for r in earlier if r.get("status") != "ok"}
+        jobs = [j for j in jobs if report.config_key(j.spec) in redo]
     if args.plan:
         print_plan(jobs, args)
         return 0
