@@ -232,15 +232,16 @@ def summarise(events: list, averages: list, wall_s: float, has_device: bool) -> 
 
     phases: dict[str, dict] = {}
     for m in marks:
-        row = phases.setdefault(m.name.removeprefix("phase:"), {"host_ms": 0.0, "busy_in_window_ms": 0.0})
+        row = phases.setdefault(
+            m.name.removeprefix("phase:"), {"host_ms": 0.0, "launched_device_ms": 0.0, "busy_in_window_ms": 0.0}
+        )
         row["host_ms"] += _ms(m.time_range.end - m.time_range.start)
+        # the host mark's kernels (its children's included); key_averages would add the GPU annotation's span
+        row["launched_device_ms"] += _ms(m.device_time_total) if has_device else 0.0
         row["busy_in_window_ms"] += _ms(_length(_clip(busy, m.time_range.start, m.time_range.end)))
-    for e in averages:
-        if e.key.startswith("phase:") and e.key.removeprefix("phase:") in phases:
-            phases[e.key.removeprefix("phase:")]["launched_device_ms"] = _ms(e.device_time_total)
     for row in phases.values():
-        row["host_ms"], row["busy_in_window_ms"] = round(row["host_ms"], 3), round(row["busy_in_window_ms"], 3)
-        row.setdefault("launched_device_ms", 0.0)
+        for key in row:
+            row[key] = round(row[key], 3)
         if not has_device:
             row["busy_in_window_ms"] = row["launched_device_ms"] = None
 
