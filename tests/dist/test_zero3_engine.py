@@ -190,7 +190,7 @@ def _offload_placement(world: int) -> dict:
         if m < GAS - 1:
             engine.step()
     seen["acc"] = [(g.accumulator.dtype, g.accumulator.device.type) for g in opt.groups]
-    seen["master"] = [(g.master.dtype, g.master.device.type, g.master.is_pinned()) for g in opt.groups]
+    seen["master"] = [(g.master.dtype, g.master.device.type, g.master.param.is_pinned()) for g in opt.groups]
     engine.step()
     seen["after_step"] = opt.live_grad_buffers()
     seen["state_devices"] = {

@@ -1,10 +1,12 @@
 """Batched collectives with typed split-phase results: parameter all-gathers and gradient reductions.
 
-The schedule code never calls ``dist.*`` itself; it calls :func:`start_all_gather` (issue, keep the handle) and
-later :func:`finish_all_gather` (wait, copy out). Gradient buckets are reduced the same way: one of
+The parameter, gradient and optimizer rooms never call ``dist.*`` collectives themselves. A gather calls
+:func:`start_all_gather` (issue, keep the handle) and later :func:`finish_all_gather` (wait, copy out). Gradient
+buckets are reduced the same way: one of
 :func:`start_all_reduce`, :func:`start_reduce_to_owners` or :func:`start_reduce_scatter` issues the asynchronous
-collective and returns a :class:`ReduceResult`; :func:`finish_reduce` waits for it. The flat buffer's lifetime rules
-are in [Note: streams-flat]
+collective and returns a :class:`ReduceResult`; :func:`finish_reduce` waits for it. The blocking ones the optimizer
+step needs (a squared norm's sum, the post-step all-gather of partitions) are :func:`sum_over` and
+:func:`gather_rows`. The flat buffer's lifetime rules are in [Note: streams-flat]
 (``docs/design/streams.md``): it comes from the pool of the stream that frees it, and is dropped only once that
 stream is ordered behind the copy-out that last read it (the compute stream under lean release).
 """
@@ -173,6 +175,16 @@ def start_reduce_scatter(rows: torch.Tensor, group: Any) -> ReduceResult:
     output = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
     work = dist.reduce_scatter_tensor(output, rows.view(-1), group=group, async_op=True)
     return ReduceResult(output, [work])
+
+
+def sum_over(tensor: torch.Tensor, group: Any) -> None:
+    """Blocking in-place sum of ``tensor`` over ``group`` (``None``: the default group), e.g. a squared norm."""
+    dist.all_reduce(tensor, group=group)
+
+
+def gather_rows(gathered: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
+    """Blocking all-gather: rank ``r``'s ``mine`` lands in row ``r`` of ``gathered`` (``world * mine.numel()``)."""
+    dist.all_gather_into_tensor(gathered, mine, group=group)
 
 
 def finish_reduce(result: ReduceResult) -> torch.Tensor:

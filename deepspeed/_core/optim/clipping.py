@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import sum_over
 
 NORM_CHUNK_NUMEL = 1 << 23
 """Largest piece of a narrow gradient upcast at once by :func:`local_sq_norm` (32 MiB in fp32)."""
@@ -83,9 +84,9 @@ def global_norm(grads: Sequence[torch.Tensor], scope: NormScope, group: Any = No
     """
     sq = local_sq_norm(grads)
     if scope is NormScope.PARTITIONED and dist.is_initialized() and dist.get_world_size(group=group) > 1:
-        dist.all_reduce(sq, group=group)
+        sum_over(sq, group)
     if stage_group is not None:
-        dist.all_reduce(sq, group=stage_group)
+        sum_over(sq, stage_group)
     value = float(sq.sqrt().item())
     return value if math.isfinite(value) else float("inf")
 
@@ -121,11 +122,11 @@ def global_norm_of_parts(parts: Sequence[tuple[Sequence[torch.Tensor], Any]], st
     for grads, group in parts:
         sq = local_sq_norm(grads)
         if group is not None and dist.get_world_size(group=group) > 1:
-            dist.all_reduce(sq, group=group)
+            sum_over(sq, group)
         total = total + sq.to(total.device)
     if stage_group is not None:  # pipeline stages hold other parameters ([Note: pipeline norm])
         device = next((g.device for grads, _ in parts for g in grads), total.device)
         total = total.to(device)
-        dist.all_reduce(total, group=stage_group)
+        sum_over(total, stage_group)
     value = float(total.sqrt().item())
     return value if math.isfinite(value) else float("inf")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import sum_over
 
 GRAD_UNAVAILABLE = "Gradients are only available between a backward and the optimizer step (or zero_grad)"
 
@@ -87,13 +88,13 @@ class ZeroHpMapping:
     @property
     def lp_range(self) -> Any:
         """Elements of the flattened parameter this rank owns (``Range``, possibly empty)."""
-        owned = self.slot.range.intersect(self._group.master.partition)
+        owned = self.slot.range.intersect(self._group.partition)
         return owned.shift(-self.slot.offset)
 
     @property
     def hp_range(self) -> Any:
         """Where :attr:`lp_range` sits inside this rank's master partition."""
-        return self.lp_range.shift(self.slot.offset - self._group.master.partition.start)
+        return self.lp_range.shift(self.slot.offset - self._group.partition.start)
 
     def get_hp_fragment(self, optim_state_key: str | None = None) -> torch.Tensor:
         """This rank's 1-D fp32 fragment of the parameter (or of one optimizer state); a view, maybe empty."""
@@ -112,7 +113,7 @@ class ZeroHpMapping:
         # Over the ranks this flat group is partitioned across (an MoE group's is its expert-data group).
         pg = getattr(self._group, "process_group", self.optimizer.dp_group)
         if dist.get_world_size(group=pg) > 1:
-            dist.all_reduce(full, group=pg)
+            sum_over(full, pg)
         return full.view(self.slot.shape)
 
     def get_full_hp_param(self, optim_state_key: str | None = None) -> torch.Tensor:

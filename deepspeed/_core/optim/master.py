@@ -1,19 +1,23 @@
-"""This rank's fp32 master partition of one flat group, and the post-step all-gather of bit16 weights.
+"""This rank's fp32 master of one optimizer group, and how its values reach the working weights.
 
-The inner optimizer sees exactly one parameter per group: the fp32 master partition. Its ``.grad`` is
-the partition gradient the reducer produced (fp32), handed over without a copy, so the step never
-materialises a second copy of the gradient partition (memory_targets.md, report 1).
+The inner optimizer sees exactly one parameter per group: the flat fp32 master (:class:`MasterShard`). Its
+``.grad`` is the gradient shard the reducer produced, handed over without a copy where dtype and device match,
+so the step never materialises a second copy of it. After the step the values go back to the working weights
+through one of two strategies: an all-gather of the flat buffer's partitions (ZeRO-1/2) or a scatter into the
+parameters' own shards (ZeRO-3).
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import gather_rows
 from deepspeed._core.comm.streams import record_current
 from deepspeed._core.layout.flat_buffer import FlatBuffer
 from deepspeed._core.layout.shards import Range, partition_windows
@@ -50,62 +54,202 @@ class TransferPath(enum.Enum):
     CHUNKED = "chunked"
 
 
-class MasterPartition:
-    """fp32 copy of ``rank``'s partition of a bit16 :class:`FlatBuffer`.
+class ShardOwner(Protocol):
+    """What :class:`ScatterWriteBack` needs of a ZeRO-3 parameter state: its shard and its padded shard size."""
+
+    shard: torch.Tensor
+    layout: Any
+
+
+class MasterShard:
+    """This rank's fp32 master of one optimizer group: the single parameter the inner optimizer steps.
+
+    One type serves every ZeRO stage; what differs is where the working weights live, so the write-back is a
+    strategy: :class:`GatherWriteBack` (ZeRO-1/2: this rank's partition of a flat buffer, then an all-gather of
+    every partition) or :class:`ScatterWriteBack` (ZeRO-3: the slices of each parameter's own shard). Build one
+    with :meth:`of_flat` or :meth:`of_shards`.
 
     Args:
-        flat: the group's working-precision flat buffer.
-        rank: this rank's index in the data-parallel group.
-        master_dtype: dtype of the master copy (fp32).
-        placement: where the master lives (the flat buffer's device, or pageable host memory when the
-            optimizer is offloaded).
-        transfer: how values move between the two; ``None`` picks ``CHUNKED`` exactly when the devices differ.
+        values: the flat master tensor (already holding the working weights' values).
+        writer: how values move between the master and the working weights.
     """
 
-    def __init__(
-        self,
+    def __init__(self, values: torch.Tensor, writer: GatherWriteBack | ScatterWriteBack) -> None:
+        self.param = torch.nn.Parameter(values, requires_grad=False)
+        self.writer = writer
+
+    @classmethod
+    def of_flat(
+        cls,
         flat: FlatBuffer,
         rank: int,
         master_dtype: torch.dtype,
         placement: MasterPlacement,
         transfer: TransferPath | None = None,
-    ) -> None:
-        self.flat = flat
-        self.rank = rank
-        part = flat.layout.partition(rank)
+        group: Any = None,
+        window_numel: int = 1 << 30,
+    ) -> MasterShard:
+        """The master of ``rank``'s partition of ``flat`` (ZeRO-1/2), on the flat buffer's device or the host.
+
+        ``transfer`` ``None`` picks ``CHUNKED`` exactly when the two devices differ; ``group`` and
+        ``window_numel`` are the post-step all-gather's process group and per-rank window.
+        """
         device = flat.device if placement is MasterPlacement.DEVICE else torch.device("cpu")
-        master = torch.empty(part.size, dtype=master_dtype, device=device)
-        self.transfer = transfer or (TransferPath.DIRECT if device == flat.device else TransferPath.CHUNKED)
-        if self.transfer is TransferPath.DIRECT:
-            flat.copy_out(part, master)  # converts dtype per piece: no bit16 temporary of the partition
-        else:
-            for start, end in _chunks(part.size):
-                piece = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
-                flat.copy_out(Range(part.start + start, part.start + end), piece)
-                master[start:end].copy_(piece)
-        self.param = torch.nn.Parameter(master, requires_grad=False)
+        transfer = transfer or (TransferPath.DIRECT if device == flat.device else TransferPath.CHUNKED)
+        writer = GatherWriteBack(flat, rank, transfer, group, window_numel)
+        values = torch.empty(writer.partition.size, dtype=master_dtype, device=device)
+        writer.read(values)
+        return cls(values, writer)
+
+    @classmethod
+    def of_shards(
+        cls,
+        states: Sequence[ShardOwner],
+        master_dtype: torch.dtype,
+        device: torch.device | str,
+        chunk_numel: int,
+    ) -> MasterShard:
+        """The master of a ZeRO-3 group: the concatenation of its parameters' shards (``states``, in order)."""
+        writer = ScatterWriteBack(states, chunk_numel)
+        values = torch.empty(writer.numel, dtype=master_dtype, device=device)
+        writer.read(values)
+        return cls(values, writer)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The master values (``param.data``)."""
+        return self.param.data
+
+    @property
+    def device(self) -> torch.device:
+        """Where the master lives."""
+        return self.param.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The master's dtype."""
+        return self.param.dtype
+
+    def numel(self) -> int:
+        """Elements of the master."""
+        return self.param.numel()
+
+    def write_back(self) -> None:
+        """Publish the updated master values to the working weights."""
+        with torch.no_grad():
+            self.writer.write(self.param.data)
+
+    def refresh(self) -> None:
+        """Rebuild the master from the working weights' current values (after a module-only load)."""
+        with torch.no_grad():
+            self.writer.read(self.param.data)
+
+
+class GatherWriteBack:
+    """ZeRO-1/2 write-back: the master is ``rank``'s partition of a working flat buffer; after writing it the
+    partitions of every rank are all-gathered (``window_numel`` elements per rank at a time)."""
+
+    def __init__(self, flat: FlatBuffer, rank: int, transfer: TransferPath, group: Any, window_numel: int) -> None:
+        self.flat, self.rank, self.transfer = flat, rank, transfer
+        self.group, self.window_numel = group, window_numel
 
     @property
     def partition(self) -> Range:
         """This rank's range of the flat group."""
         return self.flat.layout.partition(self.rank)
 
-    def write_back(self) -> None:
-        """Copy the updated master values into this rank's slice of the working flat buffer."""
-        part, master = self.partition, self.param.data
-        with torch.no_grad():
-            if self.transfer is TransferPath.DIRECT:
-                self.flat.copy_in(part, master)
-                return
-            send_through_host(
-                master,
-                self.flat.dtype,
-                self.flat.device,
-                TRANSFER_CHUNK_NUMEL,
-                lambda start, piece: self.flat.copy_in(
-                    Range(part.start + start, part.start + start + piece.numel()), piece, non_blocking=True
-                ),
-            )
+    def read(self, master: torch.Tensor) -> None:
+        """This rank's partition of the flat buffer into ``master`` (converted piece by piece: no bit16
+        temporary of the partition)."""
+        part, flat = self.partition, self.flat
+        if self.transfer is TransferPath.DIRECT:
+            flat.copy_out(part, master)
+            return
+        for start, end in _chunks(part.size):
+            piece = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
+            flat.copy_out(Range(part.start + start, part.start + end), piece)
+            master[start:end].copy_(piece)
+
+    def write_partition(self, master: torch.Tensor) -> None:
+        """Copy ``master`` into this rank's slice of the working flat buffer (no collective)."""
+        part = self.partition
+        if self.transfer is TransferPath.DIRECT:
+            self.flat.copy_in(part, master)
+            return
+        send_through_host(
+            master,
+            self.flat.dtype,
+            self.flat.device,
+            TRANSFER_CHUNK_NUMEL,
+            lambda start, piece: self.flat.copy_in(
+                Range(part.start + start, part.start + start + piece.numel()), piece, non_blocking=True
+            ),
+        )
+
+    def write(self, master: torch.Tensor) -> None:
+        """Write this rank's partition, then all-gather every rank's (collective over ``group``)."""
+        self.write_partition(master)
+        all_gather_partitions(self.flat, self.window_numel, self.group)
+
+
+class ScatterWriteBack:
+    """ZeRO-3 write-back: the master is the concatenation of several parameters' shards, and each shard gets its
+    slice back.
+
+    A host master is converted to the working dtype ``chunk_numel`` elements at a time, a whole group in one
+    pipeline (:func:`send_through_host`: the next piece converts while the last one copies), so it never sends
+    fp32 bytes nor allocates a model-sized (or per-chunk) temporary.
+    """
+
+    def __init__(self, states: Sequence[ShardOwner], chunk_numel: int) -> None:
+        self.states = list(states)  # the shard tensors are read at each use: an owner may replace its shard
+        self.chunk_numel = chunk_numel
+        self.offsets: list[int] = []
+        total = 0
+        for state in self.states:
+            self.offsets.append(total)
+            total += state.layout.partition_numel
+        self.numel = total
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """The owners' current shard tensors, in master order."""
+        return [state.shard for state in self.states]
+
+    def read(self, master: torch.Tensor) -> None:
+        """Every shard's values into its slice of ``master``."""
+        for shard, off in zip(self.shards, self.offsets, strict=True):
+            master[off : off + shard.numel()].copy_(shard.reshape(-1))
+
+    def write(self, master: torch.Tensor) -> None:
+        """Every slice of ``master`` into its shard, converted to the shard's dtype."""
+        shards = self.shards
+        if not shards:
+            return
+        kinds = {(s.dtype, s.device) for s in shards}
+        if len(kinds) > 1 or master.device == shards[0].device:
+            for shard, off in zip(shards, self.offsets, strict=True):  # same device: converts in place
+                dst = shard.reshape(-1)
+                src = master[off : off + dst.numel()]
+                if src.device == dst.device:
+                    dst.copy_(src)
+                else:
+                    send_through_host(src, dst.dtype, dst.device, self.chunk_numel, _writer_into(dst))
+            return
+        ((dtype, target),) = kinds
+        send_through_host(master, dtype, target, self.chunk_numel, self.scatter)
+
+    def scatter(self, start: int, piece: torch.Tensor) -> None:
+        """Copy ``piece`` (master coordinates ``[start, start + len)``) into the shards it overlaps."""
+        end = start + piece.numel()
+        first = max(0, bisect.bisect_right(self.offsets, start) - 1)
+        for state, off in zip(self.states[first:], self.offsets[first:], strict=True):
+            if off >= end:
+                break
+            dst = state.shard.reshape(-1)
+            lo, hi = max(start, off), min(end, off + dst.numel())
+            if lo < hi:
+                dst[lo - off : hi - off].copy_(piece[lo - start : hi - start], non_blocking=True)
 
 
 def send_through_host(
@@ -148,6 +292,15 @@ def send_through_host(
             event.synchronize()
 
 
+def _writer_into(dst: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
+    """A :func:`send_through_host` ``write`` that copies each piece into ``dst`` at its offset."""
+
+    def write(start: int, piece: torch.Tensor) -> None:
+        dst[start : start + piece.numel()].copy_(piece, non_blocking=True)
+
+    return write
+
+
 def _chunks(size: int) -> list[tuple[int, int]]:
     return [(a, min(a + TRANSFER_CHUNK_NUMEL, size)) for a in range(0, size, TRANSFER_CHUNK_NUMEL)]
 
@@ -173,7 +326,7 @@ def all_gather_partitions(flat: FlatBuffer, window_numel: int, group: Any) -> No
         mine = mine_buf[: window.size]
         flat.copy_out(window.shift(layout.partition(rank).start), mine)
         gathered = gathered_buf[: window.size * world]
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        gather_rows(gathered, mine, group)
         for r in range(world):
             if r == rank:
                 continue

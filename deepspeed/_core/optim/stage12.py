@@ -23,26 +23,16 @@ from deepspeed._core.grads.reducer import ReduceMode, ReducerConfig
 from deepspeed._core.grads.scaling import ReduceScaling
 from deepspeed._core.layout.flat_buffer import FlatBuffer
 from deepspeed._core.layout.inplace_flatten import FlattenPath, flatten_params
-from deepspeed._core.layout.shards import plan_group
+from deepspeed._core.layout.shards import Range, plan_group
 from deepspeed._core.moe.params import ExpertGroup, is_moe_param_group
 from deepspeed._core.optim import stage12_state as stage12_checkpoint
-from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
-from deepspeed._core.optim.master import MasterPartition, MasterPlacement, all_gather_partitions
-from deepspeed._core.optim.sharded_step import ShardedStepMixin
+from deepspeed._core.optim.master import MasterPlacement, MasterShard
+from deepspeed._core.optim.sharded import ShardedOptimizer
 from deepspeed.accelerator import get_accelerator
-
-
-def _package_version() -> str:
-    """The installed distribution's version (what checkpoints record as ``ds_version``)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        return "0.0.0"
 
 
 @dataclass
@@ -52,13 +42,18 @@ class ZeroGroup:
     params: list[torch.nn.Parameter]
     names: list[str]
     flat: FlatBuffer
-    master: MasterPartition
+    master: MasterShard  # written back by an all-gather of the flat buffer's partitions
     grads: GroupGrads
     # The ranks this group is partitioned and reduced over: the data-parallel group, or for an MoE
     # parameter group the expert-data-parallel group of its expert group (its own world size and rank).
     process_group: Any = None
     rank: int = 0
     member_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def partition(self) -> Range:
+        """This rank's range of the flat group."""
+        return self.flat.layout.partition(self.rank)
 
 
 def _trainable_unique(group_params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -72,7 +67,7 @@ def _trainable_unique(group_params: list[torch.nn.Parameter]) -> list[torch.nn.P
     return out
 
 
-class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
+class ZeroOptimizer(ShardedOptimizer):
     """The ZeRO-1/2 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer``).
 
     Args:
@@ -84,6 +79,8 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         expert_groups: process groups of each expert group by name; a parameter group marked ``moe`` is
             partitioned and reduced over the expert-data-parallel group of its ``name``.
     """
+
+    checkpoint_format = stage12_checkpoint
 
     def __init__(
         self,
@@ -139,7 +136,11 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         placement = MasterPlacement.DEVICE
         if offload.enabled:
             placement = MasterPlacement.PINNED_HOST if offload.pin_memory else MasterPlacement.HOST
-        master = MasterPartition(flat, rank, self.plan.precision.master_dtype, placement)
+        # The post-step all-gather goes allgather_bucket_size elements at a time, split over the ranks.
+        window = max(1, self.plan.zero.buckets.allgather_bucket_size // max(1, self.world_size))
+        master = MasterShard.of_flat(
+            flat, rank, self.plan.precision.master_dtype, placement, group=pg, window_numel=window
+        )
         param_group["params"] = [master.param]
         grads = GroupGrads(layout, params, rank, self.plan.precision.grad_accum_dtype, keep_storage=offload.enabled)
         members = [dist.get_global_rank(pg, r) if pg is not None else r for r in range(world)]
@@ -185,7 +186,7 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         """This rank's partition gradient, as accumulated (``grad_accum_dtype``; not copied)."""
         grads = group.grads
         if grads.accumulator is not None:  # lean ZeRO-1 after a window of several micro-steps
-            return grads.accumulator[group.master.partition.as_slice()]
+            return grads.accumulator[group.partition.as_slice()]
         return grads.partition_grad
 
     def step(self, closure: Any = None) -> bool:
@@ -266,10 +267,8 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
 
     def publish_weights(self) -> None:
         """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""
-        window = max(1, self.plan.zero.buckets.allgather_bucket_size // max(1, self.world_size))
         for group in self.groups:
             group.master.write_back()
-            all_gather_partitions(group.flat, window, group.process_group)
 
     def _clear_grads(self) -> None:
         for group in self.groups:
@@ -296,22 +295,10 @@ class ZeroOptimizer(ShardedStepMixin, EngineOptimizer):
         """Trainable model parameters per flat group, in flat order (checkpoint ``param_shapes``)."""
         return [list(g.params) for g in self.groups]
 
-    def state_dict(self) -> dict:
-        """This rank's shard with upstream's ZeRO-1/2 keys."""
-        return stage12_checkpoint.shard_state_dict(self, _package_version())
-
-    def load_state_dict(
-        self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = True
-    ) -> None:
-        """Restore from every saved rank's shard; the saved world size may differ from the live one."""
-        if isinstance(state_dict_list, dict):
-            state_dict_list = [state_dict_list]
-        stage12_checkpoint.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
-
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the current (e.g. just loaded) working weights."""
         for g in self.groups:
-            g.flat.copy_out(g.master.partition, g.master.param.data)
+            g.master.refresh()
 
     # --- introspection for tests, checkpoints and safe_get_* helpers -------------------------------------
     def observe(self, callback: Any) -> None:

@@ -114,7 +114,7 @@ def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_
             master = group.master.param.data
             master.copy_(_reslice(full, layout, group.rank, master).to(master.device))
         else:
-            group.master.flat.copy_out(group.master.partition, group.master.param.data)
+            group.master.refresh()
     if load_optimizer_states:
         _load_inner_state(opt, shards)
     opt.publish_weights()

@@ -18,7 +18,6 @@ accumulator plus a few fixed-size staging buffers.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +32,12 @@ from deepspeed._core.grads.reducer import GradReducer, ReduceMode, ReducerConfig
 from deepspeed._core.grads.scaling import ReduceScaling
 from deepspeed._core.grads.shard_rows import GradRelease, RowEntry, ShardRows
 from deepspeed._core.optim import stage3_state as stage3_checkpoint
-from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
+from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import local_sq_norm
-from deepspeed._core.optim.master import send_through_host
-from deepspeed._core.optim.sharded_step import ShardedStepMixin
+from deepspeed._core.optim.master import MasterShard
+from deepspeed._core.optim.sharded import ShardedOptimizer
 from deepspeed._core.optim.stage3_access import Stage3ParamAccess
-from deepspeed._core.optim.stage12 import _package_version
 from deepspeed._core.params.manager import ZeroParamManager
 from deepspeed._core.params.param import ZeroParam, zero_state
 from deepspeed.accelerator import get_accelerator
@@ -51,7 +49,7 @@ class Stage3Group:
 
     states: list[ZeroParam]
     offsets: list[int]  # start of each state's shard inside the group's flat shard
-    master: torch.nn.Parameter
+    master: MasterShard  # written back by a scatter into the parameters' shards
     chunk_numel: int
     accum_dtype: torch.dtype = torch.float32
     keep_storage: bool = False  # offloaded: the host shard's storage outlives its window ([Note: kept host chunks])
@@ -86,7 +84,7 @@ class Stage3Group:
             self.accumulator = None
 
 
-class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
+class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
     """The ZeRO-3 wrapped optimizer (public façade: ``DeepSpeedZeroOptimizer_Stage3``).
 
     Args:
@@ -96,6 +94,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         dp_group: data-parallel group the parameters are partitioned over.
         manager: the parameter manager that partitioned the model.
     """
+
+    checkpoint_format = stage3_checkpoint
 
     def __init__(
         self,
@@ -185,15 +185,12 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
         # pin_memory governs the fixed staging slots and the gradient chunks instead: those are power-of-two
         # sized (step_chunk_numel), and a reduced gradient's first fold is copied straight into them.
         pinned = offload.enabled and offload.pin_memory and get_accelerator().device_name() != "cpu"
-        master = torch.empty(total, dtype=self.plan.precision.master_dtype, device=device)
-        for s, off in zip(states, offsets, strict=False):
-            master[off : off + s.layout.partition_numel].copy_(s.shard.reshape(-1))
-        param = torch.nn.Parameter(master, requires_grad=False)
-        param_group["params"] = [param]
+        master = MasterShard.of_shards(states, self.plan.precision.master_dtype, device, self._step_chunk_numel)
+        param_group["params"] = [master.param]
         return Stage3Group(
             states,
             offsets,
-            param,
+            master,
             self._step_chunk_numel,
             self.plan.precision.grad_accum_dtype,
             keep_storage=offload.enabled,
@@ -298,71 +295,16 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
     def write_back(self) -> None:
         """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.
 
-        A host master is converted to the working dtype ``_step_chunk_numel`` elements at a time, a whole
-        group in one pipeline (:func:`send_through_host`: the next piece converts while the last one copies),
-        so it never sends fp32 bytes nor allocates a model-sized (or per-chunk) temporary.
+        Each master's writer is a :class:`~deepspeed._core.optim.master.ScatterWriteBack`.
         """
-        with torch.no_grad():
-            for grp in self.groups:
-                if not grp.states:
-                    continue
-                kinds = {(s.shard.dtype, s.shard.device) for s in grp.states}
-                if len(kinds) > 1 or grp.master.device == grp.states[0].shard.device:
-                    for state, off in zip(grp.states, grp.offsets, strict=False):  # same device: converts in place
-                        dst = state.shard.reshape(-1)
-                        src = grp.master.data[off : off + dst.numel()]
-                        if src.device == dst.device:
-                            dst.copy_(src)
-                        else:
-                            send_through_host(
-                                src,
-                                dst.dtype,
-                                dst.device,
-                                self._step_chunk_numel,
-                                lambda start, piece, dst=dst: dst[start : start + piece.numel()].copy_(
-                                    piece, non_blocking=True
-                                ),
-                            )
-                    continue
-                ((dtype, target),) = kinds
-                send_through_host(
-                    grp.master.data,
-                    dtype,
-                    target,
-                    self._step_chunk_numel,
-                    lambda start, piece, grp=grp: self._scatter_to_shards(grp, start, piece),
-                )
+        for grp in self.groups:
+            grp.master.write_back()
         self.manager.refresh_persistent()
-
-    @staticmethod
-    def _scatter_to_shards(grp: Stage3Group, start: int, piece: torch.Tensor) -> None:
-        """Copy ``piece`` (group shard coordinates ``[start, start + len)``) into the shards it overlaps."""
-        end = start + piece.numel()
-        first = max(0, bisect.bisect_right(grp.offsets, start) - 1)
-        for state, off in zip(grp.states[first:], grp.offsets[first:], strict=False):
-            if off >= end:
-                break
-            dst = state.shard.reshape(-1)
-            lo, hi = max(start, off), min(end, off + dst.numel())
-            if lo < hi:
-                dst[lo - off : hi - off].copy_(piece[lo - start : hi - start], non_blocking=True)
 
     # --- checkpoints (interface: deepspeed._core.checkpoint.save_load.ShardedCheckpointOptimizer) -------
     def checkpoint_param_groups(self) -> list[list[torch.nn.Parameter]]:
         """Trainable parameters per group in flat order (checkpoint ``param_shapes``)."""
         return [[s.param for s in grp.states] for grp in self.groups]
-
-    def state_dict(self) -> dict:
-        """This rank's shard with upstream's ZeRO-3 keys (``fp32_flat_groups`` ...)."""
-        return stage3_checkpoint.shard_state_dict(self, _package_version())
-
-    def load_state_dict(
-        self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = True
-    ) -> None:
-        """Restore from every saved rank's shard; the saved world size may differ from the live one."""
-        if isinstance(state_dict_list, dict):
-            state_dict_list = [state_dict_list]
-        stage3_checkpoint.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
 
     def checkpoint_event_prologue(self) -> None:
         """Make parameters partitioned and quiescent before a save or load."""
@@ -370,16 +312,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the masters from the parameters' current shards (after a module-only load)."""
-        with torch.no_grad():
-            for grp in self.groups:
-                for state, off in zip(grp.states, grp.offsets, strict=False):
-                    grp.master.data[off : off + state.layout.partition_numel].copy_(state.shard.reshape(-1))
+        for grp in self.groups:
+            grp.master.refresh()
 
     def _clear_grads(self) -> None:
         self.parked.restore_all()  # skip or zero_grad: parked shards get their values back (no-op after a step)
         self._folded.clear()
         for grp in self.groups:
-            grp.master.grad = None
+            grp.master.param.grad = None
             grp.end_window()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

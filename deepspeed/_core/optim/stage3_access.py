@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import gather_rows
 
 
 class Stage3ParamAccess:
@@ -39,11 +39,11 @@ class Stage3ParamAccess:
         which is a :class:`~deepspeed._core.grads.accumulator.ChunkedGradShard`)."""
         if key is None:
             return grp.master.data
-        value = self.optimizer.state.get(grp.master, {}).get(key)
+        value = self.optimizer.state.get(grp.master.param, {}).get(key)
         if value is None:
             raise ValueError(
                 f"optimizer state {key!r} does not exist (yet); known: "
-                f"{sorted(self.optimizer.state.get(grp.master, {}))}"
+                f"{sorted(self.optimizer.state.get(grp.master.param, {}))}"
             )
         return value
 
@@ -81,7 +81,7 @@ class Stage3ParamAccess:
         size = state.layout.partition_numel
         mine = slice_.to(state.full.device, dtype=torch.float32)
         gathered = torch.empty(size * self.world_size, dtype=torch.float32, device=state.full.device)
-        dist.all_gather_into_tensor(gathered, mine.contiguous(), group=self.dp_group)
+        gather_rows(gathered, mine.contiguous(), self.dp_group)
         return gathered[: state.numel].view(state.shape).to(slice_.device)
 
     # --- full (collective) ----------------------------------------------------------------------------

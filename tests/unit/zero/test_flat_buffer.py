@@ -319,7 +319,7 @@ def test_trim_cache_runs_after_each_segment_release() -> None:
 def test_master_partition_chunked_transfer_matches_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cross-device (CHUNKED) path moves the same values as DIRECT, in pieces, both ways."""
     from deepspeed._core.optim import master as optimizer_shard
-    from deepspeed._core.optim.master import MasterPartition, MasterPlacement, TransferPath
+    from deepspeed._core.optim.master import MasterPlacement, MasterShard, TransferPath
 
     monkeypatch.setattr(optimizer_shard, "TRANSFER_CHUNK_NUMEL", 7)  # several chunks, some across segments
     layout = plan_group(SHAPES, 2)
@@ -328,11 +328,11 @@ def test_master_partition_chunked_transfer_matches_direct(monkeypatch: pytest.Mo
     for path in (TransferPath.DIRECT, TransferPath.CHUNKED):
         buf = FlatBuffer.allocate(layout, CPU, torch.bfloat16, plan_segments(layout, 20))
         buf.copy_in(Range(0, layout.padded_numel), values)
-        master = MasterPartition(buf, 1, torch.float32, MasterPlacement.DEVICE, path)
-        assert master.transfer is path
+        master = MasterShard.of_flat(buf, 1, torch.float32, MasterPlacement.DEVICE, path)
+        assert master.writer.transfer is path
         assert torch.equal(master.param.data, values[layout.partition(1).as_slice()].float())
         master.param.data.add_(0.5)
-        master.write_back()
+        master.writer.write_partition(master.param.data)  # no all-gather: no process group here
         bufs.append(buf)
     out = [torch.empty(layout.partition(1).size, dtype=torch.bfloat16) for _ in bufs]
     for buf, o in zip(bufs, out, strict=True):
@@ -363,22 +363,19 @@ def test_send_through_host_into_many_shards_straddling_pieces() -> None:
     """ZeRO-3's write-back: one pipeline over a group's master, each piece split across the shards it overlaps."""
     from types import SimpleNamespace
 
-    from deepspeed._core.optim.master import send_through_host
-    from deepspeed._core.optim.stage3 import Stage3Optimizer
+    from deepspeed._core.optim.master import ScatterWriteBack, send_through_host
 
     sizes = [5, 1, 12, 3, 9]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    states = [SimpleNamespace(shard=torch.full((n,), -1.0, dtype=torch.bfloat16)) for n in sizes]
-    grp = SimpleNamespace(states=states, offsets=offsets)
+    states = [
+        SimpleNamespace(shard=torch.full((n,), -1.0, dtype=torch.bfloat16), layout=SimpleNamespace(partition_numel=n))
+        for n in sizes
+    ]
     master = torch.randn(sum(sizes))
     for chunk in (1, 4, 7, 30):
-        send_through_host(
-            master,
-            torch.bfloat16,
-            CPU,
-            chunk,
-            lambda start, piece: Stage3Optimizer._scatter_to_shards(grp, start, piece),
-        )
+        writer = ScatterWriteBack(states, chunk)
+        assert writer.offsets == offsets
+        send_through_host(master, torch.bfloat16, CPU, chunk, writer.scatter)
         for state, off, n in zip(states, offsets, sizes, strict=True):
             assert torch.equal(state.shard, master[off : off + n].to(torch.bfloat16)), (chunk, off)
         for state in states:
