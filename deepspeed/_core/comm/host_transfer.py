@@ -135,6 +135,7 @@ class HostTransfers:
         item = self.pending.popleft()
         item.ready.synchronize()
         if item.slot is not None:
+            assert item.staged is not None  # a slot always carries its staged copy
             _fold(item.target, item.staged, item.fold)
             self._free.append(item.slot)
 
