@@ -207,3 +207,42 @@ def test_zero3_offload_keeps_host_state_lean() -> None:
     assert all(m == (torch.float32, "cpu", False) for m in seen["master"])
     assert seen["state_devices"] == {"cpu"}
     assert seen["after_step"]["accumulators"] == 0 and seen["after_step"]["param_grads"] == 0
+
+
+def _write_back_order(world: int) -> dict:
+    import deepspeed
+    from deepspeed._core.optim.master import MasterShard
+
+    seen: dict = {}
+    for offload in (False, True):
+        zero = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
+        engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(**zero))
+        gatherer = engine.optimizer.manager.gatherer
+        log: list[str] = []
+        sync, write = gatherer.sync_shard_reads, MasterShard.write_back
+
+        def spy_sync(sync=sync, log=log) -> None:  # noqa: ANN001
+            log.append("sync")
+            sync()
+
+        def spy_write(self, write=write, log=log) -> None:  # noqa: ANN001
+            log.append("write")
+            write(self)
+
+        gatherer.sync_shard_reads = spy_sync
+        MasterShard.write_back = spy_write
+        try:
+            _train(engine, range(1), world)
+        finally:
+            MasterShard.write_back = write
+        seen[offload] = log
+        engine.destroy()
+    return seen
+
+
+def test_offloaded_shards_are_written_back_only_after_the_copy_ins_read_them() -> None:
+    """With offload_param the step's host writes into the shards wait for the last copy-in first; without it
+    the write-back is stream-ordered and the host does not wait."""
+    (seen,) = run_distributed(_write_back_order, 1, 1)
+    assert seen[True] and seen[True][0] == "sync" and "write" in seen[True]
+    assert seen[False] and "sync" not in seen[False]

@@ -37,7 +37,7 @@ from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import local_sq_norm
 from deepspeed._core.optim.master import MasterShard
 from deepspeed._core.optim.sharded import ShardedOptimizer
-from deepspeed._core.optim.stage3_access import Stage3ParamAccess
+from deepspeed._core.optim.stage3_access import Region, ShardIndex, Stage3ParamAccess
 from deepspeed._core.params.manager import ZeroParamManager
 from deepspeed._core.params.param import ZeroParam, zero_state
 from deepspeed.accelerator import get_accelerator
@@ -116,16 +116,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         # gradient shard is chunked the same way, so the step reads each of its chunks in place.
         self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
         self.groups = [self._build_group(g) for g in optimizer.param_groups]
-        self._where = {
-            s.ds_id: (g, off)
-            for g, grp in enumerate(self.groups)
-            for s, off in zip(grp.states, grp.offsets, strict=False)
-        }
+        self.index = ShardIndex(self.groups)
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
         self.host = HostTransfers(slot_bytes_for(bucket_bytes))
-        self._state_at = {
-            (g, off): s for g, grp in enumerate(self.groups) for s, off in zip(grp.states, grp.offsets, strict=False)
-        }
         # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
         # waits for the step in its parameter's shard instead of in host chunks.
         self.parked = ParkedGrads(
@@ -205,9 +198,10 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
     def _on_grad(self, param: torch.nn.Parameter, state: ZeroParam, grad: torch.Tensor | None) -> None:
         # ``grad`` is param.grad, or one routed use's gradient ([Note: routed grads]); a tied parameter arrives
         # once per use, and its entries fold into the same accumulator region, adding up.
-        if state is None or state.ds_id not in self._where or grad is None:
+        region = None if state is None else self.index.get(state.ds_id)
+        if region is None or grad is None:
             return
-        g, off = self._where[state.ds_id]
+        g, off = region.group, region.offset
         borrowed = grad is not param.grad
         if self.eager_release:
             param.grad = None  # the bucket holds the only reference until its staging copy
@@ -217,7 +211,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset`` (or park a region's
         first piece in its parameter's shard: [Note: parked grads])."""
         if self._park:
-            state = self._state_at[(group_index, offset)]
+            state = self.index.at(group_index, offset).state
             self.parked.evict(state)  # a second fold into a parked region: the accumulator becomes its home
             if (group_index, offset) not in self._folded and self.parked.can_park(state, piece):
                 self._folded.add((group_index, offset))
@@ -240,6 +234,19 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
                 self.host.submit_direct(target, piece[pos : pos + target.numel()])
             else:
                 self.host.submit(target, piece[pos : pos + target.numel()], Fold.ADD)
+
+    def read_window_grad(self, region: Region, size: int) -> torch.Tensor | None:
+        """The first ``size`` elements of ``region``'s gradient in this window (``None`` outside one)."""
+        self.parked.evict(region.state)  # a gradient parked in the parameter's shard moves to the accumulator
+        acc = self.groups[region.group].window_grad()
+        return None if acc is None else acc.read(region.offset, size)
+
+    def write_window_grad(self, region: Region, values: torch.Tensor) -> None:
+        """Overwrite the start of ``region``'s gradient in this window with the 1-D ``values``."""
+        self.parked.evict(region.state)
+        self.groups[region.group].ensure_accumulator().write(region.offset, values)
+        # A later fold of this window must add to the written values, not copy over them.
+        self._folded.add((region.group, region.offset))
 
     def flush(self) -> None:
         """End of backward: reduce the partial bucket and fold every pending result."""
@@ -297,6 +304,10 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
 
         Each master's writer is a :class:`~deepspeed._core.optim.master.ScatterWriteBack`.
         """
+        if self.plan.zero.offload_param.enabled:
+            # The shards are host memory that a copy-in on the all-gather stream may still be reading
+            # ([Note: zero3-offload]); a host write must wait for it, a stream-ordered copy need not.
+            self.manager.gatherer.sync_shard_reads()
         for grp in self.groups:
             grp.master.write_back()
         self.manager.refresh_persistent()

@@ -8,73 +8,116 @@ this rank's valid slice; "full" accessors all-gather the slices (collective: eve
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from deepspeed._core.comm.collectives import gather_rows
+from deepspeed._core.params.param import ZeroParam
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where one trainable ZeRO-3 parameter's shard sits in its group's flat master: group index, start, state."""
+
+    group: int
+    offset: int
+    state: ZeroParam
+
+
+class ShardIndex:
+    """Every optimized parameter's :class:`Region`, found by ``ds_id`` or by ``(group, offset)`` in O(1).
+
+    One map of regions, built once from the groups' states and offsets (which never change after set-up).
+    """
+
+    def __init__(self, groups: Sequence[Any]) -> None:
+        self._by_id: dict[int, Region] = {}
+        self._by_start: dict[tuple[int, int], Region] = {}
+        for g, grp in enumerate(groups):
+            for state, off in zip(grp.states, grp.offsets, strict=True):
+                region = Region(g, off, state)
+                self._by_id[state.ds_id] = region
+                self._by_start[(g, off)] = region
+
+    def get(self, ds_id: int | None) -> Region | None:
+        """The region of the parameter with ``ds_id`` (``None`` when this optimizer does not step it)."""
+        return None if ds_id is None else self._by_id.get(ds_id)
+
+    def of(self, param: torch.nn.Parameter) -> Region:
+        """The region of ``param``; a clear error for a parameter this optimizer does not step."""
+        ds_id = getattr(param, "ds_id", None)
+        region = self.get(ds_id)
+        if region is None:
+            raise ValueError(f"parameter with ds_id={ds_id} is not optimized by this ZeRO-3 optimizer")
+        return region
+
+    def at(self, group: int, offset: int) -> Region:
+        """The region starting at ``offset`` of group ``group``'s flat master."""
+        return self._by_start[(group, offset)]
 
 
 class Stage3ParamAccess:
     """Mixin for ``Stage3Optimizer``: the methods ``deepspeed.utils.tensor_fragment`` calls on
-    ``param._z3_optimizer``."""
+    ``param._z3_optimizer``.
 
+    It reads the optimizer only through this interface: ``index`` (a :class:`ShardIndex`), ``groups`` (each with
+    a ``master``), the inner ``optimizer``, ``dp_group`` / ``world_size``, and the two window-gradient
+    accessors :meth:`read_window_grad` / :meth:`write_window_grad`, which the optimizer implements (it knows where
+    a gradient of the window lies: in the accumulator, or parked in the parameter's shard).
+    """
+
+    index: ShardIndex
     groups: list
-    _folded: set  # (group index, offset) regions written in this window
-    _where: dict  # ds_id -> (group index, offset)
     optimizer: torch.optim.Optimizer
     dp_group: Any
     world_size: int
 
-    def _where_is(self, param: torch.nn.Parameter) -> tuple[Any, Any, int]:
-        ds_id = getattr(param, "ds_id", None)
-        for grp in self.groups:
-            for state, off in zip(grp.states, grp.offsets, strict=False):
-                if state.ds_id == ds_id:
-                    return grp, state, off
-        raise ValueError(f"parameter with ds_id={ds_id} is not optimized by this ZeRO-3 optimizer")
+    def read_window_grad(self, region: Region, size: int) -> torch.Tensor | None:
+        """The first ``size`` elements of ``region``'s gradient in this window (``None`` outside one)."""
+        raise NotImplementedError
 
-    def _flat(self, grp: Any, key: str | None) -> torch.Tensor:
+    def write_window_grad(self, region: Region, values: torch.Tensor) -> None:
+        """Overwrite the start of ``region``'s gradient in this window with the 1-D ``values``."""
+        raise NotImplementedError
+
+    def _flat(self, region: Region, key: str | None) -> torch.Tensor:
         """The group's flat fp32 tensor: the master (``key`` None) or an optimizer state (not the gradient,
         which is a :class:`~deepspeed._core.grads.accumulator.ChunkedGradShard`)."""
+        master = self.groups[region.group].master
         if key is None:
-            return grp.master.data
-        value = self.optimizer.state.get(grp.master.param, {}).get(key)
+            return master.data
+        states = self.optimizer.state.get(master.param, {})
+        value = states.get(key)
         if value is None:
-            raise ValueError(
-                f"optimizer state {key!r} does not exist (yet); known: "
-                f"{sorted(self.optimizer.state.get(grp.master.param, {}))}"
-            )
+            raise ValueError(f"optimizer state {key!r} does not exist (yet); known: {sorted(states)}")
         return value
 
     def _local(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor:
-        grp, state, off = self._where_is(param)
-        return self._flat(grp, key)[off : off + state.local_range.size]
+        region = self.index.of(param)
+        return self._flat(region, key)[region.offset : region.offset + region.state.local_range.size]
 
     def _read(self, param: torch.nn.Parameter, key: str | None, size_of: Callable[[Any], int]) -> torch.Tensor | None:
         """``size_of(state)`` elements of ``param``'s slice of ``key`` (``"grad"``: ``None`` outside a window)."""
-        grp, state, off = self._where_is(param)
+        region = self.index.of(param)
+        size = size_of(region.state)
         if key == "grad":
-            self.parked.evict(state)  # a gradient parked in the parameter's shard moves to the accumulator
-            acc = grp.window_grad()
-            return None if acc is None else acc.read(off, size_of(state))
-        return self._flat(grp, key)[off : off + size_of(state)]
+            return self.read_window_grad(region, size)
+        return self._flat(region, key)[region.offset : region.offset + size]
 
     def _write(self, param: torch.nn.Parameter, key: str | None, values: torch.Tensor) -> None:
         """Overwrite the start of ``param``'s slice of ``key`` with the 1-D ``values``."""
-        grp, state, off = self._where_is(param)
+        region = self.index.of(param)
         with torch.no_grad():
             if key == "grad":
-                self.parked.evict(state)
-                grp.ensure_accumulator().write(off, values)
-                # A later fold of this window must add to the written values, not copy over them.
-                self._folded.add(self._where[state.ds_id])
+                self.write_window_grad(region, values)
                 return
-            local = self._flat(grp, key)[off : off + values.numel()]
+            local = self._flat(region, key)[region.offset : region.offset + values.numel()]
             local.copy_(values.to(local.device, dtype=local.dtype))
 
     def _full(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
-        _, state, _ = self._where_is(param)
+        state = self.index.of(param).state
         slice_ = self._read(param, key, lambda s: s.layout.partition_numel)
         if slice_ is None:
             return None
@@ -87,7 +130,9 @@ class Stage3ParamAccess:
     # --- full (collective) ----------------------------------------------------------------------------
     def get_full_hp_param(self, param: torch.nn.Parameter, optim_state_key: str | None = None) -> torch.Tensor:
         """Full fp32 master (or optimizer state ``optim_state_key``) of ``param``; collective."""
-        return self._full(param, optim_state_key)
+        full = self._full(param, optim_state_key)
+        assert full is not None  # only a gradient can be absent (outside a window)
+        return full
 
     def set_full_hp_param(
         self, value: torch.Tensor, param: torch.nn.Parameter, optim_state_key: str | None = None
@@ -104,8 +149,7 @@ class Stage3ParamAccess:
         self._write_slice(value, param, "grad")
 
     def _write_slice(self, value: torch.Tensor, param: torch.nn.Parameter, key: str | None) -> None:
-        _, state, _ = self._where_is(param)
-        rng = state.local_range
+        rng = self.index.of(param).state.local_range
         self._write(param, key, value.reshape(-1)[rng.start : rng.end])
 
     def update_fp32_grad_for_param_vectorized(
