@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from deepspeed._core.comm.streams import record_current
-from deepspeed._core.optim.chunked_step import _convert_scaled
+from deepspeed._core.grads.convert import convert_scaled
 from deepspeed._core.params.param import ShardedState, ZeroParam
 
 
@@ -236,7 +236,7 @@ class ParkedWindow:
         overlapping = self._overlapping(start, end)
         if not overlapping or any(r.grad().device.type != "cpu" for r in overlapping):
             return False
-        self._fill(start, end, out, lambda dst, src: _convert_scaled(dst, src, coef))
+        self._fill(start, end, out, lambda dst, src: convert_scaled(dst, src, coef))
         return True
 
     def _staged(self, start: int, end: int) -> torch.Tensor:

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+# CONVERT_BLOCK_NUMEL is re-exported: it was defined here before the conversion moved to the gradient room.
+from deepspeed._core.grads.convert import CONVERT_BLOCK_NUMEL as CONVERT_BLOCK_NUMEL
+from deepspeed._core.grads.convert import convert_scaled
+
 STEP_CHUNK_BYTES_CAP = 1 << 28
 """At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
 model steps in ~6 chunks), small enough to stay well under the floor's one-bucket transient."""
@@ -58,27 +62,6 @@ def _merge_back(master_state: dict, chunk_state: dict, master: torch.Tensor, sta
         else:
             scalars[key] = value
     return scalars
-
-
-CONVERT_BLOCK_NUMEL = 1 << 20
-"""Host conversions are scaled 4 MiB (fp32) at a time, while the block is still in cache."""
-
-
-def _convert_scaled(out: torch.Tensor, src: torch.Tensor, coef: float) -> None:
-    """``out = src.to(out.dtype) * coef``, the product taken in ``out``'s dtype.
-
-    On the host, converting a whole chunk and then scaling it reads and writes the fp32 chunk twice from memory;
-    done block by block the scaling pass hits the cache.
-    """
-    if coef == 1.0 or out.device.type != "cpu" or out.numel() <= CONVERT_BLOCK_NUMEL:
-        out.copy_(src)
-        if coef != 1.0:
-            out.mul_(coef)
-        return
-    for start in range(0, out.numel(), CONVERT_BLOCK_NUMEL):
-        block = out[start : start + CONVERT_BLOCK_NUMEL]
-        block.copy_(src[start : start + block.numel()])
-        block.mul_(coef)
 
 
 def step_in_chunks(
@@ -135,7 +118,7 @@ def step_in_chunks(
                     if convert is None:
                         convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
                     view.grad = convert[: end - start]
-                    _convert_scaled(view.grad, piece, coef)
+                    convert_scaled(view.grad, piece, coef)
             group["params"] = [view]
             optimizer.step()
             updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)
