@@ -79,11 +79,9 @@ class Stage3Group:
         return acc if acc is not None and acc.allocated_numel else None
 
     def end_window(self) -> None:
-        """Drop the window's gradient (kept host storage only turns stale)."""
-        if self.accumulator is not None and self.keep_storage:
+        """Drop the window's gradient: the shard frees its chunks, or with ``keep_storage`` turns them stale."""
+        if self.accumulator is not None:
             self.accumulator.reset()
-        else:
-            self.accumulator = None
 
 
 class Stage3Optimizer(Stage3ParamAccess, ShardedStepMixin, EngineOptimizer):
