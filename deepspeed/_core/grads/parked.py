@@ -12,13 +12,17 @@ every shard from the fp32 master anyway (the shard is always ``master`` rounded 
 first fold of such a region copies the reduced gradient into the shard (same dtype, same numel, on the device or
 in pinned host memory with ``offload_param``) and no host chunk is allocated for it.
 
-Every read of the shard before the step goes through an eviction: a gather (``Gatherer.start_gather``), a
-shard write (``ZeroParam.write_shard_from``), a second fold into the same region, ``safe_get_*`` of the gradient.
-The eviction copies the gradient into its ordinary accumulator region and restores the shard from the master,
-so the parameter's values and the gradient are both what they would have been; only the memory saving of that
-region is lost. An overflow skip or ``zero_grad`` restores every parked shard the same way. With one rank the
-gathered tensor is the shard itself, so a gradient that arrives while its parameter is still gathered waits
-(held as the reduced piece) until the parameter is released.
+The parameter's state says so: a parked region's ``ZeroParam.shard_content`` is ``ShardContent.GRADIENT``, and
+:class:`ParkedGrads`, registered once per managed parameter as its ``grad_holder``, owns the moves. Every read of
+the shard before the step goes through an eviction: a gather (``Gatherer.start_gather``) and a shard write
+(``ZeroParam.write_shard_from``) ask ``ZeroParam.restore_values``, which calls the holder's ``evict``; a second
+fold into the same region and ``safe_get_*`` of the gradient evict directly. The eviction copies the gradient
+into its ordinary accumulator region and restores the shard from the master, so the parameter's values and the
+gradient are both what they would have been; only the memory saving of that region is lost. An overflow skip or
+``zero_grad`` restores every parked shard the same way. With one rank the gathered tensor is the shard itself, so
+a gradient that arrives while its parameter is still gathered waits (held as the reduced piece, the shard
+``GRADIENT_INCOMING``) until ``ZeroParam.mark_sharded`` releases the parameter and hands it to the holder's
+``released``.
 
 Eligible: window of one micro-step, gradient dtype equal to the shard's, a parameter that no
 ``GatheredParameters`` context holds. Persistent parameters (small, always gathered) keep theirs in a side tensor
@@ -54,7 +58,8 @@ class Parked:
 
 
 class ParkedGrads:
-    """Which regions hold their gradient in their parameter's shard (or a side tensor), and the moves in and out.
+    """Which regions hold their gradient in their parameter's shard (or a side tensor), and the moves in and out:
+    the :class:`~deepspeed._core.params.param.ShardGradHolder` of the parameters it may park in (:meth:`hold`).
 
     Persistent parameters (small, always gathered: with one rank the gathered tensor is their shard) keep their
     gradient in a side tensor of their own, so that they do not make the host allocate an accumulator chunk.
@@ -86,6 +91,17 @@ class ParkedGrads:
     def __len__(self) -> int:
         return len(self.parked)
 
+    def hold(self, states: list[ZeroParam]) -> None:
+        """Become the gradient holder of ``states`` (once, when parking is enabled)."""
+        for state in states:
+            state.hold_grads_with(self)
+
+    def let_go(self, states: list[ZeroParam]) -> None:
+        """Stop holding ``states``' gradients; nothing of them may be parked any more."""
+        for state in states:
+            if state.grad_holder is self:
+                state.hold_grads_with(None)
+
     @staticmethod
     def can_park(state: ZeroParam, piece: torch.Tensor) -> bool:
         """True when ``piece`` (a region's first, final gradient of the window) may wait outside the accumulator."""
@@ -100,6 +116,7 @@ class ParkedGrads:
             self._store_aside(region, piece)
         elif state.aliases_shard and state.state is not ShardedState.SHARDED:
             # One rank: the gathered tensor is the shard and the module may still read it.
+            state.mark_gradient_incoming()
             self._waiting[state.ds_id] = (region, piece)
         else:
             self._store(region, piece)
@@ -110,7 +127,7 @@ class ParkedGrads:
             shard.copy_(piece)
         else:
             self._copy_to_host(shard, piece)
-        region.state.grad_parked = self.evict
+        region.state.mark_gradient()
         self.parked[region.state.ds_id] = region
 
     def _store_aside(self, region: Parked, piece: torch.Tensor) -> None:
@@ -127,6 +144,7 @@ class ParkedGrads:
     def settle(self) -> None:
         """End of the backward: gradients still waiting (their parameter stayed gathered) go to side tensors."""
         for region, piece in self._waiting.values():
+            region.state.mark_values()
             self._store_aside(region, piece)
         self._waiting.clear()
 
@@ -138,13 +156,14 @@ class ParkedGrads:
             region, piece = waiting
             self._accumulator_of(region.group).write(region.offset, piece)
         region = self.parked.pop(state.ds_id, None)
-        state.grad_parked = None
         if region is None:
+            state.mark_values()
             return
         self._drain()  # a copy into a host shard may still be in flight
         self._accumulator_of(region.group).write(region.offset, region.grad())
         if region.side is None:
             self._restore(region)
+        state.mark_values()
 
     def _restore(self, region: Parked) -> None:
         shard = region.state.shard.reshape(-1)
@@ -163,16 +182,16 @@ class ParkedGrads:
         """Drop every parked gradient and put the parameter values back (overflow skip, ``zero_grad``)."""
         self._drain()
         for region in self.parked.values():
-            region.state.grad_parked = None
             if region.side is None:
                 self._restore(region)
-        self.parked.clear()
-        self._waiting.clear()
+        self.forget()
 
     def forget(self) -> None:
         """After a step wrote every shard from the master: nothing is parked any more."""
         for region in self.parked.values():
-            region.state.grad_parked = None
+            region.state.mark_values()
+        for region, _ in self._waiting.values():
+            region.state.mark_values()
         self.parked.clear()
         self._waiting.clear()
 
