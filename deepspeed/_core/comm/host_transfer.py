@@ -135,6 +135,7 @@ class HostTransfers:
         item = self.pending.popleft()
         item.ready.synchronize()
         if item.slot is not None:
+            assert item.staged is not None  # a copy through a slot is staged in that slot
             _fold(item.target, item.staged, item.fold)
             self._free.append(item.slot)
 

@@ -170,7 +170,7 @@ class ChunkedGradShard:
 
     def allocated(self) -> list[torch.Tensor]:
         """The chunks holding this window's values (for the norm: the others are zeros)."""
-        return [c for c, live in zip(self._chunks, self._live, strict=False) if live]
+        return [c for c, live in zip(self._chunks, self._live, strict=False) if live and c is not None]
 
     @property
     def allocated_numel(self) -> int:

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from deepspeed._core.comm.streams import record_current
+from deepspeed._core.grads.accumulator import ChunkedGradShard
 from deepspeed._core.grads.convert import convert_scaled
 from deepspeed._core.params.param import ShardedState, ZeroParam
 
@@ -75,7 +77,7 @@ class ParkedGrads:
     def __init__(
         self,
         master_of: Callable[[int], torch.Tensor],
-        accumulator_of: Callable[[int], object],
+        accumulator_of: Callable[[int], ChunkedGradShard],
         copy_to_host: Callable[[torch.Tensor, torch.Tensor], None],
         drain: Callable[[], None],
         side_dtype: torch.dtype,
@@ -153,8 +155,8 @@ class ParkedGrads:
         nothing of ``state`` is parked)."""
         waiting = self._waiting.pop(state.ds_id, None)
         if waiting is not None:
-            region, piece = waiting
-            self._accumulator_of(region.group).write(region.offset, piece)
+            incoming, piece = waiting
+            self._accumulator_of(incoming.group).write(incoming.offset, piece)
         region = self.parked.pop(state.ds_id, None)
         if region is None:
             state.mark_values()
@@ -208,7 +210,12 @@ class ParkedWindow:
     """
 
     def __init__(
-        self, accumulator: object, regions: list[Parked], buffers: list[torch.Tensor], chunk_numel: int, numel: int
+        self,
+        accumulator: ChunkedGradShard,
+        regions: list[Parked],
+        buffers: list[torch.Tensor],
+        chunk_numel: int,
+        numel: int,
     ) -> None:
         """``buffers``: two tensors of at least ``chunk_numel`` elements in the accumulator's dtype, on the
         master's device; ``numel``: the group's flat size (the chunks are ``[k * chunk_numel, ...)``)."""
@@ -218,12 +225,12 @@ class ParkedWindow:
         self.chunk_numel = chunk_numel
         self.numel = numel
         self._next = 0  # which buffer the next window uses
-        self._prefetched: dict[int, tuple[int, object]] = {}  # window start -> (buffer index, completion event)
+        self._prefetched: dict[int, tuple[int, Any]] = {}  # window start -> (buffer index, completion event)
 
     def _overlapping(self, start: int, end: int) -> list[Parked]:
         return [r for r in self.regions if r.offset < end and r.offset + r.state.shard.numel() > start]
 
-    def _copy_device_pieces(self, start: int, end: int, out: torch.Tensor) -> object:
+    def _copy_device_pieces(self, start: int, end: int, out: torch.Tensor) -> Any:
         """Start copying the device-resident parked pieces of ``[start, end)``; returns an event or ``None``."""
         issued = False
         for region in self._overlapping(start, end):

@@ -203,19 +203,21 @@ class PartitionGrads:
         bucket_index, g, s = self._where[id(param)]
         bucket, grads = self.reducer.buckets[bucket_index], self.groups[g]
         path = self._path
+        grad = param.grad
+        assert grad is not None  # a post-accumulate-grad hook runs once .grad is set
         if path is GradPath.STAGE1_ACCUMULATE:
             acc = grads.ensure_accumulator(self.partition.device)
-            acc[grads.layout.slots[s].range.as_slice()].add_(param.grad.reshape(-1))
+            acc[grads.layout.slots[s].range.as_slice()].add_(grad.reshape(-1))
             param.grad = None
         elif self._direct:
-            self._fold_direct(grads, s, param.grad)
+            self._fold_direct(grads, s, grad)
             param.grad = None
         elif path in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN):
-            self._stage(bucket, s, param.grad)
+            self._stage(bucket, s, grad)
             if path is GradPath.STAGE2_FREE:
                 param.grad = None
             else:
-                param.grad.zero_()
+                grad.zero_()
         self.reducer.mark_ready(bucket_index, s)
 
     def _stage(self, bucket: Bucket, slot_index: int, grad: torch.Tensor) -> None:

@@ -102,11 +102,13 @@ def step_in_chunks(
             view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
             if existing:
                 optimizer.state[view] = _chunk_state(master_state, scalars, start, end)
-            if convert is None and hasattr(grad, "convert_into"):
-                convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
             # A gradient that assembles ranges itself (parked gradients) converts each piece from where it lies.
-            assembled = hasattr(grad, "convert_into") and grad.convert_into(start, end, convert[: end - start], coef)
-            if assembled:
+            assembled = False
+            if hasattr(grad, "convert_into"):
+                if convert is None:
+                    convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+                assembled = grad.convert_into(start, end, convert[: end - start], coef)
+            if assembled and convert is not None:
                 view.grad = convert[: end - start]
             else:
                 piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]

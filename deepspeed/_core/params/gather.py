@@ -138,7 +138,7 @@ class Gatherer:
         device, dtype = target.device_of(data), target.dtype_of(data)
         layout = Stage3ParamLayout(data.numel(), group.world_size)
         shard = allocate_shard(layout.partition_numel, dtype, device, self.placement)
-        shard.ds_numel = layout.partition_numel  # upstream readers use ds_tensor.ds_numel
+        shard.ds_numel = layout.partition_numel  # type: ignore[attr-defined]  # upstream readers: ds_tensor.ds_numel
         # One rank, lean release, plain codec: the gathered tensor can be the shard itself (ZeroParam checks
         # the rest: shard on the compute device, no padding). The upstream-like A/B mode keeps separate copies.
         storage = (
@@ -308,6 +308,7 @@ class FetchUnit:
         """The unit's parameter states, in registration order (as of the last :meth:`refresh`)."""
         if self._states is None:
             self.refresh()
+        assert self._states is not None
         return self._states
 
     def refresh(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -298,9 +298,9 @@ class ZeroParam:
 
         An incoming gradient is not in the shard yet, so it stays where it waits.
         """
-        if self.shard_content is ShardContent.GRADIENT:
+        if self.holds_gradient:
             self._holder().evict(self)
-            assert self.shard_content is ShardContent.VALUES, f"ds_id {self.ds_id}: eviction left a gradient"
+            assert not self.holds_gradient, f"ds_id {self.ds_id}: eviction left a gradient"
 
     # ---------------------------------------------------------------- shard <-> full values
     def write_shard_from(self, full_values: torch.Tensor) -> None:
@@ -354,7 +354,7 @@ class _CompletedGather:
 
 def _states(param: ZeroParameter, param_list: Sequence[nn.Parameter] | None) -> list[ZeroParam]:
     params = [param] if param_list is None else list(param_list)
-    return [p._ds_state for p in params]
+    return [cast(ZeroParameter, p)._ds_state for p in params]
 
 
 class ZeroParameter(nn.Parameter):
@@ -453,8 +453,9 @@ def attach_ds_view(param: nn.Parameter, state: ZeroParam) -> ZeroParameter:
     if type(param) is not nn.Parameter and not isinstance(param, ZeroParameter):
         raise TypeError(f"cannot partition a parameter subclass {type(param).__name__}")
     param.__class__ = ZeroParameter
-    param._ds_state = state
-    return param  # type: ignore[return-value]
+    view = cast(ZeroParameter, param)
+    view._ds_state = state
+    return view
 
 
 def zero_state(param: torch.Tensor) -> ZeroParam | None:
