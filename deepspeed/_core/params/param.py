@@ -279,13 +279,13 @@ class ZeroParam:
     def mark_gradient_incoming(self) -> None:
         """VALUES -> GRADIENT_INCOMING: a gradient waits for the (gathered, shard-aliasing) parameter's release."""
         assert self.shard_content is ShardContent.VALUES, f"ds_id {self.ds_id}: shard holds {self.shard_content.name}"
-        self._holder()
+        self._holder()  # only a registered holder may park here: it is the one that moves the gradient in
         self.shard_content = ShardContent.GRADIENT_INCOMING
 
     def mark_gradient(self) -> None:
         """VALUES or GRADIENT_INCOMING -> GRADIENT: the holder has stored this window's gradient in the shard."""
         assert self.shard_content is not ShardContent.GRADIENT, f"ds_id {self.ds_id}: gradient parked twice"
-        self._holder()
+        self._holder()  # only a registered holder may park here: it is the one that evicts
         self.shard_content = ShardContent.GRADIENT
 
     def mark_values(self) -> None:
