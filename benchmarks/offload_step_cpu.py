@@ -87,19 +87,19 @@ def main() -> None:
         shard.reset()
         return elapsed
 
-    from deepspeed._core.optim import chunked_step as chunked_step_mod
+    from deepspeed._core.grads import convert as convert_mod
 
     src_chunk, out_chunk = torch.randn(ch).bfloat16(), torch.empty(ch)
 
     def convert_scale(block: int) -> float:
         """One chunk converted to fp32 and scaled: whole (two memory passes) or block by block (cached)."""
-        saved, chunked_step_mod.CONVERT_BLOCK_NUMEL = chunked_step_mod.CONVERT_BLOCK_NUMEL, block
+        saved, convert_mod.CONVERT_BLOCK_NUMEL = convert_mod.CONVERT_BLOCK_NUMEL, block
         try:
             t = time.perf_counter()
-            chunked_step_mod._convert_scaled(out_chunk, src_chunk, 0.5)
+            convert_mod.convert_scaled(out_chunk, src_chunk, 0.5)
             return time.perf_counter() - t
         finally:
-            chunked_step_mod.CONVERT_BLOCK_NUMEL = saved
+            convert_mod.CONVERT_BLOCK_NUMEL = saved
 
     from deepspeed._core.optim.clipping import NORM_CHUNK_NUMEL, local_sq_norm
 
@@ -140,7 +140,7 @@ def main() -> None:
             if direct:
                 window.convert_into(s, e, out_chunk[: e - s], 0.5)
             else:
-                chunked_step_mod._convert_scaled(out_chunk[: e - s], window.window(s, e), 0.5)
+                convert_mod.convert_scaled(out_chunk[: e - s], window.window(s, e), 0.5)
         return time.perf_counter() - t
 
     cases = {
@@ -151,7 +151,7 @@ def main() -> None:
         "norm_fresh": lambda: norm(False),
         "norm_reused": lambda: norm(True),
         "convert_scale_whole": lambda: convert_scale(1 << 62),
-        "convert_scale_blocked": lambda: convert_scale(chunked_step_mod.CONVERT_BLOCK_NUMEL),
+        "convert_scale_blocked": lambda: convert_scale(convert_mod.CONVERT_BLOCK_NUMEL),
         "convert_fresh": lambda: convert(False),
         "convert_reused": lambda: convert(True),
         "fill_fresh": lambda: fill(ChunkedGradShard(n, ch, torch.bfloat16, "cpu")),

@@ -203,9 +203,7 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
 # Imports that go against the direction today, each (file, room it imports). They are listed so the rule can hold
 # everywhere else; an entry is removed when its import goes (test_known_room_exceptions_are_current fails on a
 # stale one), and none is added without a reason here.
-ROOM_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("_core/grads/parked.py", "optim"): "parked gradients reuse optim.chunked_step's scaled conversion",
-}
+ROOM_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _room_of_file(rel: str) -> str | None:

@@ -16,6 +16,9 @@ into 128M bf16 elements took 0.15 s into fresh chunks and 0.06-0.07 s into kept 
 ``fill_kept`` of ``benchmarks/offload_step_cpu.py``, ``benchmarks/results/cpu/``). ``keep_storage`` therefore
 turns "released" into "stale": the storage stays, is zeroed when the next window first writes to it, and counts
 as allocated only while it holds this window's values.
+
+ZeRO-1/2 hold their partition gradient and lean ZeRO-1's full-size accumulator in shards of one chunk
+(:meth:`ChunkedGradShard.whole`): the step gets the tensor itself, and the keep-storage policy lives only here.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class ChunkedGradShard:
         self.device = torch.device(device)
         self.keep_storage = keep_storage
         self.pin_memory = pin_memory and self.device.type == "cpu"
-        self._chunks: list[torch.Tensor | None] = [None] * -(-numel // chunk_numel)
+        # At least one chunk, so that a shard of one chunk (:meth:`whole`) exists even with no elements.
+        self._chunks: list[torch.Tensor | None] = [None] * max(1, -(-numel // chunk_numel))
         self._live = [False] * len(self._chunks)  # holds this window's values (else zeros by definition)
 
     def bounds(self, index: int) -> tuple[int, int]:
@@ -78,6 +82,21 @@ class ChunkedGradShard:
 
     def _live_chunk(self, index: int) -> torch.Tensor | None:
         return self._chunks[index] if index < len(self._chunks) and self._live[index] else None
+
+    def whole(self) -> torch.Tensor:
+        """The shard as one writable tensor, allocated (zeroed) on the window's first use; the same tensor until
+        the window ends. Only for a shard of one chunk (``chunk_numel >= numel``)."""
+        self._check_single()
+        return self._chunk(0)
+
+    def whole_or_none(self) -> torch.Tensor | None:
+        """The one-chunk shard's tensor while it holds this window's values, else ``None`` (nothing allocated)."""
+        self._check_single()
+        return self._live_chunk(0)
+
+    def _check_single(self) -> None:
+        if len(self._chunks) != 1:
+            raise ValueError(f"a gradient shard of {len(self._chunks)} chunks has no single tensor")
 
     def pieces(self, offset: int, size: int) -> Iterator[tuple[int, torch.Tensor]]:
         """Writable views covering ``[offset, offset + size)``, allocating the chunks they fall in.
@@ -151,7 +170,7 @@ class ChunkedGradShard:
 
     def allocated(self) -> list[torch.Tensor]:
         """The chunks holding this window's values (for the norm: the others are zeros)."""
-        return [c for c, live in zip(self._chunks, self._live, strict=False) if live]
+        return [c for c, live in zip(self._chunks, self._live, strict=False) if live and c is not None]
 
     @property
     def allocated_numel(self) -> int:

@@ -12,13 +12,17 @@ every shard from the fp32 master anyway (the shard is always ``master`` rounded 
 first fold of such a region copies the reduced gradient into the shard (same dtype, same numel, on the device or
 in pinned host memory with ``offload_param``) and no host chunk is allocated for it.
 
-Every read of the shard before the step goes through an eviction: a gather (``Gatherer.start_gather``), a
-shard write (``ZeroParam.write_shard_from``), a second fold into the same region, ``safe_get_*`` of the gradient.
-The eviction copies the gradient into its ordinary accumulator region and restores the shard from the master,
-so the parameter's values and the gradient are both what they would have been; only the memory saving of that
-region is lost. An overflow skip or ``zero_grad`` restores every parked shard the same way. With one rank the
-gathered tensor is the shard itself, so a gradient that arrives while its parameter is still gathered waits
-(held as the reduced piece) until the parameter is released.
+The parameter's state says so: a parked region's ``ZeroParam.shard_content`` is ``ShardContent.GRADIENT``, and
+:class:`ParkedGrads`, registered once per managed parameter as its ``grad_holder``, owns the moves. Every read of
+the shard before the step goes through an eviction: a gather (``Gatherer.start_gather``) and a shard write
+(``ZeroParam.write_shard_from``) ask ``ZeroParam.restore_values``, which calls the holder's ``evict``; a second
+fold into the same region and ``safe_get_*`` of the gradient evict directly. The eviction copies the gradient
+into its ordinary accumulator region and restores the shard from the master, so the parameter's values and the
+gradient are both what they would have been; only the memory saving of that region is lost. An overflow skip or
+``zero_grad`` restores every parked shard the same way. With one rank the gathered tensor is the shard itself, so
+a gradient that arrives while its parameter is still gathered waits (held as the reduced piece, the shard
+``GRADIENT_INCOMING``) until ``ZeroParam.mark_sharded`` releases the parameter and hands it to the holder's
+``released``.
 
 Eligible: window of one micro-step, gradient dtype equal to the shard's, a parameter that no
 ``GatheredParameters`` context holds. Persistent parameters (small, always gathered) keep theirs in a side tensor
@@ -30,11 +34,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from deepspeed._core.comm.streams import record_current
-from deepspeed._core.optim.chunked_step import _convert_scaled
+from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.grads.convert import convert_scaled
 from deepspeed._core.params.param import ShardedState, ZeroParam
 
 
@@ -54,7 +60,8 @@ class Parked:
 
 
 class ParkedGrads:
-    """Which regions hold their gradient in their parameter's shard (or a side tensor), and the moves in and out.
+    """Which regions hold their gradient in their parameter's shard (or a side tensor), and the moves in and out:
+    the :class:`~deepspeed._core.params.param.ShardGradHolder` of the parameters it may park in (:meth:`hold`).
 
     Persistent parameters (small, always gathered: with one rank the gathered tensor is their shard) keep their
     gradient in a side tensor of their own, so that they do not make the host allocate an accumulator chunk.
@@ -70,7 +77,7 @@ class ParkedGrads:
     def __init__(
         self,
         master_of: Callable[[int], torch.Tensor],
-        accumulator_of: Callable[[int], object],
+        accumulator_of: Callable[[int], ChunkedGradShard],
         copy_to_host: Callable[[torch.Tensor, torch.Tensor], None],
         drain: Callable[[], None],
         side_dtype: torch.dtype,
@@ -86,6 +93,17 @@ class ParkedGrads:
     def __len__(self) -> int:
         return len(self.parked)
 
+    def hold(self, states: list[ZeroParam]) -> None:
+        """Become the gradient holder of ``states`` (once, when parking is enabled)."""
+        for state in states:
+            state.hold_grads_with(self)
+
+    def let_go(self, states: list[ZeroParam]) -> None:
+        """Stop holding ``states``' gradients; nothing of them may be parked any more."""
+        for state in states:
+            if state.grad_holder is self:
+                state.hold_grads_with(None)
+
     @staticmethod
     def can_park(state: ZeroParam, piece: torch.Tensor) -> bool:
         """True when ``piece`` (a region's first, final gradient of the window) may wait outside the accumulator."""
@@ -100,6 +118,7 @@ class ParkedGrads:
             self._store_aside(region, piece)
         elif state.aliases_shard and state.state is not ShardedState.SHARDED:
             # One rank: the gathered tensor is the shard and the module may still read it.
+            state.mark_gradient_incoming()
             self._waiting[state.ds_id] = (region, piece)
         else:
             self._store(region, piece)
@@ -110,7 +129,7 @@ class ParkedGrads:
             shard.copy_(piece)
         else:
             self._copy_to_host(shard, piece)
-        region.state.grad_parked = self.evict
+        region.state.mark_gradient()
         self.parked[region.state.ds_id] = region
 
     def _store_aside(self, region: Parked, piece: torch.Tensor) -> None:
@@ -127,6 +146,7 @@ class ParkedGrads:
     def settle(self) -> None:
         """End of the backward: gradients still waiting (their parameter stayed gathered) go to side tensors."""
         for region, piece in self._waiting.values():
+            region.state.mark_values()
             self._store_aside(region, piece)
         self._waiting.clear()
 
@@ -135,16 +155,17 @@ class ParkedGrads:
         nothing of ``state`` is parked)."""
         waiting = self._waiting.pop(state.ds_id, None)
         if waiting is not None:
-            region, piece = waiting
-            self._accumulator_of(region.group).write(region.offset, piece)
+            incoming, piece = waiting
+            self._accumulator_of(incoming.group).write(incoming.offset, piece)
         region = self.parked.pop(state.ds_id, None)
-        state.grad_parked = None
         if region is None:
+            state.mark_values()
             return
         self._drain()  # a copy into a host shard may still be in flight
         self._accumulator_of(region.group).write(region.offset, region.grad())
         if region.side is None:
             self._restore(region)
+        state.mark_values()
 
     def _restore(self, region: Parked) -> None:
         shard = region.state.shard.reshape(-1)
@@ -163,16 +184,16 @@ class ParkedGrads:
         """Drop every parked gradient and put the parameter values back (overflow skip, ``zero_grad``)."""
         self._drain()
         for region in self.parked.values():
-            region.state.grad_parked = None
             if region.side is None:
                 self._restore(region)
-        self.parked.clear()
-        self._waiting.clear()
+        self.forget()
 
     def forget(self) -> None:
         """After a step wrote every shard from the master: nothing is parked any more."""
         for region in self.parked.values():
-            region.state.grad_parked = None
+            region.state.mark_values()
+        for region, _ in self._waiting.values():
+            region.state.mark_values()
         self.parked.clear()
         self._waiting.clear()
 
@@ -189,7 +210,12 @@ class ParkedWindow:
     """
 
     def __init__(
-        self, accumulator: object, regions: list[Parked], buffers: list[torch.Tensor], chunk_numel: int, numel: int
+        self,
+        accumulator: ChunkedGradShard,
+        regions: list[Parked],
+        buffers: list[torch.Tensor],
+        chunk_numel: int,
+        numel: int,
     ) -> None:
         """``buffers``: two tensors of at least ``chunk_numel`` elements in the accumulator's dtype, on the
         master's device; ``numel``: the group's flat size (the chunks are ``[k * chunk_numel, ...)``)."""
@@ -199,12 +225,12 @@ class ParkedWindow:
         self.chunk_numel = chunk_numel
         self.numel = numel
         self._next = 0  # which buffer the next window uses
-        self._prefetched: dict[int, tuple[int, object]] = {}  # window start -> (buffer index, completion event)
+        self._prefetched: dict[int, tuple[int, Any]] = {}  # window start -> (buffer index, completion event)
 
     def _overlapping(self, start: int, end: int) -> list[Parked]:
         return [r for r in self.regions if r.offset < end and r.offset + r.state.shard.numel() > start]
 
-    def _copy_device_pieces(self, start: int, end: int, out: torch.Tensor) -> object:
+    def _copy_device_pieces(self, start: int, end: int, out: torch.Tensor) -> Any:
         """Start copying the device-resident parked pieces of ``[start, end)``; returns an event or ``None``."""
         issued = False
         for region in self._overlapping(start, end):
@@ -236,7 +262,7 @@ class ParkedWindow:
         overlapping = self._overlapping(start, end)
         if not overlapping or any(r.grad().device.type != "cpu" for r in overlapping):
             return False
-        self._fill(start, end, out, lambda dst, src: _convert_scaled(dst, src, coef))
+        self._fill(start, end, out, lambda dst, src: convert_scaled(dst, src, coef))
         return True
 
     def _staged(self, start: int, end: int) -> torch.Tensor:

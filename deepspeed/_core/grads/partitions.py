@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, slot_bytes_for
+from deepspeed._core.grads.accumulator import ChunkedGradShard
 from deepspeed._core.grads.reducer import (
     Bucket,
     GradReducer,
@@ -67,46 +68,60 @@ class GradPath(enum.Enum):
 
 @dataclass
 class GroupGrads:
-    """The gradient-side state of one flat parameter group on this rank."""
+    """The gradient-side record of one flat parameter group on this rank: layout, parameters, rank, and the
+    group's gradient buffers as :class:`~deepspeed._core.grads.accumulator.ChunkedGradShard` s of one chunk each
+    (so the step is handed each buffer's tensor itself, and the keep-storage policy is the shard's).
+    """
 
     layout: GroupLayout
     params: list[torch.nn.Parameter]
     rank: int
     accum_dtype: torch.dtype
-    partition_grad: torch.Tensor | None = None  # accum dtype, this rank's partition (stage 2, stage-1 A/B path)
-    accumulator: torch.Tensor | None = None  # full padded group, accum dtype (lean stage 1)
     # Offloaded: the host partition gradient's storage outlives its step and is zeroed for the next one
     # instead of being page-faulted in afresh ([Note: kept host chunks]).
     keep_storage: bool = False
-    _kept: torch.Tensor | None = None
+    _partition: ChunkedGradShard | None = field(default=None, repr=False)  # this rank's partition
+    _accumulator: ChunkedGradShard | None = field(default=None, repr=False)  # full padded group (lean stage 1)
 
     @property
     def partition(self) -> Range:
         """This rank's range of the flat group."""
         return self.layout.partition(self.rank)
 
+    @property
+    def partition_grad(self) -> torch.Tensor | None:
+        """This step's partition gradient (``grad_accum_dtype``; stage 2 and the stage-1 A/B path), or ``None``."""
+        return None if self._partition is None else self._partition.whole_or_none()
+
+    @property
+    def accumulator(self) -> torch.Tensor | None:
+        """This window's full-size accumulator (padded group, ``grad_accum_dtype``; lean stage 1), or ``None``."""
+        return None if self._accumulator is None else self._accumulator.whole_or_none()
+
     def ensure_partition_grad(self, device: torch.device) -> torch.Tensor:
         """The partition gradient (``grad_accum_dtype``), allocated (zeroed) on first use in a step."""
-        if self.partition_grad is None:
-            kept, self._kept = self._kept, None
-            if kept is not None and kept.device == device:
-                self.partition_grad = kept.zero_()
-            else:
-                self.partition_grad = torch.zeros(self.layout.partition_numel, dtype=self.accum_dtype, device=device)
-        return self.partition_grad
+        self._partition = self._shard_on(self._partition, self.layout.partition_numel, device, self.keep_storage)
+        return self._partition.whole()
 
     def ensure_accumulator(self, device: torch.device) -> torch.Tensor:
         """The full-size accumulator (lean stage 1), allocated (zeroed) on first use in a step."""
-        if self.accumulator is None:
-            self.accumulator = torch.zeros(self.layout.padded_numel, dtype=self.accum_dtype, device=device)
-        return self.accumulator
+        # Never kept: it lives on the working device, where the step peak is what its freeing buys.
+        self._accumulator = self._shard_on(self._accumulator, self.layout.padded_numel, device, False)
+        return self._accumulator.whole()
+
+    def _shard_on(
+        self, shard: ChunkedGradShard | None, numel: int, device: torch.device, keep_storage: bool
+    ) -> ChunkedGradShard:
+        """``shard``, or a new one-chunk shard when there is none or it lives elsewhere and holds nothing."""
+        if shard is not None and (shard.device == device or shard.allocated()):
+            return shard
+        return ChunkedGradShard(numel, max(1, numel), self.accum_dtype, device, keep_storage=keep_storage)
 
     def release(self) -> None:
         """Drop this step's gradient buffers (a kept host partition gradient only turns stale)."""
-        if self.keep_storage and self.partition_grad is not None:
-            self._kept = self.partition_grad
-        self.partition_grad = None
-        self.accumulator = None
+        for shard in (self._partition, self._accumulator):
+            if shard is not None:
+                shard.reset()
 
 
 @dataclass(frozen=True)
@@ -188,19 +203,21 @@ class PartitionGrads:
         bucket_index, g, s = self._where[id(param)]
         bucket, grads = self.reducer.buckets[bucket_index], self.groups[g]
         path = self._path
+        grad = param.grad
+        assert grad is not None  # a post-accumulate-grad hook runs once .grad is set
         if path is GradPath.STAGE1_ACCUMULATE:
             acc = grads.ensure_accumulator(self.partition.device)
-            acc[grads.layout.slots[s].range.as_slice()].add_(param.grad.reshape(-1))
+            acc[grads.layout.slots[s].range.as_slice()].add_(grad.reshape(-1))
             param.grad = None
         elif self._direct:
-            self._fold_direct(grads, s, param.grad)
+            self._fold_direct(grads, s, grad)
             param.grad = None
         elif path in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN):
-            self._stage(bucket, s, param.grad)
+            self._stage(bucket, s, grad)
             if path is GradPath.STAGE2_FREE:
                 param.grad = None
             else:
-                param.grad.zero_()
+                grad.zero_()
         self.reducer.mark_ready(bucket_index, s)
 
     def _stage(self, bucket: Bucket, slot_index: int, grad: torch.Tensor) -> None:

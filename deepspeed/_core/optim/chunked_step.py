@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+# CONVERT_BLOCK_NUMEL is re-exported: it was defined here before the conversion moved to the gradient room.
+from deepspeed._core.grads.convert import CONVERT_BLOCK_NUMEL as CONVERT_BLOCK_NUMEL
+from deepspeed._core.grads.convert import convert_scaled
+
 STEP_CHUNK_BYTES_CAP = 1 << 28
 """At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
 model steps in ~6 chunks), small enough to stay well under the floor's one-bucket transient."""
@@ -60,27 +64,6 @@ def _merge_back(master_state: dict, chunk_state: dict, master: torch.Tensor, sta
     return scalars
 
 
-CONVERT_BLOCK_NUMEL = 1 << 20
-"""Host conversions are scaled 4 MiB (fp32) at a time, while the block is still in cache."""
-
-
-def _convert_scaled(out: torch.Tensor, src: torch.Tensor, coef: float) -> None:
-    """``out = src.to(out.dtype) * coef``, the product taken in ``out``'s dtype.
-
-    On the host, converting a whole chunk and then scaling it reads and writes the fp32 chunk twice from memory;
-    done block by block the scaling pass hits the cache.
-    """
-    if coef == 1.0 or out.device.type != "cpu" or out.numel() <= CONVERT_BLOCK_NUMEL:
-        out.copy_(src)
-        if coef != 1.0:
-            out.mul_(coef)
-        return
-    for start in range(0, out.numel(), CONVERT_BLOCK_NUMEL):
-        block = out[start : start + CONVERT_BLOCK_NUMEL]
-        block.copy_(src[start : start + block.numel()])
-        block.mul_(coef)
-
-
 def step_in_chunks(
     optimizer: torch.optim.Optimizer,
     group_index: int,
@@ -119,11 +102,13 @@ def step_in_chunks(
             view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
             if existing:
                 optimizer.state[view] = _chunk_state(master_state, scalars, start, end)
-            if convert is None and hasattr(grad, "convert_into"):
-                convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
             # A gradient that assembles ranges itself (parked gradients) converts each piece from where it lies.
-            assembled = hasattr(grad, "convert_into") and grad.convert_into(start, end, convert[: end - start], coef)
-            if assembled:
+            assembled = False
+            if hasattr(grad, "convert_into"):
+                if convert is None:
+                    convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
+                assembled = grad.convert_into(start, end, convert[: end - start], coef)
+            if assembled and convert is not None:
                 view.grad = convert[: end - start]
             else:
                 piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
@@ -135,7 +120,7 @@ def step_in_chunks(
                     if convert is None:
                         convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
                     view.grad = convert[: end - start]
-                    _convert_scaled(view.grad, piece, coef)
+                    convert_scaled(view.grad, piece, coef)
             group["params"] = [view]
             optimizer.step()
             updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)

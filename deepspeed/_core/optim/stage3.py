@@ -77,11 +77,9 @@ class Stage3Group:
         return acc if acc is not None and acc.allocated_numel else None
 
     def end_window(self) -> None:
-        """Drop the window's gradient (kept host storage only turns stale)."""
-        if self.accumulator is not None and self.keep_storage:
+        """Drop the window's gradient: the shard frees its chunks, or with ``keep_storage`` turns them stale."""
+        if self.accumulator is not None:
             self.accumulator.reset()
-        else:
-            self.accumulator = None
 
 
 class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
@@ -134,7 +132,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             and plan.batch.gradient_accumulation_steps == 1
         )
         if self._park:
-            manager.gatherer.on_release.append(self.parked.released)
+            self.parked.hold([s for grp in self.groups for s in grp.states])
         self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, made on first use
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self.eager_release = plan.zero.lean.eager_grad_release
@@ -348,9 +346,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         """Unsubscribe from the parameter manager, remove its hooks and drop gradient buffers."""
         for handle in self._subscriptions:
             handle.remove()
-        if self.parked.released in self.manager.gatherer.on_release:
-            self.manager.gatherer.on_release.remove(self.parked.released)
-        self.zero_grad()
+        self.zero_grad()  # every parked shard gets its values back first
+        self.parked.let_go([s for grp in self.groups for s in grp.states])
         self.host.release()
         for grp in self.groups:
             for state in grp.states:

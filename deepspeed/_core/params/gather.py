@@ -121,8 +121,6 @@ class Gatherer:
         self._flat_role = StreamRole.COMPUTE if release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
         self._flat: Handoff | None = None
         self._last_copy_in: Any = None
-        # Called with each state as it returns to SHARDED (the ZeRO-3 optimizer parks one-rank gradients then).
-        self.on_release: list[Callable[[ZeroParam], None]] = []
 
     # ---------------------------------------------------------------- partitioning
     def partition(
@@ -140,7 +138,7 @@ class Gatherer:
         device, dtype = target.device_of(data), target.dtype_of(data)
         layout = Stage3ParamLayout(data.numel(), group.world_size)
         shard = allocate_shard(layout.partition_numel, dtype, device, self.placement)
-        shard.ds_numel = layout.partition_numel  # upstream readers use ds_tensor.ds_numel
+        shard.ds_numel = layout.partition_numel  # type: ignore[attr-defined]  # upstream readers: ds_tensor.ds_numel
         # One rank, lean release, plain codec: the gathered tensor can be the shard itself (ZeroParam checks
         # the rest: shard on the compute device, no padding). The upstream-like A/B mode keeps separate copies.
         storage = (
@@ -162,8 +160,7 @@ class Gatherer:
         batches: dict[tuple, list[ZeroParam]] = {}
         seen: set[int] = set()
         for state in states:
-            if state.grad_parked is not None:
-                state.grad_parked(state)  # the shard holds a gradient: values back first ([Note: parked grads])
+            state.restore_values()  # a gradient parked in the shard moves out first ([Note: parked grads])
             if state.state is ShardedState.SHARDED and state.ds_id not in seen:
                 seen.add(state.ds_id)
                 batches.setdefault(_group_key(state), []).append(state)
@@ -241,9 +238,7 @@ class Gatherer:
 
     def free(self, state: ZeroParam) -> None:
         """FULL -> SHARDED and give the gathered storage back according to :attr:`release_mode`."""
-        state.mark_sharded()
-        for observer in self.on_release:
-            observer(state)
+        state.mark_sharded()  # a gradient waiting for this release moves into the shard ([Note: parked grads])
         if state.aliases_shard:
             return  # the gathered tensor is the shard: nothing to give back
         if self.release_mode is ReleaseMode.STREAM_ORDERED:
@@ -313,6 +308,7 @@ class FetchUnit:
         """The unit's parameter states, in registration order (as of the last :meth:`refresh`)."""
         if self._states is None:
             self.refresh()
+        assert self._states is not None
         return self._states
 
     def refresh(self) -> None:

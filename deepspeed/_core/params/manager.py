@@ -387,7 +387,7 @@ class ZeroParamManager:
             ValueError: a gradient waits in a shard (between a backward and its step), or a parameter is held by
                 an open ``GatheredParameters`` context.
         """
-        if any(s.grad_parked is not None for s in self.states.values()):
+        if any(s.holds_gradient for s in self.states.values()):
             raise ValueError(
                 "offload_states: gradients of the current step wait in the parameter shards; call it "
                 "after engine.step()"

@@ -5,7 +5,9 @@ table ([Note: zero3-state] in ``docs/design/zero3.md``)::
 
     SHARDED --mark_gathering--> GATHERING --mark_full--> FULL --mark_sharded--> SHARDED
 
-Each transition asserts the state it starts from, so a wrong-state bug fails where it happens. The upstream
+Each transition asserts the state it starts from, so a wrong-state bug fails where it happens. What the shard
+itself holds is a second, smaller state (:class:`ShardContent`): the values, or between a backward and its step
+the parameter's gradient ([Note: parked grads] in ``deepspeed/_core/grads/parked.py``). The upstream
 ``ds_*`` attributes that integrations read (``ds_id``, ``ds_status``, ``ds_tensor``, ...) are read-only
 properties of :class:`ZeroParameter`, the class :func:`attach_ds_view` gives the parameter; they all read the one
 state object. Gathering itself is done by whoever built the state (a :class:`ParamGatherer` passed in, so this
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -49,6 +51,29 @@ class ShardedState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     FULL = "full"
+
+
+class ShardContent(enum.Enum):
+    """What a :class:`ZeroParam`'s shard holds ([Note: parked grads]).
+
+    ``VALUES``: the parameter's values. ``GRADIENT``: this window's gradient, until its holder evicts it (the values
+    are the master's, put back on eviction). ``GRADIENT_INCOMING``: still the values, but a gradient waits to move
+    in when the parameter is released (one rank: the gathered tensor is the shard and the module may read it).
+    """
+
+    VALUES = "values"
+    GRADIENT_INCOMING = "gradient_incoming"
+    GRADIENT = "gradient"
+
+
+class ShardGradHolder(Protocol):
+    """Who parks gradients in parameter shards; registered once per parameter (:meth:`ZeroParam.hold_grads_with`)."""
+
+    def released(self, state: ZeroParam) -> None:
+        """``state`` just returned to ``SHARDED`` with a gradient incoming: store it in the shard now."""
+
+    def evict(self, state: ZeroParam) -> None:
+        """Move the gradient out of ``state``'s shard and put the values back (ending in ``VALUES``)."""
 
 
 _STATUS_OF = {
@@ -103,8 +128,9 @@ class ZeroParam:
         full: 1-D ``layout.padded_numel`` gathered storage; its storage is freed (0 bytes) unless gathered, and
             the object is reused across gathers so autograd's saved views see the regathered values.
         grad_shard: the reduced gradient shard the ZeRO-3 optimizer stores (see :meth:`receive_grad_shard`).
-        grad_parked: set while :attr:`shard` holds this window's gradient instead of the values ([Note: parked
-            grads]); calling it with the state puts the values back before anyone reads the shard.
+        shard_content: what :attr:`shard` holds (:class:`ShardContent`); anyone about to read the shard calls
+            :meth:`restore_values` first.
+        grad_holder: who may park gradients in the shard (``None``: nobody does).
     """
 
     def __init__(
@@ -152,7 +178,8 @@ class ZeroParam:
         self.pending: Any = None
         self.external = False
         self.grad_shard: torch.Tensor | None = None
-        self.grad_parked: Callable[[ZeroParam], None] | None = None
+        self.shard_content = ShardContent.VALUES
+        self.grad_holder: ShardGradHolder | None = None
 
     # ---------------------------------------------------------------- derived facts
     @property
@@ -199,6 +226,11 @@ class ZeroParam:
         """The gathered storage shaped like the parameter (valid in ``FULL``)."""
         return self.full.narrow(0, 0, self.numel).view(self.shape)
 
+    @property
+    def holds_gradient(self) -> bool:
+        """True while the shard holds this window's gradient instead of the values."""
+        return self.shard_content is ShardContent.GRADIENT
+
     def _assert_state(self, *allowed: ShardedState) -> None:
         assert self.state in allowed, f"ds_id {self.ds_id}: in state {self.state.name}, expected one of " + ", ".join(
             s.name for s in allowed
@@ -231,12 +263,49 @@ class ZeroParam:
         param = self.param
         if param is not None:
             param.data = placeholder(self.full)
+        if self.shard_content is ShardContent.GRADIENT_INCOMING:
+            self._holder().released(self)  # nobody reads the values now: the waiting gradient moves in
+
+    # ---------------------------------------------------------------- shard content ([Note: parked grads])
+    def hold_grads_with(self, holder: ShardGradHolder | None) -> None:
+        """Register ``holder`` as the one that may park gradients in this shard (``None``: unregister)."""
+        assert self.shard_content is ShardContent.VALUES, f"ds_id {self.ds_id}: holder changed while holding a gradient"
+        self.grad_holder = holder
+
+    def _holder(self) -> ShardGradHolder:
+        assert self.grad_holder is not None, f"ds_id {self.ds_id}: a gradient in the shard without a holder"
+        return self.grad_holder
+
+    def mark_gradient_incoming(self) -> None:
+        """VALUES -> GRADIENT_INCOMING: a gradient waits for the (gathered, shard-aliasing) parameter's release."""
+        assert self.shard_content is ShardContent.VALUES, f"ds_id {self.ds_id}: shard holds {self.shard_content.name}"
+        self._holder()  # only a registered holder may park here: it is the one that moves the gradient in
+        self.shard_content = ShardContent.GRADIENT_INCOMING
+
+    def mark_gradient(self) -> None:
+        """VALUES or GRADIENT_INCOMING -> GRADIENT: the holder has stored this window's gradient in the shard."""
+        assert self.shard_content is not ShardContent.GRADIENT, f"ds_id {self.ds_id}: gradient parked twice"
+        self._holder()  # only a registered holder may park here: it is the one that evicts
+        self.shard_content = ShardContent.GRADIENT
+
+    def mark_values(self) -> None:
+        """-> VALUES: the shard holds the values again (restored or rewritten), or the incoming gradient went
+        elsewhere."""
+        self.shard_content = ShardContent.VALUES
+
+    def restore_values(self) -> None:
+        """Before the shard is read: a gradient in it moves out and the values come back (no-op otherwise).
+
+        An incoming gradient is not in the shard yet, so it stays where it waits.
+        """
+        if self.holds_gradient:
+            self._holder().evict(self)
+            assert not self.holds_gradient, f"ds_id {self.ds_id}: eviction left a gradient"
 
     # ---------------------------------------------------------------- shard <-> full values
     def write_shard_from(self, full_values: torch.Tensor) -> None:
         """Copy this rank's slice of ``full_values`` (any shape with ``numel`` elements) into :attr:`shard`."""
-        if self.grad_parked is not None:
-            self.grad_parked(self)  # the parked gradient moves out first; the write then replaces the values
+        self.restore_values()  # a parked gradient moves out first; the write then replaces the values
         flat = full_values.reshape(-1)
         if self.aliases_shard and flat.data_ptr() == self.shard.data_ptr():
             return  # the values already are the shard
@@ -285,7 +354,7 @@ class _CompletedGather:
 
 def _states(param: ZeroParameter, param_list: Sequence[nn.Parameter] | None) -> list[ZeroParam]:
     params = [param] if param_list is None else list(param_list)
-    return [p._ds_state for p in params]
+    return [cast(ZeroParameter, p)._ds_state for p in params]
 
 
 class ZeroParameter(nn.Parameter):
@@ -384,8 +453,9 @@ def attach_ds_view(param: nn.Parameter, state: ZeroParam) -> ZeroParameter:
     if type(param) is not nn.Parameter and not isinstance(param, ZeroParameter):
         raise TypeError(f"cannot partition a parameter subclass {type(param).__name__}")
     param.__class__ = ZeroParameter
-    param._ds_state = state
-    return param  # type: ignore[return-value]
+    view = cast(ZeroParameter, param)
+    view._ds_state = state
+    return view
 
 
 def zero_state(param: torch.Tensor) -> ZeroParam | None:
