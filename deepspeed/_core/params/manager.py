@@ -92,8 +92,8 @@ def register_external(module: nn.Module, parameter: Any) -> None:
         )
     if EXTERNAL_PARAMS_ATTR not in module.__dict__:
         module.__dict__[EXTERNAL_PARAMS_ATTR] = {}
-        module.ds_external_parameters = MethodType(_external_parameters, module)
-        module.all_parameters = MethodType(_all_parameters, module)
+        setattr(module, "ds_external_parameters", MethodType(_external_parameters, module))  # noqa: B010
+        setattr(module, "all_parameters", MethodType(_all_parameters, module))  # noqa: B010
     module.__dict__[EXTERNAL_PARAMS_ATTR][id(parameter)] = parameter
     state = zero_state(parameter)
     if state is not None:
@@ -217,7 +217,7 @@ class ZeroParamManager:
         self.states.setdefault(state.ds_id, state)
         return state
 
-    def _adopt_parameters(self, params: object) -> None:
+    def _adopt_parameters(self, params: Iterable[nn.Parameter]) -> None:
         for param in params:
             self._adopt(param)
 
@@ -484,12 +484,16 @@ class ZeroParamManager:
         if grad is None:
             return  # every use was routed: autograd ran the hook on nothing
         state = zero_state(param)
+        if state is None:
+            return  # not partitioned by this manager: nothing to reduce
         for callback in list(self._grad_callbacks):
             callback(param, state, grad)
 
     def grad_arrived(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """A routed use's gradient: forward it to the subscribers (``param.grad`` is not involved)."""
         state = zero_state(param)
+        if state is None:
+            return  # not partitioned by this manager: nothing to reduce
         for callback in list(self._grad_callbacks):
             callback(param, state, grad)
 
