@@ -81,6 +81,7 @@ def main() -> None:
                         step_times_s=worker.get("step_times_s"),
                         median_step_s=worker.get("median_step_s"),
                         peak_alloc_gib=worker.get("peak_alloc_gib"),
+                        peak_reserved_gib=worker.get("peak_reserved_gib"),
                         error=worker.get("error"),
                     )
                     if worker.get("median_step_s"):
