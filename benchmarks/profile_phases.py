@@ -9,8 +9,10 @@ Spec keys besides impl/stage/dtype/model: ``micro_batch`` (1), ``seq`` (the mode
 overridden through ``dataclasses.replace``; the replaced config is registered in ``models.MODELS`` under
 ``<model>@seq<seq>`` so ``make_trainer``, ``build_model`` and ``random_batch`` all see it), ``warmup`` (3),
 ``steps`` (8), ``profile_steps`` (2), ``ds_config`` (``"hf_auto"``: scenario S3's HF-"auto" DeepSpeed config,
-``_harness.hf_auto_config``, instead of ``_harness.ds_config``; FSDP2 ignores it), ``checkpoint_reentrant``
-(default ``_harness.default_checkpoint_reentrant``).
+``_harness.hf_auto_config``, instead of ``_harness.ds_config``; FSDP2 ignores it), ``zero`` (keys merged into that
+config's ``zero_optimization``, for A/B runs of one switch), ``tag`` (appended to the output name),
+``checkpoint_reentrant`` (default ``_harness.default_checkpoint_reentrant``). The timed steps also record device
+memory: allocated when a step starts (after the warm-up), peak allocated and reserved over the timed steps.
 
 After ``warmup`` steps it times ``steps`` steps with a device sync after each phase (so the phases add up to
 more than an unsynchronised step), then profiles ``profile_steps`` more full steps with ``torch.profiler`` (CPU and,
@@ -18,8 +20,8 @@ when there is a GPU, CUDA activity) and keeps the operators with the most device
 number of kernel launches per phase, and a ``summary`` (see :func:`summarise`): wall time, GPU busy time as the
 union of device-activity intervals, idle gaps, host-device synchronisations, op counts, copy kernels, per-phase
 host/device time. Without CUDA the device fields are 0 or None (the CPU smoke test runs ``quick-qwen``).
-Writes ``DIR/<impl>_z<stage>_<tokens>tok.json`` (tokens = micro_batch x seq). Not a timed test; figures come only
-from the run that wrote them. ``--compare`` prints a side-by-side table of two such files' summaries (A, B, A/B).
+Writes ``DIR/<impl>_z<stage>_<tokens>tok[_<tag>].json`` (tokens = micro_batch x seq). Not a timed test; figures
+come only from the run that wrote them. ``--compare`` prints a side-by-side table of two such files (A, B, A/B).
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import models
-from _harness import DeepSpeedTrainer, default_checkpoint_reentrant, device, hf_auto_config, init_process_group, sync
+from _harness import (
+    DeepSpeedTrainer,
+    default_checkpoint_reentrant,
+    device,
+    hf_auto_config,
+    init_process_group,
+    mem,
+    reset_peak,
+    sync,
+)
 from models import build_model, random_batch
 from trainers import make_trainer
 
@@ -308,7 +319,9 @@ def _make_trainer(name: str, spec: dict) -> tuple[Any, Any, int]:
         cfg = models.MODELS[name]
         model = build_model(name, device(), torch.bfloat16)
         n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        return DeepSpeedTrainer(model, spec, config=hf_auto_config(spec, cfg.hidden)), cfg, n
+        config = hf_auto_config(spec, cfg.hidden)
+        config["zero_optimization"].update(spec.get("zero") or {})  # A/B of single switches
+        return DeepSpeedTrainer(model, spec, config=config), cfg, n
     return make_trainer(name, spec)
 
 
@@ -344,9 +357,20 @@ def run(spec: dict) -> dict:
 
     for _ in range(int(spec.get("warmup", 3))):
         step(False)
+    sync()
+    reset_peak()
+    resident = mem()["alloc"]  # what a step starts from: model states and whatever outlives a step
     for _ in range(int(spec.get("steps", 8))):
         step(True)
         step(True, synced=False)
+    sync()
+    counters = mem()
+    memory = {
+        "alloc_at_step_start_gib": round(resident, 4),
+        "peak_alloc_gib": round(counters["peak_alloc"], 4),
+        "peak_reserved_gib": round(counters["peak_reserved"], 4),
+        "alloc_retries": counters["alloc_retries"],
+    }
     from torch.profiler import ProfilerActivity, profile, record_function
 
     has_device = torch.cuda.is_available()
@@ -383,6 +407,7 @@ def run(spec: dict) -> dict:
         "all_s": {k: [round(x, 4) for x in v] for k, v in phases.items()},
         "profiled_phases": phase_rows,
         "kernel_launches": summary["kernel_launches"],
+        "memory": memory,
         "summary": summary,
         "top_device": _top(list(events), "self_device_time_total"),
         "top_cpu": _top(list(events), "self_cpu_time_total"),
@@ -407,11 +432,20 @@ def _flat(summary: dict) -> dict[str, Any]:
     return out
 
 
+def _label(rec: dict) -> str:
+    spec = rec["spec"]
+    return f"{spec.get('impl')} z{spec.get('stage')}" + (f" {spec['tag']}" if spec.get("tag") else "")
+
+
+def _compared(rec: dict) -> dict:
+    """The fields the table shows: step medians and memory (outside the profiler), then the profile summary."""
+    return {"median_s": rec.get("median_s", {}), "memory": rec.get("memory", {}), **rec.get("summary", {})}
+
+
 def compare(a: dict, b: dict) -> str:
     """Markdown table of two records' summaries: field, A, B, A/B."""
-    label_a = f"{a['spec'].get('impl')} z{a['spec'].get('stage')}"
-    label_b = f"{b['spec'].get('impl')} z{b['spec'].get('stage')}"
-    fa, fb = _flat(a.get("summary", {})), _flat(b.get("summary", {}))
+    label_a, label_b = _label(a), _label(b)
+    fa, fb = _flat(_compared(a)), _flat(_compared(b))
     lines = [
         f"Profile: {label_a} vs {label_b}, {a.get('tokens_per_step')} / {b.get('tokens_per_step')} tokens per step, "
         f"model {a['spec'].get('model')}",
@@ -451,7 +485,8 @@ def main() -> None:
     spec = json.loads(args.spec)
     os.makedirs(args.out, exist_ok=True)
     result = run(spec)
-    name = f"{spec['impl']}_z{spec.get('stage')}_{result['tokens_per_step']}tok.json"
+    tag = f"_{spec['tag']}" if spec.get("tag") else ""
+    name = f"{spec['impl']}_z{spec.get('stage')}_{result['tokens_per_step']}tok{tag}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     s = result["summary"]

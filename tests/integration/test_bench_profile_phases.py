@@ -79,6 +79,9 @@ def test_profile_ours_zero3_quick_qwen_and_compare(tmp_path: Path) -> None:
 
     record = json.loads(path.read_text())
     assert record["tokens_per_step"] == 32 and record["model_config"]["seq"] == 16
+    memory = record["memory"]  # the allocator counters read 0 without CUDA; the keys are there for the table
+    assert set(memory) == {"alloc_at_step_start_gib", "peak_alloc_gib", "peak_reserved_gib", "alloc_retries"}
+    assert all(value == 0 for value in memory.values())
     summary = record["summary"]
     for key in (
         "profiled_steps",
@@ -121,4 +124,5 @@ def test_profile_ours_zero3_quick_qwen_and_compare(tmp_path: Path) -> None:
     assert "| field | ours z3 | fsdp2 z3 | ratio |" in cmp.stdout
     assert "| wall_ms |" in cmp.stdout and "| 0.50 |" in cmp.stdout
     assert "| ops.aten::copy_.count |" in cmp.stdout and ".matched" not in cmp.stdout
+    assert "| memory.peak_alloc_gib |" in cmp.stdout and "| median_s.step |" in cmp.stdout
     assert md.read_text() == cmp.stdout
