@@ -11,7 +11,8 @@ overridden through ``dataclasses.replace``; the replaced config is registered in
 ``steps`` (8), ``profile_steps`` (2), ``ds_config`` (``"hf_auto"``: scenario S3's HF-"auto" DeepSpeed config,
 ``_harness.hf_auto_config``, instead of ``_harness.ds_config``; FSDP2 ignores it), ``zero`` (keys merged into that
 config's ``zero_optimization``, for A/B runs of one switch), ``tag`` (appended to the output name),
-``checkpoint_reentrant`` (default ``_harness.default_checkpoint_reentrant``). The timed steps also record device
+``checkpoint_reentrant`` (default ``_harness.default_checkpoint_reentrant``), ``cprofile`` (``profile_steps``
+more steps under cProfile: ``python_profile``, host time per Python function). The timed steps also record device
 memory: allocated when a step starts (after the warm-up), peak allocated and reserved over the timed steps.
 
 After ``warmup`` steps it times ``steps`` steps with a device sync after each phase (so the phases add up to
@@ -325,6 +326,38 @@ def _make_trainer(name: str, spec: dict) -> tuple[Any, Any, int]:
     return make_trainer(name, spec)
 
 
+def _python_profile(trainer: Any, ids: torch.Tensor, labels: torch.Tensor, steps: int, top: int = 40) -> dict:
+    """``steps`` more steps under ``cProfile`` (``spec["cprofile"]``): host time per Python function, to say which
+    of our functions the host time of the hooks goes to. cProfile slows every Python call, so the times are for
+    ranking, not for adding up against the step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for _ in range(steps):
+        trainer.backward(trainer.loss(ids, labels))
+        trainer.step()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+
+    def rows(index: int) -> list[dict]:
+        ranked = sorted(stats.items(), key=lambda item: item[1][index], reverse=True)[:top]
+        return [
+            {
+                "function": f"{'/'.join(Path(file).parts[-2:])}:{line}({name})",
+                "calls": value[0],
+                "self_ms": round(value[2] * 1e3, 2),
+                "cum_ms": round(value[3] * 1e3, 2),
+            }
+            for (file, line, name), value in ranked
+        ]
+
+    return {"steps": steps, "by_self": rows(2), "by_cumulative": rows(3)}
+
+
 def run(spec: dict) -> dict:
     init_process_group(spec["impl"], 1)
     models.CHECKPOINT_USE_REENTRANT = default_checkpoint_reentrant(spec)
@@ -390,6 +423,9 @@ def run(spec: dict) -> dict:
         wall_s = time.perf_counter() - t0
     events = prof.key_averages()
     summary = summarise(list(prof.events()), list(events), wall_s, has_device)
+    python_profile = None
+    if spec.get("cprofile"):
+        python_profile = _python_profile(trainer, ids, labels, int(spec.get("profile_steps", 2)))
     phase_rows = {
         e.key: {"cpu_ms": round(e.cpu_time_total / 1e3, 2), "device_ms": round(e.device_time_total / 1e3, 2)}
         for e in events
@@ -411,6 +447,7 @@ def run(spec: dict) -> dict:
         "summary": summary,
         "top_device": _top(list(events), "self_device_time_total"),
         "top_cpu": _top(list(events), "self_cpu_time_total"),
+        "python_profile": python_profile,
     }
 
 

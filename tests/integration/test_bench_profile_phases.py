@@ -69,6 +69,7 @@ def test_profile_ours_zero3_quick_qwen_and_compare(tmp_path: Path) -> None:
         "steps": 1,
         "profile_steps": 2,
         "ds_config": "hf_auto",
+        "cprofile": True,
     }
     proc = _run(["--out", str(tmp_path), "--spec", json.dumps(spec)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -79,6 +80,9 @@ def test_profile_ours_zero3_quick_qwen_and_compare(tmp_path: Path) -> None:
 
     record = json.loads(path.read_text())
     assert record["tokens_per_step"] == 32 and record["model_config"]["seq"] == 16
+    python = record["python_profile"]  # our own functions show up, by file and line
+    assert python["steps"] == 2 and python["by_self"] and python["by_cumulative"]
+    assert any(row["function"].startswith("params/manager.py:") for row in python["by_cumulative"]), python
     memory = record["memory"]  # the allocator counters read 0 without CUDA; the keys are there for the table
     assert set(memory) == {"alloc_at_step_start_gib", "peak_alloc_gib", "peak_reserved_gib", "alloc_retries"}
     assert all(value == 0 for value in memory.values())
