@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 source "$REPO/benchmarks/carried_wheels.sh"
 install_site_wheels "$REPO" || exit 1
 export PYTHONPATH=$REPO:/tmp/site PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-COMMON='"dtype": "bf16", "model": "qwen2-3b", "micro_batch": 4, "seq": 2048, "warmup": 2, "steps": 3, "profile_steps": 2, "ds_config": "hf_auto", "checkpoint_reentrant": false'
+COMMON='"dtype": "bf16", "model": "qwen2-3b", "micro_batch": 4, "seq": 2048, "warmup": 2, "steps": 3, "profile_steps": 2, "ds_config": "hf_auto", "checkpoint_reentrant": false, "cprofile": true'
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/summary.txt"
 profile() {  # IMPL [TAG ZERO_JSON]
   local extra=""

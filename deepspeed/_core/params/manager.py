@@ -52,7 +52,16 @@ BackwardEndCallback = Callable[[], None]
 
 def is_z3_leaf(module: nn.Module) -> bool:
     """True when ``module`` is fetched as one unit together with all its descendants."""
-    return bool(getattr(module, Z3_LEAF_ATTR, False))
+    # Read from the instance dict (where setattr puts a bool), then the class: ``getattr`` on a module without the
+    # attribute goes through ``nn.Module.__getattr__`` and a raised AttributeError, on every hook call.
+    flag = module.__dict__.get(Z3_LEAF_ATTR)
+    return bool(getattr(type(module), Z3_LEAF_ATTR, False) if flag is None else flag)
+
+
+def _externals(module: nn.Module) -> dict:
+    """``module``'s registry of external parameters (``register_external_parameter`` keeps it in the instance
+    dict; a plain dict read avoids ``nn.Module.__getattr__``'s exception path on every hook call)."""
+    return module.__dict__.get(EXTERNAL_PARAMS_ATTR, {})
 
 
 def mark_config_leaves(module: nn.Module, stage3: Stage3Policy) -> list[nn.Module]:
@@ -69,13 +78,13 @@ def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters fetched for ``module``: its own (the whole subtree for a leaf) plus external ones."""
     own = module.parameters() if is_z3_leaf(module) else module.parameters(recurse=False)
     found: dict[int, nn.Parameter] = {id(p): p for p in own}
-    for param in getattr(module, EXTERNAL_PARAMS_ATTR, {}).values():
+    for param in _externals(module).values():
         found.setdefault(id(param), param)
     return list(found.values())
 
 
 def _external_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(str(key), param) for key, param in getattr(module, EXTERNAL_PARAMS_ATTR, {}).items()]
+    return [(str(key), param) for key, param in _externals(module).items()]
 
 
 def _all_parameters(module: nn.Module) -> Iterable[nn.Parameter]:
@@ -243,7 +252,7 @@ class ZeroParamManager:
         while stack:
             sub = stack.pop()
             self._unit_of(sub)
-            for param in getattr(sub, EXTERNAL_PARAMS_ATTR, {}).values():
+            for param in _externals(sub).values():
                 self._adopt(param).external = True
             if not is_z3_leaf(sub):
                 stack.extend(reversed(list(sub.children())))
@@ -256,9 +265,7 @@ class ZeroParamManager:
         keys = routed_keys(self.hooks.modules, lambda p: p.requires_grad and zero_state(p) is not None)
         self.hooks.route(keys)
         self._quiet_backward = {
-            id(m)
-            for m in self.hooks.modules
-            if id(m) in keys and backward_reads_no_params(m) and not getattr(m, EXTERNAL_PARAMS_ATTR, None)
+            id(m) for m in self.hooks.modules if id(m) in keys and backward_reads_no_params(m) and not _externals(m)
         }
 
     def _update_routing(self) -> None:
@@ -285,7 +292,7 @@ class ZeroParamManager:
         identities of the unit's parameters and externals) is cheap and catches replaced or added ones.
         """
         own = module.parameters() if is_z3_leaf(module) else dict.values(module._parameters)
-        key = (tuple(id(p) for p in own if p is not None), tuple(getattr(module, EXTERNAL_PARAMS_ATTR, {})))
+        key = (tuple(id(p) for p in own if p is not None), tuple(_externals(module)))
         cached = self._unit_states.get(id(module))
         if cached is not None and cached[0] == key:
             return cached[1]
