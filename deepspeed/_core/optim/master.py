@@ -4,7 +4,7 @@ The inner optimizer sees exactly one parameter per group: the flat fp32 master (
 ``.grad`` is the gradient shard the reducer produced, handed over without a copy where dtype and device match,
 so the step never materialises a second copy of it. After the step the values go back to the working weights
 through one of two strategies: an all-gather of the flat buffer's partitions (ZeRO-1/2) or a scatter into the
-parameters' own shards (ZeRO-3).
+parameters' own shards (ZeRO-3), skipping the shards that are views of the master ([Note: zero3-master]).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ device, else through one converted copy ([Note: chunked step]).
 With ``offload_optimizer`` the master, the optimizer state and the accumulator live in pageable host
 memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
 weights go back to the shards one chunk at a time, so host memory is the master, the moments and the
-accumulator plus a few fixed-size staging buffers.
+accumulator plus a few fixed-size staging buffers. Without offloading (``lean_gather_from_master``) a partitioned
+parameter's shard is its slice of the device master, so the step itself updates it ([Note: zero3-master]).
 """
 
 from __future__ import annotations
