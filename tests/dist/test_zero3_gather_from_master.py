@@ -264,8 +264,16 @@ def _accessors_and_offload(world: int) -> dict:
     seen["reloaded"] = shard.untyped_storage().data_ptr() == master.untyped_storage().data_ptr()
     after = _weights(engine)
     seen["same"] = all(torch.equal(before[p][k], after[p][k]) for p in before for k in before[p])
+    # On a CPU-only host offload_states moves nothing; a master moved by hand must be followed the same way.
+    for grp in engine.optimizer.groups:
+        grp.master.param.data = grp.master.param.data.clone()
+    engine.optimizer.rebind_master_views()
     _train(engine, range(1, 2), 1)
     seen["stepped"] = not torch.equal(safe_get_full_fp32_param(weight), new)
+    with deepspeed.zero.GatheredParameters([weight]):
+        seen["gathers_new_master"] = torch.equal(
+            weight.detach().float(), safe_get_full_fp32_param(weight).bfloat16().float()
+        )
     seen["still_views"] = _layout(engine)["stepped"]
     engine.destroy()
     return seen
@@ -275,4 +283,5 @@ def test_safe_accessors_and_offload_states_follow_the_master() -> None:
     for r in run_distributed(_accessors_and_offload, 2, 2):
         assert r["set"] and r["local_is_shard"] and r["gathered"], r
         assert r["offloaded"] == ("cpu", True) and r["reloaded"] and r["same"] and r["stepped"], r
+        assert r["gathers_new_master"], r
         assert all(inside is not persistent for persistent, _, inside in r["still_views"])

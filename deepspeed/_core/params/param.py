@@ -313,7 +313,7 @@ class ZeroParam:
         and a gather converts them to the working dtype on its way into the all-gather buffer. The gathered
         storage keeps the working dtype; where it was the shard itself (one rank) it becomes separate storage,
         unless ``view`` already has the working dtype (fp32 training), in which case it aliases the view. Calling
-        it again with a new view of a moved master re-points the shard (the old view's storage is freed too).
+        it again with a new view of a moved master re-points the shard.
         """
         self._assert_state(ShardedState.SHARDED)
         assert self.shard_content is ShardContent.VALUES, f"ds_id {self.ds_id}: shard holds {self.shard_content.name}"
@@ -322,7 +322,7 @@ class ZeroParam:
                 f"ds_id {self.ds_id}: a master view of shape {tuple(view.shape)}, expected "
                 f"({self.layout.partition_numel},)"
             )
-        old = self.shard
+        old, was_view = self.shard, self.shard_is_master
         working = self.full.dtype
         if self.aliases_shard and view.dtype != working:
             self.storage = FullStorage.SEPARATE
@@ -336,8 +336,10 @@ class ZeroParam:
         param = self.param
         if param is not None and self.aliases_shard:
             param.data = placeholder(self.full)
-        if old.untyped_storage().data_ptr() != view.untyped_storage().data_ptr():
+        if not was_view and old.untyped_storage().data_ptr() != view.untyped_storage().data_ptr():
             free_storage(old)  # nothing reads the 16-bit copy any more; holders of it see an empty storage
+        # A previous view is only dropped: its storage is the moved master's old one, freed by its last holder
+        # (possibly pinned or still read by a non-blocking copy, so never resized here).
 
     # ---------------------------------------------------------------- shard <-> full values
     def write_shard_from(self, full_values: torch.Tensor, keep_unchanged: bool = False) -> None:
