@@ -285,3 +285,21 @@ def test_safe_accessors_and_offload_states_follow_the_master() -> None:
         assert r["offloaded"] == ("cpu", True) and r["reloaded"] and r["same"] and r["stepped"], r
         assert r["gathers_new_master"], r
         assert all(inside is not persistent for persistent, _, inside in r["still_views"])
+
+
+def _offloaded_layout(kind: str) -> dict:
+    import deepspeed
+
+    cfg = _config(True, 1, True)
+    cfg["zero_optimization"][kind] = {"device": "cpu"}
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    _train(engine, range(1), 1)
+    out = _layout(engine)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["offload_optimizer", "offload_param"])
+def test_no_effect_with_offloading(kind: str) -> None:
+    for r in run_distributed(_offloaded_layout, 2, kind):
+        assert all(not inside and d == torch.bfloat16 for _, d, inside in r["stepped"]), r
