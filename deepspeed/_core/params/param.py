@@ -334,8 +334,8 @@ class ZeroParam:
         self.shard = view
         self.shard_is_master = True
         param = self.param
-        if param is not None and self.aliases_shard:
-            param.data = placeholder(self.full)
+        if param is not None:
+            param.data = placeholder(self.full)  # SHARDED: the placeholder of the (possibly new) gathered storage
         if not was_view and old.untyped_storage().data_ptr() != view.untyped_storage().data_ptr():
             free_storage(old)  # nothing reads the 16-bit copy any more; holders of it see an empty storage
         # A previous view is only dropped: its storage is the moved master's old one, freed by its last holder
