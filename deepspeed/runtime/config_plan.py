@@ -143,6 +143,7 @@ def _lean_policy(zero: DeepSpeedZeroConfig) -> LeanPolicy:
         stream_ordered_release=zero.lean_stream_ordered_release,
         grads_in_param_shards=zero.lean_grads_in_param_shards,
         pipeline_release=zero.lean_pipeline_release,
+        gather_from_master=zero.lean_gather_from_master,
     )
 
 

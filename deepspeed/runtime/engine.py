@@ -328,12 +328,21 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             non_blocking,
             manager=self.zero3_manager,
         )
+        self._rebind_master_views(optimizer)
+
+    @staticmethod
+    def _rebind_master_views(optimizer: Any) -> None:
+        # ZeRO-3 shards that are views of a moved fp32 master follow it ([Note: zero3-master]).
+        rebind = getattr(optimizer, "rebind_master_views", None)
+        if rebind is not None:
+            rebind()
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back everything :meth:`offload_states` moved."""
         offloader = self.__dict__.get("_state_offloader")
         if offloader is not None:
             offloader.reload(non_blocking)
+            self._rebind_master_views(self._stepped_optimizer)
 
     def empty_partition_cache(self) -> None:
         """ZeRO-3: release every gathered, non-persistent parameter now."""

@@ -133,6 +133,7 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     _Z + "lean_stream_ordered_release": (False, {}, "plan.zero.lean.stream_ordered_release"),
     _Z + "lean_grads_in_param_shards": (False, {}, "plan.zero.lean.grads_in_param_shards"),
     _Z + "lean_pipeline_release": (False, {}, "plan.zero.lean.pipeline_release"),
+    _Z + "lean_gather_from_master": (False, {}, "plan.zero.lean.gather_from_master"),
     "fp16.enabled": (True, {}, "plan.precision.param_dtype"),
     "fp16.auto_cast": (True, _FP16, "plan.precision.auto_cast"),
     "fp16.loss_scale": (128.0, _FP16, "plan.precision.loss_scale"),

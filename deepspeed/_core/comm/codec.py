@@ -43,7 +43,9 @@ class IdentityCodec:
         return param_dtype
 
     def encode(self, shards: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        """One concatenation; shards in (pinned) host memory are copied one by one, asynchronously."""
+        """One concatenation; shards in (pinned) host memory are copied one by one, asynchronously.
+
+        Both convert: a shard wider than ``out`` (an fp32 master view) lands in ``out``'s dtype."""
         if all(shard.device == out.device for shard in shards):
             torch.cat(list(shards), out=out)
             return

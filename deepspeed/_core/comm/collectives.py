@@ -59,19 +59,23 @@ def start_all_gather(
     codec: ShardCodec,
     device: torch.device,
     alloc_role: StreamRole = StreamRole.ALL_GATHER,
+    dtype: torch.dtype | None = None,
 ) -> AllGatherResult:
     """Copy the local ``shards`` into one buffer on ``device`` and issue one all-gather of it on the all-gather
     stream.
 
     ``numels`` are the full element counts of the parameters the shards belong to (same order). All shards must
-    share one dtype and device; host shards (offloaded) are copied in asynchronously. ``alloc_role`` names the
+    share one device; host shards (offloaded) are copied in asynchronously. ``dtype`` is the parameters' working
+    dtype (default: the first shard's); a shard in a wider dtype (a view of the fp32 master) is converted on its
+    way into the buffer, so the collective never carries more than the working dtype. ``alloc_role`` names the
     stream whose allocator pool the flat buffer comes from ([Note: streams-flat]).
     """
     layout = plan_stage3_group([(n,) for n in numels], group.world_size)
-    wire = codec.wire_dtype(shards[0].dtype)
+    wire = codec.wire_dtype(shards[0].dtype if dtype is None else dtype)
     if group.world_size == 1 and codec is IDENTITY_CODEC and all(s.device == device for s in shards):
         # One rank: each shard already holds its whole (padded) parameter, so the copy-out reads the shards
-        # directly; a flat buffer would cost the unit's bytes once more (the S3 N=1 peak on the H200).
+        # directly; a flat buffer would cost the unit's bytes once more (the S3 N=1 peak on the H200). The
+        # copy-out converts a master-view shard to the output's working dtype.
         return AllGatherResult(None, layout, streams.record(StreamRole.COMPUTE), None, 1, sources=list(shards))
     with streams.use(alloc_role):
         flat = torch.empty(group.world_size * layout.rank_numel, dtype=wire, device=device)

@@ -134,7 +134,7 @@ class OffloadPolicy:
 
 @dataclass(frozen=True)
 class LeanPolicy:
-    """The three memory-lean mechanisms; each one off reproduces upstream's behaviour for A/B runs.
+    """The memory-lean mechanisms; each one off reproduces upstream's behaviour for A/B runs.
 
     Attributes:
         inplace_flatten: ZeRO-1/2 flatten parameters on the device in chunks, never via host memory.
@@ -146,6 +146,8 @@ class LeanPolicy:
             reduced gradient in its parameter's shard until the step, not in host memory.
         pipeline_release: pipeline stages free each micro-batch's activations right after its backward (the
             last stage included), never holding more than the 1F1B schedule needs.
+        gather_from_master: ZeRO-3 with the optimizer state on the device: a stepped parameter's shard is its
+            slice of the fp32 master (no 16-bit copy beside it; gathers convert on the way into the wire buffer).
     """
 
     inplace_flatten: bool = True
@@ -153,6 +155,7 @@ class LeanPolicy:
     stream_ordered_release: bool = True
     grads_in_param_shards: bool = True
     pipeline_release: bool = True
+    gather_from_master: bool = True
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

@@ -221,6 +221,7 @@ _ZERO: dict[str, KeyRule] = {
     "lean_stream_ordered_release": _impl(),
     "lean_grads_in_param_shards": _impl(),
     "lean_pipeline_release": _impl(),
+    "lean_gather_from_master": _impl(),
 }
 
 _PRECISION: dict[str, KeyRule] = {

@@ -4,7 +4,7 @@ The inner optimizer sees exactly one parameter per group: the flat fp32 master (
 ``.grad`` is the gradient shard the reducer produced, handed over without a copy where dtype and device match,
 so the step never materialises a second copy of it. After the step the values go back to the working weights
 through one of two strategies: an all-gather of the flat buffer's partitions (ZeRO-1/2) or a scatter into the
-parameters' own shards (ZeRO-3).
+parameters' own shards (ZeRO-3), skipping the shards that are views of the master ([Note: zero3-master]).
 """
 
 from __future__ import annotations
@@ -216,19 +216,30 @@ class ScatterWriteBack:
         """The owners' current shard tensors, in master order."""
         return [state.shard for state in self.states]
 
+    def copied(self, master: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """``(shard, offset)`` of every shard that is a copy of its slice of ``master``, not a view of it.
+
+        A shard that is its master slice ([Note: zero3-master]) is updated by the step itself: reading or writing
+        it would copy a tensor onto itself.
+        """
+        return [
+            (shard, off) for shard, off in zip(self.shards, self.offsets, strict=True) if not _views(shard, master, off)
+        ]
+
     def read(self, master: torch.Tensor) -> None:
-        """Every shard's values into its slice of ``master``."""
-        for shard, off in zip(self.shards, self.offsets, strict=True):
+        """Every copied shard's values into its slice of ``master``."""
+        for shard, off in self.copied(master):
             master[off : off + shard.numel()].copy_(shard.reshape(-1))
 
     def write(self, master: torch.Tensor) -> None:
-        """Every slice of ``master`` into its shard, converted to the shard's dtype."""
-        shards = self.shards
-        if not shards:
+        """Every slice of ``master`` into its copied shard, converted to the shard's dtype."""
+        pairs = self.copied(master)
+        if not pairs:
             return
+        shards = [shard for shard, _ in pairs]
         kinds = {(s.dtype, s.device) for s in shards}
-        if len(kinds) > 1 or master.device == shards[0].device:
-            for shard, off in zip(shards, self.offsets, strict=True):  # same device: converts in place
+        if len(kinds) > 1 or master.device == shards[0].device or len(pairs) < len(self.states):
+            for shard, off in pairs:  # same device: converts in place
                 dst = shard.reshape(-1)
                 src = master[off : off + dst.numel()]
                 if src.device == dst.device:
@@ -250,6 +261,15 @@ class ScatterWriteBack:
             lo, hi = max(start, off), min(end, off + dst.numel())
             if lo < hi:
                 dst[lo - off : hi - off].copy_(piece[lo - start : hi - start], non_blocking=True)
+
+
+def _views(shard: torch.Tensor, master: torch.Tensor, offset: int) -> bool:
+    """True when ``shard`` is ``master``'s slice at ``offset`` itself (same storage, same first element)."""
+    if shard.device != master.device or shard.dtype != master.dtype:
+        return False
+    if shard.untyped_storage().data_ptr() != master.untyped_storage().data_ptr():
+        return False
+    return shard.numel() == 0 or shard.data_ptr() == master[offset:].data_ptr()
 
 
 def send_through_host(

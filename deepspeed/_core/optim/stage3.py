@@ -13,7 +13,8 @@ device, else through one converted copy ([Note: chunked step]).
 With ``offload_optimizer`` the master, the optimizer state and the accumulator live in pageable host
 memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
 weights go back to the shards one chunk at a time, so host memory is the master, the moments and the
-accumulator plus a few fixed-size staging buffers.
+accumulator plus a few fixed-size staging buffers. Without offloading (``lean_gather_from_master``) a partitioned
+parameter's shard is its slice of the device master, so the step itself updates it ([Note: zero3-master]).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from deepspeed._core.optim.master import MasterShard
 from deepspeed._core.optim.sharded import ShardedOptimizer
 from deepspeed._core.optim.stage3_access import Region, ShardIndex, Stage3ParamAccess
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed._core.params.param import ZeroParam, zero_state
+from deepspeed._core.params.param import ShardedState, ZeroParam, zero_state
 from deepspeed.accelerator import get_accelerator
 
 
@@ -113,6 +114,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         # A step chunk holds at most one reduce bucket's bytes (the transient memory_targets.md allows); the
         # gradient shard is chunked the same way, so the step reads each of its chunks in place.
         self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
+        zero = plan.zero
+        # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
+        self._from_master = (
+            zero.lean.gather_from_master and not zero.offload_optimizer.enabled and not zero.offload_param.enabled
+        )
         self.groups = [self._build_group(g) for g in optimizer.param_groups]
         self.index = ShardIndex(self.groups)
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
@@ -177,6 +183,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         # sized (step_chunk_numel), and a reduced gradient's first fold is copied straight into them.
         pinned = offload.enabled and offload.pin_memory and get_accelerator().device_name() != "cpu"
         master = MasterShard.of_shards(states, self.plan.precision.master_dtype, device, self._step_chunk_numel)
+        if self._from_master:
+            # [Note: zero3-master]: a partitioned parameter's shard becomes its master slice; the write-back then
+            # skips it. Persistent ones stay gathered between uses and keep their own shard (refreshed after
+            # each step); so does one gathered right now (a GatheredParameters block around the engine's build).
+            for state, off in zip(states, offsets, strict=True):
+                if not state.is_persistent and state.state is ShardedState.SHARDED and not state.holds_gradient:
+                    state.adopt_master_shard(master.data.narrow(0, off, state.layout.partition_numel))
         param_group["params"] = [master.param]
         return Stage3Group(
             states,
@@ -320,9 +333,21 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.manager.release_all()
 
     def refresh_fp32_params(self) -> None:
-        """Rebuild the masters from the parameters' current shards (after a module-only load)."""
+        """Rebuild the masters from the parameters' current shards (after a module-only load); a shard that is a
+        master view already is the master."""
+        # A persistent parameter stays gathered, and a module load writes its gathered values, not its shard.
+        kept = [s for grp in self.groups for s in grp.states if s.is_persistent and s.state is ShardedState.FULL]
+        self.manager.gatherer.commit(kept)
         for grp in self.groups:
             grp.master.refresh()
+
+    def rebind_master_views(self) -> None:
+        """Point every master-view shard at its group's current master tensor (after the master's ``.data`` moved,
+        e.g. ``offload_states``/``reload_states``): the views would otherwise keep the old storage alive."""
+        for grp in self.groups:
+            for state, off in zip(grp.states, grp.offsets, strict=True):
+                if state.shard_is_master:
+                    state.adopt_master_shard(grp.master.data.narrow(0, off, state.layout.partition_numel))
 
     def _clear_grads(self) -> None:
         self.parked.restore_all()  # skip or zero_grad: parked shards get their values back (no-op after a step)

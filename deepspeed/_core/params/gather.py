@@ -94,7 +94,9 @@ class PendingGather:
 
 
 def _group_key(state: ZeroParam) -> tuple:
-    return (state.shard.dtype, state.shard.device, state.full.device, state.group)
+    # The working dtype, not the shard's: fp32 master-view shards and 16-bit shards travel in one collective
+    # ([Note: zero3-master]).
+    return (state.full.dtype, state.shard.device, state.full.device, state.group)
 
 
 class Gatherer:
@@ -174,6 +176,7 @@ class Gatherer:
                 self.codec,
                 batch[0].full.device,
                 self._flat_role,
+                dtype=batch[0].full.dtype,
             )
             self._last_copy_in = result.event
             pending = PendingGather(result, batch)

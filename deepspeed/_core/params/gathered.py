@@ -84,7 +84,8 @@ class GatheredContext:
             for state in self.states:
                 full = state.full_view()
                 broadcast_from(full, state.group, self.modifier.rank)
-                state.write_shard_from(full)
+                # A master-view shard keeps its fp32 precision where the modifier left a value unchanged.
+                state.write_shard_from(full, keep_unchanged=True)
         for state, values in self._saved:
             state.shard.copy_(values)
         self._saved = []

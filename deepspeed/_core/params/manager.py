@@ -407,7 +407,8 @@ class ZeroParamManager:
         held = [s.ds_id for s in self.states.values() if s.state is not ShardedState.SHARDED]
         if held:
             raise ValueError(f"offload_states: parameters {held[:8]} are still gathered (open GatheredParameters?)")
-        return [s.shard for s in self.states.values()]
+        # A shard that is a view of the fp32 master moves with the master (``hp_params``) ([Note: zero3-master]).
+        return [s.shard for s in self.states.values() if not s.shard_is_master]
 
     def restore_persistent(self) -> None:
         """After the shards are back: gather again the parameters :meth:`shards_for_offload` un-persisted."""

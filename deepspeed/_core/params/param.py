@@ -124,13 +124,15 @@ class ZeroParam:
     Attributes:
         ds_id: process-wide unique id, identical on every rank (shared params share it).
         layout: the per-parameter split (``ceil(numel / world)`` per rank, trailing ranks zero-padded).
-        shard: the local partition (``ds_tensor``), 1-D, ``layout.partition_numel`` elements.
+        shard: the local partition (``ds_tensor``), 1-D, ``layout.partition_numel`` elements; in the working
+            dtype, or a view of the fp32 master when :attr:`shard_is_master` ([Note: zero3-master]).
         full: 1-D ``layout.padded_numel`` gathered storage; its storage is freed (0 bytes) unless gathered, and
             the object is reused across gathers so autograd's saved views see the regathered values.
         grad_shard: the reduced gradient shard the ZeRO-3 optimizer stores (see :meth:`receive_grad_shard`).
         shard_content: what :attr:`shard` holds (:class:`ShardContent`); anyone about to read the shard calls
             :meth:`restore_values` first.
         grad_holder: who may park gradients in the shard (``None``: nobody does).
+        shard_is_master: the shard is this rank's slice of the optimizer's fp32 master (:meth:`adopt_master_shard`).
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class ZeroParam:
         self.grad_shard: torch.Tensor | None = None
         self.shard_content = ShardContent.VALUES
         self.grad_holder: ShardGradHolder | None = None
+        self.shard_is_master = False  # the shard is a view of the optimizer's fp32 master ([Note: zero3-master])
 
     # ---------------------------------------------------------------- derived facts
     @property
@@ -302,15 +305,60 @@ class ZeroParam:
             self._holder().evict(self)
             assert not self.holds_gradient, f"ds_id {self.ds_id}: eviction left a gradient"
 
+    # ---------------------------------------------------------------- the shard as a master view
+    def adopt_master_shard(self, view: torch.Tensor) -> None:
+        """Make ``view`` (this parameter's 1-D slice of the optimizer's fp32 master) the shard ([Note: zero3-master]).
+
+        The previous shard's storage is freed: from now on the master is the only persistent copy of the values,
+        and a gather converts them to the working dtype on its way into the all-gather buffer. The gathered
+        storage keeps the working dtype; where it was the shard itself (one rank) it becomes separate storage,
+        unless ``view`` already has the working dtype (fp32 training), in which case it aliases the view. Calling
+        it again with a new view of a moved master re-points the shard.
+        """
+        self._assert_state(ShardedState.SHARDED)
+        assert self.shard_content is ShardContent.VALUES, f"ds_id {self.ds_id}: shard holds {self.shard_content.name}"
+        if view.dim() != 1 or view.numel() != self.layout.partition_numel:
+            raise ValueError(
+                f"ds_id {self.ds_id}: a master view of shape {tuple(view.shape)}, expected "
+                f"({self.layout.partition_numel},)"
+            )
+        old, was_view = self.shard, self.shard_is_master
+        working = self.full.dtype
+        if self.aliases_shard and view.dtype != working:
+            self.storage = FullStorage.SEPARATE
+            self.full = torch.empty(self.layout.padded_numel, dtype=working, device=old.device)
+            free_storage(self.full)
+        elif self.aliases_shard:
+            self.full = view
+        view.ds_numel = self.layout.partition_numel  # type: ignore[attr-defined]  # upstream: ds_tensor.ds_numel
+        self.shard = view
+        self.shard_is_master = True
+        param = self.param
+        if param is not None:
+            param.data = placeholder(self.full)  # SHARDED: the placeholder of the (possibly new) gathered storage
+        if not was_view and old.untyped_storage().data_ptr() != view.untyped_storage().data_ptr():
+            free_storage(old)  # nothing reads the 16-bit copy any more; holders of it see an empty storage
+        # A previous view is only dropped: its storage is the moved master's old one, freed by its last holder
+        # (possibly pinned or still read by a non-blocking copy, so never resized here).
+
     # ---------------------------------------------------------------- shard <-> full values
-    def write_shard_from(self, full_values: torch.Tensor) -> None:
-        """Copy this rank's slice of ``full_values`` (any shape with ``numel`` elements) into :attr:`shard`."""
+    def write_shard_from(self, full_values: torch.Tensor, keep_unchanged: bool = False) -> None:
+        """Copy this rank's slice of ``full_values`` (any shape with ``numel`` elements) into :attr:`shard`.
+
+        ``keep_unchanged``: where the shard is wider than the values (a master view), elements whose value did
+        not change at the values' precision keep the shard's extra precision instead of being rounded.
+        """
         self.restore_values()  # a parked gradient moves out first; the write then replaces the values
         flat = full_values.reshape(-1)
         if self.aliases_shard and flat.data_ptr() == self.shard.data_ptr():
             return  # the values already are the shard
         local = self.local_range
-        self.shard.narrow(0, 0, local.size).copy_(flat[local.as_slice()])  # may be device -> host (offload)
+        mine, new = self.shard.narrow(0, 0, local.size), flat[local.as_slice()]
+        if keep_unchanged and self.shard.dtype != flat.dtype and mine.device == new.device:
+            changed = mine.to(new.dtype) != new
+            mine[changed] = new[changed].to(mine.dtype)
+        else:
+            mine.copy_(new)  # may be device -> host (offload), or working dtype -> fp32 master
         if local.size < self.shard.numel():
             self.shard.narrow(0, local.size, self.shard.numel() - local.size).zero_()
 

@@ -1,4 +1,4 @@
-"""``zero_optimization`` block: upstream keys, aliases, defaults and deprecations, plus three lean switches.
+"""``zero_optimization`` block: upstream keys, aliases, defaults and deprecations, plus the lean switches.
 
 ``ZeroStageEnum`` must stay importable from this module: upstream checkpoints pickle it (optimizer-state key
 ``zero_stage``), so ``torch.load`` of an upstream checkpoint resolves ``deepspeed.runtime.zero.config.ZeroStageEnum``.
@@ -250,6 +250,14 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     in its parameter's shard until the step (the shard is rewritten from the fp32 master then), instead of in
     host memory: 2 bytes per parameter less host memory. Any read of such a shard before the step gets the
     values back first. ``false`` keeps the gradient in host chunks (the upstream layout, for A/B)."""
+
+    lean_gather_from_master: bool = True
+    """deepspeed-lean: ZeRO-3 with the optimizer state on the accelerator (no ``offload_optimizer``, no
+    ``offload_param``) keeps no separate 16-bit shard for the parameters the optimizer steps: each one's
+    ``ds_tensor`` is its slice of the fp32 master, converted to the working dtype while it is copied into the
+    all-gather buffer (the collective still carries 16 bits), and the step needs no write-back: 2 bytes per
+    parameter less accelerator memory. Persistent and frozen parameters keep their own shard. No effect
+    elsewhere. ``false`` keeps a 16-bit shard beside the master, rewritten after each step (upstream, for A/B)."""
 
     lean_pipeline_release: bool = True
     """deepspeed-lean: with pipeline parallelism, every stage frees a micro-batch's outputs and inputs as soon as its

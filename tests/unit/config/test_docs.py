@@ -60,5 +60,6 @@ def test_lean_switches_explained() -> None:
         "lean_eager_grad_release",
         "lean_stream_ordered_release",
         "lean_grads_in_param_shards",
+        "lean_gather_from_master",
     ):
         assert DOC.count(key) >= 2  # the switch table and the key reference

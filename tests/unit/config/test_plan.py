@@ -103,6 +103,8 @@ def test_lean_switches_default_on_and_can_be_turned_off() -> None:
     assert (off.inplace_flatten, off.eager_grad_release, off.stream_ordered_release) == (False, False, False)
     one = _plan(zero_optimization={"lean_eager_grad_release": False}).zero.lean
     assert (one.inplace_flatten, one.eager_grad_release, one.stream_ordered_release) == (True, False, True)
+    assert lean.gather_from_master and one.gather_from_master
+    assert not _plan(zero_optimization={"stage": 3, "lean_gather_from_master": False}).zero.lean.gather_from_master
 
 
 @pytest.mark.parametrize("stage,expected", [(0, False), (1, False), (2, False), (3, True)])

@@ -43,7 +43,9 @@ def tensor_hints(module: Any, optimizer: Any = None) -> list[dict[str, Any]]:
     params = list(module.parameters()) if module is not None else []
     for p in params:
         add(p, PARAMS)
-        add(getattr(p, "ds_tensor", None), PARAMS)
+        # A shard that is a view of the fp32 master is the optimizer's memory, labelled with the master below.
+        if not getattr(p.__dict__.get("_ds_state"), "shard_is_master", False):
+            add(getattr(p, "ds_tensor", None), PARAMS)
         add(_grad_of(p), GRADS)
     for b in module.buffers() if module is not None else ():
         add(b, BUFFERS)
