@@ -32,6 +32,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed._core.checkpoint import files as io
 from deepspeed._core.checkpoint.files import LoadTrust
+from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.moe import checkpoint as moe_ckpt
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import logger
@@ -482,7 +483,7 @@ def _agree_or_raise(error: BaseException | None, what: str) -> None:
     """Collective: every rank learns whether any rank failed, so none waits forever for a dead peer."""
     failed = torch.tensor([1 if error is not None else 0], device=get_accelerator().current_device_name())
     if dist.get_world_size() > 1:
-        dist.all_reduce(failed)
+        sum_over(failed, None)
     if error is not None:
         raise error
     if int(failed.item()):

@@ -4,9 +4,11 @@ The parameter, gradient and optimizer rooms never call ``dist.*`` collectives th
 :func:`start_all_gather` (issue, keep the handle) and later :func:`finish_all_gather` (wait, copy out). Gradient
 buckets are reduced the same way: one of
 :func:`start_all_reduce`, :func:`start_reduce_to_owners` or :func:`start_reduce_scatter` issues the asynchronous
-collective and returns a :class:`ReduceResult`; :func:`finish_reduce` waits for it. The blocking ones the optimizer
-step needs (a squared norm's sum, the post-step all-gather of partitions) are :func:`sum_over` and
-:func:`gather_rows`. The flat buffer's lifetime rules are in [Note: streams-flat]
+collective and returns a :class:`ReduceResult`; :func:`finish_reduce` waits for it. The blocking ones (a squared
+norm's sum, the post-step all-gather of partitions, an agreed flag, a tied weight's broadcast, the MoE exchange)
+are :func:`sum_over`, :func:`gather_rows`, :func:`max_over`, :func:`broadcast_tensor` and :func:`exchange`.
+Point-to-point transfers live with the pipeline's transport (``pipe/p2p.py``) and object collectives with the
+control-plane checks that agree on Python values. The flat buffer's lifetime rules are in [Note: streams-flat]
 (``docs/design/streams.md``): it comes from the pool of the stream that frees it, and is dropped only once that
 stream is ordered behind the copy-out that last read it (the compute stream under lean release).
 """
@@ -184,6 +186,22 @@ def start_reduce_scatter(rows: torch.Tensor, group: Any) -> ReduceResult:
 def sum_over(tensor: torch.Tensor, group: Any) -> None:
     """Blocking in-place sum of ``tensor`` over ``group`` (``None``: the default group), e.g. a squared norm."""
     dist.all_reduce(tensor, group=group)
+
+
+def max_over(tensor: torch.Tensor, group: Any) -> None:
+    """Blocking in-place maximum of ``tensor`` over ``group`` (an agreed flag or capacity)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int, group: Any) -> None:
+    """Blocking: ``tensor`` on every rank of ``group`` becomes global rank ``src``'s (in place)."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def exchange(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """Blocking equal-split all-to-all along dim 0: chunk ``r`` of ``input`` goes to rank ``r``, and ``output``'s
+    chunk ``r`` comes from rank ``r``."""
+    dist.all_to_all_single(output, input, group=group)
 
 
 def gather_rows(gathered: torch.Tensor, mine: torch.Tensor, group: Any) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import gather_rows
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import log_dist
 
@@ -416,7 +416,7 @@ def _gather(part: torch.Tensor, slot: SavedSlot, view: ModelParallelView) -> tor
     # recomputation needs anyway, is ever referenced by the backend. It also saves a host-to-device temporary.
     mine = gathered.narrow(0, size * view.rank, size)
     mine.copy_(part)
-    dist.all_gather_into_tensor(gathered, mine, group=view.group)
+    gather_rows(gathered, mine, view.group)
     shape = slot.shape
     assert shape is not None, "a PARTITION slot records its tensor's shape"
     return gathered.narrow(0, 0, math.prod(shape)).view(shape)

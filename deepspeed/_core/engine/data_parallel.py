@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import max_over
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan
 from deepspeed._core.grads.replicas import ReplicaGrads
@@ -128,7 +129,7 @@ class DataParallelOptimizer(EngineOptimizer):
             return local
         flag = torch.tensor([1.0 if local else 0.0], device=self.params[0].device)
         for group in groups:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            max_over(flag, group)
         return bool(flag.item() > 0)
 
     def _norm(self, owned: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import max_over
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -103,7 +104,7 @@ def _agreed_capacity(needed: int, ep_group: Any) -> int:
     """Without dropping, every rank of the expert-parallel group must use the same (largest) capacity."""
     value = torch.tensor([needed], dtype=torch.int64)
     if ep_group is not None and dist.is_initialized() and dist.get_world_size(group=ep_group) > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ep_group)
+        max_over(value, ep_group)
     return int(value.item())
 
 

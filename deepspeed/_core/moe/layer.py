@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import exchange
 from deepspeed._core.moe.gating import NOISY_GATE_POLICIES, Routes, TopKGate
 
 
@@ -77,7 +77,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         input = input.contiguous()
         output = torch.empty_like(input)
-        dist.all_to_all_single(output, input, group=group)
+        exchange(output, input, group)
         return output
 
     @staticmethod

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import sum_over
 
 
 class DataFeed:
@@ -96,7 +97,7 @@ def agree_or_raise(problem: str | None, device: torch.device) -> None:
     One one-element all-reduce over the world when all is well; the messages are only gathered on failure.
     """
     flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(flag)
+    sum_over(flag, None)
     if int(flag.item()) == 0:
         return
     messages: list[Any] = [None] * dist.get_world_size()

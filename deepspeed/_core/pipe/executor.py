@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import broadcast_tensor, sum_over
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.pipe import schedule as sched
@@ -277,7 +278,7 @@ class PipeExecutor:
             return
         weights = [w for w, _ in self.tied]
         for grad, (_, group) in zip(self._optimizer().window_grads(weights), self.tied, strict=True):
-            dist.all_reduce(grad, group=group)
+            sum_over(grad, group)
 
     def _reduce_grads(self, cmd: Any, run: _Run) -> None:
         self.grad_boundary = True
@@ -304,14 +305,14 @@ class PipeExecutor:
             losses = [torch.as_tensor(x, dtype=torch.float32) for x in run.losses]
             loss = torch.stack([x.float().mean().to(comm) for x in losses]).mean()
             if dist.get_world_size(group=self.stage.dp_group) > 1:
-                dist.all_reduce(loss, group=self.stage.dp_group)
+                sum_over(loss, self.stage.dp_group)
                 loss /= dist.get_world_size(group=self.stage.dp_group)
         else:
             if not broadcast:
                 return None
             loss = torch.zeros((), dtype=torch.float32, device=comm)
         if broadcast and self.stage.num_stages > 1:
-            dist.broadcast(loss, src=self.stage.last_stage_rank, group=self.stage.pipe_group)
+            broadcast_tensor(loss, self.stage.last_stage_rank, self.stage.pipe_group)
         return loss.to(self.device)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed._core.comm.collectives import broadcast_tensor, sum_over
 from deepspeed._core.engine import activation_checkpoint as _ac
 from deepspeed._core.pipe import checkpoint as _ckpt
 from deepspeed._core.pipe.partition import PartitionError, parse_method, partition_layers
@@ -310,7 +311,7 @@ class PipelineModule(nn.Module):
         """Sum the gradients of shared tied weights over the stages holding them (each stage then steps alike)."""
         for weight, group in self.get_tied_weights_and_groups():
             if weight.grad is not None:
-                dist.all_reduce(weight.grad, group=group)
+                sum_over(weight.grad, group)
 
     def _synchronize_tied_weights(self) -> None:
         """Make every stage's copy of a tied weight equal to the copy of its first holder."""
@@ -318,7 +319,7 @@ class PipelineModule(nn.Module):
             for attr in comm["weight_attr"]:
                 weight = _resolve_attr(comm["module"], attr)
                 with torch.no_grad():
-                    dist.broadcast(weight.data, src=min(comm["ranks"]), group=comm["group"])
+                    broadcast_tensor(weight.data, min(comm["ranks"]), comm["group"])
 
     # ------------------------------------------------------------------ forward
     def forward(self, forward_input: Any) -> Any:
