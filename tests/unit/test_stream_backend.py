@@ -54,3 +54,56 @@ def test_record_current_defaults_to_the_accelerator() -> None:
     event = record_current()
     assert event.query()  # the CPU accelerator's events are complete at once
     event.synchronize()
+
+
+class _SwitchingBackend(_Backend):
+    """Records every stream switch and keeps ``current`` true to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.switches: list[str] = []
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Any:
+        self.switches.append(stream)
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+def test_use_switches_only_when_the_stream_changes() -> None:
+    """Asking for the stream the thread is on costs no switch; nested blocks switch and switch back."""
+    backend = _SwitchingBackend()
+    streams = StreamSet(backend)
+    with streams.use(StreamRole.COMPUTE):
+        assert backend.switches == [] and streams.current_role() is StreamRole.COMPUTE
+    with streams.use(StreamRole.ALL_GATHER):
+        assert backend.current == "side0" and streams.current_role() is StreamRole.ALL_GATHER
+        with streams.use(StreamRole.ALL_GATHER):
+            pass  # already there
+        with streams.use(StreamRole.COMPUTE):
+            assert backend.current == "compute" and streams.current_role() is StreamRole.COMPUTE
+        assert backend.current == "side0" and streams.current_role() is StreamRole.ALL_GATHER
+    assert backend.current == "compute" and streams.current_role() is StreamRole.COMPUTE
+    assert backend.switches == ["side0", "compute"]
+    shared = _SwitchingBackend()
+    one = StreamSet(shared, side=SideStreams.SHARED)
+    with one.use(StreamRole.ALL_GATHER):
+        pass
+    assert shared.switches == []  # one stream for every role: nothing to switch
+
+
+def test_use_tracks_each_thread_on_its_own() -> None:
+    """The autograd engine runs backward hooks on its own thread, which starts on the compute stream."""
+    import threading
+
+    streams = StreamSet(_SwitchingBackend())
+    seen: list[StreamRole] = []
+    with streams.use(StreamRole.ALL_GATHER):
+        worker = threading.Thread(target=lambda: seen.append(streams.current_role()))
+        worker.start()
+        worker.join()
+        assert streams.current_role() is StreamRole.ALL_GATHER
+    assert seen == [StreamRole.COMPUTE]

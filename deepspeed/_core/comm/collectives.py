@@ -15,6 +15,7 @@ stream is ordered behind the copy-out that last read it (the compute stream unde
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,13 @@ class AllGatherResult:
         return self.flat.view(self.world_size, self.layout.rank_numel)
 
 
+@functools.lru_cache(maxsize=4096)
+def _gather_layout(numels: tuple[int, ...], world_size: int) -> Stage3GroupLayout:
+    """The per-rank layout of one gather (pure data, frozen): a unit gathers the same parameters every time, so
+    it is planned once, not at every call."""
+    return plan_stage3_group([(n,) for n in numels], world_size)
+
+
 def start_all_gather(
     shards: Sequence[torch.Tensor],
     numels: Sequence[int],
@@ -72,7 +80,7 @@ def start_all_gather(
     way into the buffer, so the collective never carries more than the working dtype. ``alloc_role`` names the
     stream whose allocator pool the flat buffer comes from ([Note: streams-flat]).
     """
-    layout = plan_stage3_group([(n,) for n in numels], group.world_size)
+    layout = _gather_layout(tuple(numels), group.world_size)
     wire = codec.wire_dtype(shards[0].dtype if dtype is None else dtype)
     if group.world_size == 1 and codec is IDENTITY_CODEC and all(s.device == device for s in shards):
         # One rank: each shard already holds its whole (padded) parameter, so the copy-out reads the shards

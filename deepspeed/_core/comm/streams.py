@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -92,14 +93,37 @@ class StreamSet:
         compute = self.backend.current_stream()
         gather = self.backend.new_stream() if side is SideStreams.SEPARATE else compute
         self._streams = {StreamRole.COMPUTE: compute, StreamRole.ALL_GATHER: gather}
+        self._on = threading.local()  # per thread (the autograd engine runs backward hooks on its own)
 
     def get(self, role: StreamRole) -> Any:
         """The stream playing ``role``."""
         return self._streams[role]
 
+    def current_role(self) -> StreamRole:
+        """The role whose stream this thread is on: ``COMPUTE`` outside any :meth:`use` block."""
+        return getattr(self._on, "role", StreamRole.COMPUTE)
+
     def use(self, role: StreamRole) -> contextlib.AbstractContextManager:
-        """Make ``role``'s stream current inside the ``with`` block."""
-        return self.backend.use_stream(self._streams[role])
+        """Make ``role``'s stream current inside the ``with`` block.
+
+        Asking for the stream the thread is already on costs nothing: the set tracks which of its streams each
+        thread is on (the compute stream outside any block, as everywhere in this package). The accelerator's
+        stream switch is a few Python calls and device-index lookups each way, and the one-rank gather path asks
+        for the compute stream twice per unit ([Note: streams]).
+        """
+        if self._streams[role] is self._streams[self.current_role()]:
+            return contextlib.nullcontext()
+        return self._switch(role)
+
+    @contextlib.contextmanager
+    def _switch(self, role: StreamRole) -> Iterator[None]:
+        previous = self.current_role()
+        with self.backend.use_stream(self._streams[role]):
+            self._on.role = role
+            try:
+                yield
+            finally:
+                self._on.role = previous
 
     def record(self, role: StreamRole) -> Any:
         """Record and return an event on ``role``'s stream (marks "everything queued so far")."""
