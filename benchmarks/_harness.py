@@ -228,7 +228,7 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
     reduce_scatter, contiguous_gradients). ``spec["offload"]`` puts the optimizer on the CPU (pinned) and allows the
     client torch optimizer there (``zero_force_ds_cpu_optimizer`` false, else upstream refuses it);
     ``spec["offload_param"]`` also offloads the parameter shards (stage 3). ``ours_leanoff`` gets the lean
-    switches off, as in :func:`ds_config`.
+    switches off, as in :func:`ds_config`; ``spec["zero"]`` (ours only, with a ``tag``) overrides single keys.
     """
     h = int(hidden)
     stage = int(spec.get("stage") or 3)
@@ -273,6 +273,12 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
             lean_stream_ordered_release=False,
             lean_grads_in_param_shards=False,
         )
+    if spec.get("zero"):  # A/B of single switches of this package: a ``tag`` names the variant's scenario
+        if not spec["impl"].startswith("ours"):
+            raise ValueError(f"spec 'zero' overrides are for this package's runs, not {spec['impl']!r}")
+        if not spec.get("tag"):
+            raise ValueError("a spec with 'zero' overrides needs a 'tag' naming the variant")
+        zero.update(spec["zero"])
     return cfg
 
 

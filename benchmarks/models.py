@@ -21,6 +21,7 @@ building a model never makes a transient fp32 or host copy that would pollute th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -327,6 +328,16 @@ class QwenLM(nn.Module):
             x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def with_seq(name: str, seq: int | str | None = None) -> str:
+    """The model key for ``name`` at sequence length ``seq``: ``name`` itself when ``seq`` is ``None`` or its own,
+    else ``<name>@seq<seq>``, registered in :data:`MODELS` as the same shape with that sequence length."""
+    if seq is None or int(seq) == MODELS[name].seq:
+        return name
+    derived = f"{name}@seq{int(seq)}"
+    MODELS[derived] = dataclasses.replace(MODELS[name], seq=int(seq))
+    return derived
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import dataclasses
 import json
 import os
 import statistics
@@ -305,14 +304,8 @@ def summarise(events: list, averages: list, wall_s: float, has_device: bool) -> 
 
 # ----------------------------------------------------------------------------------------------- run
 def _model_name(spec: dict) -> str:
-    """The model key to build; a ``seq`` override registers the replaced config under ``<model>@seq<seq>``."""
-    name = spec.get("model", "gpt1.3b")
-    seq = spec.get("seq")
-    if seq is None or int(seq) == models.MODELS[name].seq:
-        return name
-    derived = f"{name}@seq{int(seq)}"
-    models.MODELS[derived] = dataclasses.replace(models.MODELS[name], seq=int(seq))
-    return derived
+    """The model key to build (``seq`` overrides the shape's sequence length: :func:`models.with_seq`)."""
+    return models.with_seq(spec.get("model", "gpt1.3b"), spec.get("seq"))
 
 
 def _make_trainer(name: str, spec: dict) -> tuple[Any, Any, int]:

@@ -139,6 +139,8 @@ def _variant(r: dict, kind: str) -> list[str]:
         parts.append("compiled" if r.get("compiled") else "eager")
     if kind == "init_paths":
         parts.append(f"built{r.get('build')}")
+    if kind == "s3" and r.get("tag"):  # an A/B variant of single switches (spec "zero" + "tag")
+        parts.append(str(r["tag"]))
     if kind in ("s3", "throughput") and bool(
         r.get("checkpoint_reentrant", _default_reentrant(r))
     ) != _default_reentrant(r):
@@ -236,6 +238,7 @@ def _identity(r: dict) -> str:
         "bf16_states",
         "compiled",
         "build",
+        "tag",
     )
     ident: dict = {k: c.get(k) for k in keys}
     ident["model"] = model_part(c.get("model_cfg") if _kind(c) == "moe" else c.get("model"))

@@ -55,7 +55,7 @@ from _harness import (
     sync,
     worker_main,
 )
-from models import MODELS, build_model, decoder_layers, random_batch
+from models import MODELS, build_model, decoder_layers, random_batch, with_seq
 
 REPO = Path(__file__).resolve().parents[2]
 TIMELINE_DIR = Path(MEMORY_TIMELINE_DIR)
@@ -68,16 +68,21 @@ def _stage(spec: dict) -> int:
     return int(spec.get("stage") or 3)
 
 
+def _model(spec: dict) -> str:
+    """The model key of ``spec`` (``spec["seq"]`` overrides the shape's sequence length)."""
+    return with_seq(spec["model"], spec.get("seq"))
+
+
 def _build(spec: dict) -> tuple[Any, torch.nn.Module, int]:
     """Build and wrap the model; returns (trainer, module as wrapped, parameter count)."""
-    cfg = MODELS[spec["model"]]
+    cfg = MODELS[_model(spec)]
     ws = int(spec.get("world_size", 1))
     dev = device()
     if spec["impl"] == "fsdp2":
         from baselines.fsdp2 import FSDP2Trainer
 
         where = torch.device("meta") if ws > 1 else dev
-        model = build_model(spec["model"], where, torch.float32)  # FSDP2 keeps fp32 params; bf16 compute
+        model = build_model(_model(spec), where, torch.float32)  # FSDP2 keeps fp32 params; bf16 compute
         n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         return FSDP2Trainer(model, spec), model, n
     ds_cfg = hf_auto_config(spec, cfg.hidden)
@@ -85,9 +90,9 @@ def _build(spec: dict) -> tuple[Any, torch.nn.Module, int]:
         import deepspeed
 
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
-            model = build_model(spec["model"], dev, torch.bfloat16)
+            model = build_model(_model(spec), dev, torch.bfloat16)
     else:
-        model = build_model(spec["model"], dev, torch.bfloat16)
+        model = build_model(_model(spec), dev, torch.bfloat16)
     unique = {id(p): p for p in model.parameters()}.values()
     n = sum(int(getattr(p, "ds_numel", p.numel())) for p in unique)
     trainer = DeepSpeedTrainer(model, spec, config=ds_cfg)
@@ -466,7 +471,7 @@ def run(spec: dict) -> dict:
     """Measure one configuration (see the module docstring)."""
     reentrant = default_checkpoint_reentrant(spec)
     models.CHECKPOINT_USE_REENTRANT = reentrant
-    cfg = MODELS[spec["model"]]
+    cfg = MODELS[_model(spec)]
     with RssSampler() as init_rss:
         trainer, module, n_params = _build(spec)
         sync()

@@ -144,6 +144,7 @@ def _lean_policy(zero: DeepSpeedZeroConfig) -> LeanPolicy:
         grads_in_param_shards=zero.lean_grads_in_param_shards,
         pipeline_release=zero.lean_pipeline_release,
         gather_from_master=zero.lean_gather_from_master,
+        block_fetch_units=zero.lean_block_fetch_units,
     )
 
 

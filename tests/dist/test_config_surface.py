@@ -134,6 +134,7 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     _Z + "lean_grads_in_param_shards": (False, {}, "plan.zero.lean.grads_in_param_shards"),
     _Z + "lean_pipeline_release": (False, {}, "plan.zero.lean.pipeline_release"),
     _Z + "lean_gather_from_master": (False, {}, "plan.zero.lean.gather_from_master"),
+    _Z + "lean_block_fetch_units": (False, {}, "plan.zero.lean.block_fetch_units"),
     "fp16.enabled": (True, {}, "plan.precision.param_dtype"),
     "fp16.auto_cast": (True, _FP16, "plan.precision.auto_cast"),
     "fp16.loss_scale": (128.0, _FP16, "plan.precision.loss_scale"),

@@ -49,6 +49,8 @@ def _alive_in_backward(world: int) -> dict:
             "stage3_param_persistence_threshold": 0,
             "stage3_prefetch_bucket_size": 0,
             "reduce_bucket_size": 10_000,
+            # Per-submodule units: the early stop happens inside a block, between its modules' hooks.
+            "lean_block_fetch_units": False,
         },
     }
     engine, *_ = deepspeed.initialize(model=_Net(), config=cfg)

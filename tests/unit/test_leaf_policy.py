@@ -264,3 +264,93 @@ def test_offload_facade_applies_the_threshold_and_the_config_block() -> None:
     )
     DeepSpeedZeRoOffload(other, ds_config=cfg, param_persistence_threshold=0).destroy()
     assert is_z3_leaf(other.mix) and not is_z3_leaf(other.mix.layers)  # the container gives way to its owner
+
+
+class Block(nn.Module):
+    """A composite block (two linears): the unit the repeated-block rule is for."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    """An embedding-like input layer, four repeated blocks, one odd block, a head: 6 + 4 * 144 + 144 + 18 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(1, 3)
+        self.proj = nn.Linear(3, 8, bias=False)
+        self.blocks = nn.ModuleList([Block() for _ in range(4)] + [Mixer()])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.inp(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _names(selection) -> list[str]:
+    return [name for name, _ in selection.modules]
+
+
+def test_repeated_blocks_are_the_children_of_a_list_of_like_composite_modules() -> None:
+    model = Stack()
+    selection = select_leaf_modules(model, NO_DEFAULTS, block_limit=10**9)
+    # The lone Mixer is not repeated; plain linears (Mixer's own list) are units already.
+    assert _names(selection) == [f"blocks.{i}" for i in range(4)] and selection.repeated_blocks == 4
+    assert _names(select_leaf_modules(model, NO_DEFAULTS)) == []  # off without a limit
+    assert _names(select_leaf_modules(model, NO_DEFAULTS, block_limit=143)) == []  # a block holds 144 elements
+    assert _names(select_leaf_modules(model, NO_DEFAULTS, granularity_threshold=1, block_limit=10**9)) == []
+
+
+def test_explicit_entries_win_over_repeated_blocks() -> None:
+    model = Stack()
+    inner = select_leaf_modules(model, LeafModulePolicy(classes=(), names=("blocks.1.fc1",)), block_limit=10**9)
+    assert _names(inner) == ["blocks.0", "blocks.1.fc1", "blocks.2", "blocks.3"] and inner.repeated_blocks == 3
+    outer = select_leaf_modules(model, LeafModulePolicy(classes=(), names=("blocks.4",)), block_limit=10**9)
+    assert _names(outer) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "blocks.4"]
+    assert outer.repeated_blocks == 4
+
+
+@pytest.mark.parametrize("block_units", [True, False])
+def test_manager_fetches_repeated_blocks_as_units_with_the_reference_gradients(block_units: bool) -> None:
+    torch.manual_seed(2)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    manager = ZeroParamManager(
+        model,
+        WORLD1,
+        Stage3Policy(param_persistence_threshold=0, leaf_module=NO_DEFAULTS),
+        LeanPolicy(block_fetch_units=block_units),
+    )
+    blocks = {f"blocks.{i}" for i in range(4)}
+    names = {u.name for u in manager.units.values() if u.states()}
+    if block_units:
+        assert blocks <= names and "blocks.0.fc1" not in names
+        assert not model.blocks[0].fc1._forward_pre_hooks, "modules inside a block must not be hooked"
+    else:
+        assert not blocks & names and "blocks.0.fc1" in names
+    grads: dict[int, torch.Tensor] = {}
+
+    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
+        grads[param.ds_id] = grad.clone()
+        param.grad = None
+
+    manager.on_grad_ready(take)
+    manager.boundary_samples = []
+    x = torch.randn(5, 1)
+    ref_loss, ref_grads = _loss_and_grads(reference, x)
+    loss = model(x).square().mean()
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss, abs=1e-6)
+    for param, want in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(grads[param.ds_id], want)
+    # A block's four tensors are gathered together; per submodule, one linear's two at a time.
+    assert max(s.params_alive for s in manager.boundary_samples) == (4 if block_units else 2)
+    manager.destroy()

@@ -125,9 +125,7 @@ def finish_all_gather(
         if result.work is not None:
             result.work.wait()
         if result.sources is not None:
-            for src, out in zip(result.sources, outputs, strict=False):
-                if src.data_ptr() != out.data_ptr():  # a gathered tensor that is its shard needs no copy
-                    codec.decode(src.reshape(1, -1), [out.view(1, -1)])
+            _copy_sources(result.sources, outputs)
             done = streams.record(copy_role)
             if copy_role is not StreamRole.COMPUTE:
                 streams.wait(StreamRole.COMPUTE, done)
@@ -141,6 +139,22 @@ def finish_all_gather(
     if copy_role is not StreamRole.COMPUTE:
         streams.wait(StreamRole.COMPUTE, done)
     return done
+
+
+def _copy_sources(sources: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """One-rank copy-out: one multi-tensor copy per source dtype, converting on the way (an fp32 master view
+    into its 16-bit output), as FSDP2's foreach copies do; a gathered tensor that is its shard needs no copy."""
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for src, out in zip(sources, outputs, strict=False):
+        if src.data_ptr() != out.data_ptr():
+            srcs, outs = by_dtype.setdefault(src.dtype, ([], []))
+            srcs.append(src.view(-1))
+            outs.append(out.view(-1))
+    for srcs, outs in by_dtype.values():
+        if len(srcs) == 1:
+            outs[0].copy_(srcs[0])
+        else:
+            torch._foreach_copy_(outs, srcs)
 
 
 def broadcast_from(tensor: torch.Tensor, group: ShardGroup, src_group_rank: int) -> None:

@@ -148,6 +148,8 @@ class LeanPolicy:
             last stage included), never holding more than the 1F1B schedule needs.
         gather_from_master: ZeRO-3 with the optimizer state on the device: a stepped parameter's shard is its
             slice of the fp32 master (no 16-bit copy beside it; gathers convert on the way into the wire buffer).
+        block_fetch_units: ZeRO-3 fetches each repeated block (a child of a ``ModuleList`` of like modules, at
+            most ``stage3_max_live_parameters`` elements) as one unit, with hooks only at its boundary.
     """
 
     inplace_flatten: bool = True
@@ -156,6 +158,7 @@ class LeanPolicy:
     grads_in_param_shards: bool = True
     pipeline_release: bool = True
     gather_from_master: bool = True
+    block_fetch_units: bool = True
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

@@ -222,6 +222,7 @@ _ZERO: dict[str, KeyRule] = {
     "lean_grads_in_param_shards": _impl(),
     "lean_pipeline_release": _impl(),
     "lean_gather_from_master": _impl(),
+    "lean_block_fetch_units": _impl(),
 }
 
 _PRECISION: dict[str, KeyRule] = {

@@ -1,5 +1,5 @@
-"""Which modules the config makes ZeRO-3 leaves (``zero_optimization.leaf_module`` and
-``stage3_module_granularity_threshold``).
+"""Which modules the config makes ZeRO-3 leaves (``zero_optimization.leaf_module``,
+``stage3_module_granularity_threshold`` and ``lean_block_fetch_units``).
 
 A leaf is fetched and released as one unit together with its whole subtree, and no hooks are installed below
 it (see ``is_z3_leaf`` in ``manager.py``). This module only *selects*; the manager marks the selection before it
@@ -26,6 +26,13 @@ Rules:
 - Walk order is pre-order from the root; the walk does not descend into a selected module or one already
   marked as a leaf (through ``set_z3_leaf_modules``), so nested modules are never selected: the outer leaf
   already fetches them.
+- Repeated blocks (``lean_block_fetch_units``, on by default, and only while no threshold is set): every child
+  of an ``nn.ModuleList`` that holds at least two children of one class is selected when that class runs a
+  forward, the child has children of its own, and its subtree holds at most ``block_limit`` parameter elements
+  (``stage3_max_live_parameters``: a block never gathers more than the live bound). These are the transformer
+  blocks that FSDP2 recipes wrap one by one: one unit, one gather and one set of hooks per block instead of one
+  per linear layer ([Note: zero3-blocks]). Explicit entries win where both apply: the walk stops at one above a
+  block, and a block holding one inside is not selected.
 - An entry matching no module is reported (the caller logs a warning with the nearest spellings) and
   otherwise ignored. Upstream's default ``classes`` name Hugging Face MoE blocks that most models do not
   contain, so upstream cannot treat a miss as an error either; misses of those default entries are not reported.
@@ -108,12 +115,14 @@ class LeafSelection:
             could have selected (``None`` otherwise, or when the model has no such module).
         substituted: ``(container, enclosing module)`` names where a matched container without ``forward``
             was replaced by its nearest enclosing module that runs one.
+        repeated_blocks: how many of ``modules`` the repeated-block rule selected (and no explicit entry).
     """
 
     modules: tuple[tuple[str, nn.Module], ...]
     unmatched: tuple[UnmatchedEntry, ...]
     finest: tuple[str, float] | None = None
     substituted: tuple[tuple[str, str], ...] = ()
+    repeated_blocks: int = 0
 
 
 def _never(module: nn.Module) -> bool:
@@ -178,18 +187,42 @@ def _substitute_containers(root: nn.Module, hits: set[int]) -> tuple[set[int], l
     return result, sorted(substituted)
 
 
+def repeated_blocks(root: nn.Module, block_limit: int) -> set[int]:
+    """Ids of the repeated blocks of ``root``'s tree (the rule in this module's docstring)."""
+    blocks: set[int] = set()
+    for module in root.modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        by_class: dict[type, list[nn.Module]] = {}
+        for child in module.children():
+            by_class.setdefault(type(child), []).append(child)
+        for children in by_class.values():
+            if len(children) < 2 or not runs_forward(children[0]):
+                continue
+            for child in children:
+                if next(child.children(), None) is not None and 0 < subtree_numel(child) <= block_limit:
+                    blocks.add(id(child))
+    return blocks
+
+
 def select_leaf_modules(
     root: nn.Module,
     policy: LeafModulePolicy,
     granularity_threshold: int = 0,
     already_leaf: Callable[[nn.Module], bool] = _never,
+    block_limit: int | None = None,
 ) -> LeafSelection:
     """Apply the rules in this module's docstring to ``root``'s tree; ``already_leaf`` says which modules are
-    marked already (their subtrees are skipped)."""
+    marked already (their subtrees are skipped); ``block_limit`` (``None``: off) selects repeated blocks of at
+    most that many parameter elements."""
     if granularity_threshold < 0:
         raise ValueError(f"{GRANULARITY_KEY}={granularity_threshold} is not valid; valid: an integer >= 0 (0 = off)")
     hits, unmatched = _explicit_matches(root, policy)
     explicit, substituted = _substitute_containers(root, hits)
+    blocks = repeated_blocks(root, block_limit) if block_limit is not None and granularity_threshold == 0 else set()
+    if blocks and explicit:  # an explicit entry inside a block asks for a finer unit there: the block gives way
+        by_id = {id(m): m for m in root.modules()}
+        blocks = {key for key in blocks if not any(id(m) in explicit for m in by_id[key].modules())}
     selected: list[tuple[str, nn.Module]] = []
     finest: tuple[str, float] | None = None
     seen: set[int] = set()
@@ -201,7 +234,7 @@ def select_leaf_modules(
         seen.add(id(module))
         if already_leaf(module):
             continue
-        chosen = id(module) in explicit
+        chosen = id(module) in explicit or id(module) in blocks
         value = module_granularity(module) if not chosen and granularity_threshold > 0 else None
         if value is not None:
             chosen = value < granularity_threshold
@@ -215,7 +248,10 @@ def select_leaf_modules(
         ]
         stack.extend(reversed(children))
     by_threshold = granularity_threshold > 0 and any(id(m) not in explicit for _, m in selected)
-    return LeafSelection(tuple(selected), tuple(unmatched), None if by_threshold else finest, tuple(substituted))
+    n_blocks = sum(1 for _, m in selected if id(m) in blocks and id(m) not in explicit)
+    return LeafSelection(
+        tuple(selected), tuple(unmatched), None if by_threshold else finest, tuple(substituted), n_blocks
+    )
 
 
 def report_leaf_selection(root: nn.Module, selection: LeafSelection, granularity_threshold: int) -> None:
@@ -241,4 +277,9 @@ def report_leaf_selection(root: nn.Module, selection: LeafSelection, granularity
     if selection.modules:
         shown = ", ".join(name or "<root>" for name, _ in selection.modules[:8])
         more = f" (+{len(selection.modules) - 8} more)" if len(selection.modules) > 8 else ""
-        log_dist(f"ZeRO-3 leaf modules from the config: {shown}{more}", ranks=[0], level=logging.INFO)
+        blocks = f"; {selection.repeated_blocks} of them repeated blocks (lean_block_fetch_units)"
+        log_dist(
+            f"ZeRO-3 leaf modules from the config: {shown}{more}{blocks if selection.repeated_blocks else ''}",
+            ranks=[0],
+            level=logging.INFO,
+        )

@@ -64,10 +64,17 @@ def _externals(module: nn.Module) -> dict:
     return module.__dict__.get(EXTERNAL_PARAMS_ATTR, {})
 
 
-def mark_config_leaves(module: nn.Module, stage3: Stage3Policy) -> list[nn.Module]:
+def mark_config_leaves(module: nn.Module, stage3: Stage3Policy, block_units: bool = False) -> list[nn.Module]:
     """Mark the leaves ``stage3.leaf_module`` and ``stage3.module_granularity_threshold`` select in ``module``'s
-    tree (rules: ``leaf_policy.py``); log entries that match nothing. Returns the newly marked modules."""
-    selection = select_leaf_modules(module, stage3.leaf_module, stage3.module_granularity_threshold, is_z3_leaf)
+    tree, and with ``block_units`` its repeated blocks of at most ``stage3.max_live_parameters`` elements (rules:
+    ``leaf_policy.py``); log entries that match nothing. Returns the newly marked modules."""
+    selection = select_leaf_modules(
+        module,
+        stage3.leaf_module,
+        stage3.module_granularity_threshold,
+        is_z3_leaf,
+        stage3.max_live_parameters if block_units else None,
+    )
     report_leaf_selection(module, selection, stage3.module_granularity_threshold)
     for _, sub in selection.modules:
         setattr(sub, Z3_LEAF_ATTR, True)
@@ -183,7 +190,7 @@ class ZeroParamManager:
         """
         # Leaves first: the hooks and units built below read the marks, and a bad policy fails here, before any
         # collective.
-        self.config_leaves = mark_config_leaves(module, stage3)
+        self.config_leaves = mark_config_leaves(module, stage3, lean.block_fetch_units)
         self.module = module
         self.group = group
         self.policy = stage3

@@ -259,6 +259,14 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     parameter less accelerator memory. Persistent and frozen parameters keep their own shard. No effect
     elsewhere. ``false`` keeps a 16-bit shard beside the master, rewritten after each step (upstream, for A/B)."""
 
+    lean_block_fetch_units: bool = True
+    """deepspeed-lean: ZeRO-3 fetches each repeated block of the model (every child of an ``nn.ModuleList`` that
+    holds several modules of one class, such as a transformer's decoder layers, when it has at most
+    ``stage3_max_live_parameters`` parameter elements) as one unit: one gather, one release and hooks only at
+    the block's boundary, instead of one of each per submodule with parameters. Off while
+    ``stage3_module_granularity_threshold`` is set; explicit ``leaf_module`` entries win. ``false`` fetches per
+    submodule (upstream, for A/B)."""
+
     lean_pipeline_release: bool = True
     """deepspeed-lean: with pipeline parallelism, every stage frees a micro-batch's outputs and inputs as soon as its
     backward has run (and its input gradient is sent), so stage ``s`` of ``P`` holds at most ``min(P - s, G)``

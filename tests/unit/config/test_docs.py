@@ -61,5 +61,6 @@ def test_lean_switches_explained() -> None:
         "lean_stream_ordered_release",
         "lean_grads_in_param_shards",
         "lean_gather_from_master",
+        "lean_block_fetch_units",
     ):
         assert DOC.count(key) >= 2  # the switch table and the key reference

@@ -3,6 +3,7 @@ collective path); a unit's copy-in and copy-out are one batched op each, whateve
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -81,3 +82,53 @@ def test_a_units_gather_is_one_copy_kernel_each_way() -> None:
     ops = _gather_ops(world_size=4, rank=1)
     copies = [op for op in ops if op.split(".")[0] in {"copy_", "cat", "split_with_sizes_copy", "_foreach_copy_"}]
     assert copies == ["cat.out", "split_with_sizes_copy.out"], ops
+
+
+def test_a_one_rank_units_copy_out_is_one_kernel_per_source_dtype() -> None:
+    # Three fp32 master views and two 16-bit shards of one unit, all gathered into bf16: one multi-tensor copy
+    # per source dtype (converting the fp32 ones), not one copy per parameter.
+    shards = [torch.linspace(-1, 1, n) for n in (5, 8, 3)] + [torch.arange(n).bfloat16() for n in (4, 6)]
+    numels = [s.numel() for s in shards]
+    with _CountOps() as counted:
+        result = start_all_gather(
+            shards,
+            numels,
+            ShardGroup(None, 0, 1),
+            StreamSet(),
+            IDENTITY_CODEC,
+            torch.device("cpu"),
+            dtype=torch.bfloat16,
+        )
+        outs = [torch.empty(n, dtype=torch.bfloat16) for n in numels]
+        finish_all_gather(result, outs, StreamSet(), StreamRole.COMPUTE, IDENTITY_CODEC)
+    copies = [
+        op for op in counted.ops if op.split(".")[0] in {"copy_", "cat", "split_with_sizes_copy", "_foreach_copy_"}
+    ]
+    assert copies == ["_foreach_copy_.default", "_foreach_copy_.default"], counted.ops
+    for shard, out in zip(shards, outs, strict=True):
+        assert torch.equal(out, shard.bfloat16())
+
+
+@pytest.mark.gpu
+def test_a_one_rank_units_copy_out_launches_one_kernel_per_source_dtype_on_cuda() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    shards = [torch.randn(n, device=device) for n in (4096, 1000, 77)] + [
+        torch.randn(n, device=device).bfloat16() for n in (512, 9)
+    ]
+    numels = [s.numel() for s in shards]
+    outs = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in numels]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = start_all_gather(
+            shards, numels, ShardGroup(None, 0, 1), StreamSet(), IDENTITY_CODEC, device, dtype=torch.bfloat16
+        )
+        finish_all_gather(result, outs, StreamSet(), StreamRole.COMPUTE, IDENTITY_CODEC)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 2, [e.name for e in kernels]
+    for shard, out in zip(shards, outs, strict=True):
+        assert torch.equal(out, shard.bfloat16())
