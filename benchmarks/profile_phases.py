@@ -1,6 +1,7 @@
 """Where one training step's time goes: forward / backward / optimizer step, host vs device (a diagnostic).
 
-Each spec runs in its own process (the S1 model unless ``spec["model"]`` says otherwise, N=1):
+Each spec runs in its own process (the S1 model unless ``spec["model"]`` says otherwise; N=1 unless
+``spec["world_size"]`` asks for rank 0 of PyTorch's fake group, where collectives cost nothing):
 
     python benchmarks/profile_phases.py --spec '{"impl": "ours", "stage": 2, "dtype": "bf16"}' --out DIR
     python benchmarks/profile_phases.py --compare A.json B.json [--md OUT.md]
@@ -21,7 +22,7 @@ when there is a GPU, CUDA activity) and keeps the operators with the most device
 number of kernel launches per phase, and a ``summary`` (see :func:`summarise`): wall time, GPU busy time as the
 union of device-activity intervals, idle gaps, host-device synchronisations, op counts, copy kernels, per-phase
 host/device time. Without CUDA the device fields are 0 or None (the CPU smoke test runs ``quick-qwen``).
-Writes ``DIR/<impl>_z<stage>_<tokens>tok[_<tag>].json`` (tokens = micro_batch x seq). Not a timed test; figures
+Writes ``DIR/<impl>_z<stage>_<tokens>tok[_n<N>][_<tag>].json`` (tokens = micro_batch x seq). Not a timed test; figures
 come only from the run that wrote them. ``--compare`` prints a side-by-side table of two such files (A, B, A/B).
 """
 
@@ -352,7 +353,8 @@ def _python_profile(trainer: Any, ids: torch.Tensor, labels: torch.Tensor, steps
 
 
 def run(spec: dict) -> dict:
-    init_process_group(spec["impl"], 1)
+    # World size > 1: rank 0 of PyTorch's fake group (collectives cost nothing: the profile is overhead only).
+    init_process_group(spec["impl"], int(spec.get("world_size", 1)))
     models.CHECKPOINT_USE_REENTRANT = default_checkpoint_reentrant(spec)
     name = _model_name(spec)
     micro_batch = int(spec.get("micro_batch", 1))
@@ -516,7 +518,9 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     result = run(spec)
     tag = f"_{spec['tag']}" if spec.get("tag") else ""
-    name = f"{spec['impl']}_z{spec.get('stage')}_{result['tokens_per_step']}tok{tag}.json"
+    ws = int(spec.get("world_size", 1))
+    wide = f"_n{ws}" if ws > 1 else ""
+    name = f"{spec['impl']}_z{spec.get('stage')}_{result['tokens_per_step']}tok{wide}{tag}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     s = result["summary"]
