@@ -13,7 +13,8 @@ overridden through ``dataclasses.replace``; the replaced config is registered in
 ``_harness.hf_auto_config``, instead of ``_harness.ds_config``; FSDP2 ignores it), ``zero`` (keys merged into that
 config's ``zero_optimization``, for A/B runs of one switch), ``tag`` (appended to the output name),
 ``checkpoint_reentrant`` (default ``_harness.default_checkpoint_reentrant``), ``cprofile`` (``profile_steps``
-more steps under cProfile: ``python_profile``, host time per Python function). The timed steps also record device
+more steps under cProfile: ``python_profile``, host time per Python function, ``cprofile_top`` rows,
+default 40). The timed steps also record device
 memory: allocated when a step starts (after the warm-up), peak allocated and reserved over the timed steps.
 
 After ``warmup`` steps it times ``steps`` steps with a device sync after each phase (so the phases add up to
@@ -420,7 +421,9 @@ def run(spec: dict) -> dict:
     summary = summarise(list(prof.events()), list(events), wall_s, has_device)
     python_profile = None
     if spec.get("cprofile"):
-        python_profile = _python_profile(trainer, ids, labels, int(spec.get("profile_steps", 2)))
+        python_profile = _python_profile(
+            trainer, ids, labels, int(spec.get("profile_steps", 2)), int(spec.get("cprofile_top", 40))
+        )
     phase_rows = {
         e.key: {"cpu_ms": round(e.cpu_time_total / 1e3, 2), "device_ms": round(e.device_time_total / 1e3, 2)}
         for e in events

@@ -27,6 +27,8 @@ from deepspeed._core.grads.scaling import ReduceScaling
 from deepspeed._core.layout.shards import Range
 from deepspeed._core.params.param import ZeroParam
 
+_CHUNK_CAT = getattr(torch, "_chunk_cat", None)  # torch >= 2.4; older releases copy parameter by parameter
+
 
 class GradRelease(enum.Enum):
     """What happens to a full gradient once it is staged: ``EAGER`` (lean, ``lean_eager_grad_release``): the
@@ -94,6 +96,16 @@ class ShardRows:
             entries.clear()
         else:
             rows = torch.empty(self.world_size, width, dtype=self.comm_dtype, device=entries[0].grad.device)
+            if _CHUNK_CAT is not None and self.release is GradRelease.EAGER:
+                # One kernel for the whole bucket: each flattened gradient is cut into ``world`` zero-padded
+                # chunks of ceil(numel / world) elements (exactly the shard layout) and chunk r of every one
+                # lands in row r, converted to the wire dtype (FSDP2's reduce-scatter copy-in).
+                _CHUNK_CAT([e.grad.reshape(-1) for e in entries], 0, self.world_size, out=rows)
+                for e in entries:
+                    bucket.targets.append((e.group, e.offset, col, e.state.layout.partition_numel))
+                    col += e.state.layout.partition_numel
+                entries.clear()
+                return rows
         for e in entries:
             size = e.state.layout.partition_numel
             flat = e.grad.reshape(-1).to(self.comm_dtype)
