@@ -120,6 +120,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             zero.lean.gather_from_master and not zero.offload_optimizer.enabled and not zero.offload_param.enabled
         )
         self.groups = [self._build_group(g) for g in optimizer.param_groups]
+        if any(grp.master.data.device.type != "cpu" for grp in self.groups):
+            # Building the masters freed blocks of many sizes (the 16-bit shards a master view replaced, the
+            # conversion temporaries): hand them back once, so that training starts with reserved memory equal
+            # to what is allocated ([Note: zero3-init]).
+            get_accelerator().empty_cache()
         self.index = ShardIndex(self.groups)
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
         self.host = HostTransfers(slot_bytes_for(bucket_bytes))
