@@ -21,6 +21,7 @@ from deepspeed._core.params.leaf_policy import (
     subtree_numel,
 )
 from deepspeed._core.params.manager import ZeroParamManager, is_z3_leaf
+from deepspeed._core.params.param import FullStorage, zero_state
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils.logging import logger
@@ -353,4 +354,84 @@ def test_manager_fetches_repeated_blocks_as_units_with_the_reference_gradients(b
         torch.testing.assert_close(grads[param.ds_id], want)
     # A block's four tensors are gathered together; per submodule, one linear's two at a time.
     assert max(s.params_alive for s in manager.boundary_samples) == (4 if block_units else 2)
+    manager.destroy()
+
+
+class Gate(nn.Module):
+    """Owns a vector that the blocks' inner modules also read (registered as external there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class Borrow(nn.Module):
+    """Scales by another module's parameter: a use that only an external registration makes visible."""
+
+    def __init__(self, gate: Gate) -> None:
+        super().__init__()
+        self.gate = [gate]  # a plain list: not a child, the parameter stays the gate's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate[0].w
+
+
+class BorrowBlock(Block):
+    def __init__(self, gate: Gate) -> None:
+        super().__init__()
+        self.borrow = Borrow(gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.borrow(super().forward(x))
+
+
+class BorrowStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gate = Gate()
+        self.blocks = nn.ModuleList(BorrowBlock(gate) for _ in range(3))
+        self.gate = gate  # runs after the blocks: its own unit is not gathered while they run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.gate(x)
+
+
+def test_externals_registered_inside_a_block_are_fetched_with_it() -> None:
+    from deepspeed._core.params.manager import register_external
+
+    torch.manual_seed(3)
+    model = BorrowStack()
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        register_external(block.borrow, model.gate.w)
+    manager = ZeroParamManager(  # separate gathered storage: a parameter not fetched holds no values
+        model,
+        WORLD1,
+        Stage3Policy(param_persistence_threshold=0, leaf_module=NO_DEFAULTS),
+        LeanPolicy(),
+        single_rank=FullStorage.SEPARATE,
+    )
+    assert is_z3_leaf(model.blocks[0]) and not model.blocks[0].borrow._forward_pre_hooks
+    gate_state = zero_state(model.gate.w)
+    for block in model.blocks:  # part of each block's unit from the start, not only once a forward reads it
+        assert any(s is gate_state for s in manager._unit_of(block).states())
+    grads: dict[int, torch.Tensor] = {}
+
+    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
+        grads[param.ds_id] = grads.get(param.ds_id, 0) + grad.clone()
+        param.grad = None
+
+    manager.on_grad_ready(take)
+    x = torch.randn(5, 8)
+    ref_loss, ref_grads = _loss_and_grads(reference, x)
+    loss = model(x).square().mean()
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss, abs=1e-6)
+    for param, want in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(grads[param.ds_id], want)
     manager.destroy()

@@ -81,11 +81,22 @@ def mark_config_leaves(module: nn.Module, stage3: Stage3Policy, block_units: boo
     return [sub for _, sub in selection.modules]
 
 
+def unit_externals(module: nn.Module) -> dict:
+    """The external parameters ``module``'s unit fetches: its own registry, and for a leaf every registry in its
+    subtree (no hook runs below a leaf, so a descendant's externals are the leaf's to fetch)."""
+    if not is_z3_leaf(module):
+        return _externals(module)
+    merged: dict = {}
+    for sub in module.modules():
+        merged.update(_externals(sub))
+    return merged
+
+
 def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters fetched for ``module``: its own (the whole subtree for a leaf) plus external ones."""
     own = module.parameters() if is_z3_leaf(module) else module.parameters(recurse=False)
     found: dict[int, nn.Parameter] = {id(p): p for p in own}
-    for param in _externals(module).values():
+    for param in unit_externals(module).values():
         found.setdefault(id(param), param)
     return list(found.values())
 
@@ -259,7 +270,7 @@ class ZeroParamManager:
         while stack:
             sub = stack.pop()
             self._unit_of(sub)
-            for param in _externals(sub).values():
+            for param in unit_externals(sub).values():
                 self._adopt(param).external = True
             if not is_z3_leaf(sub):
                 stack.extend(reversed(list(sub.children())))
@@ -272,7 +283,7 @@ class ZeroParamManager:
         keys = routed_keys(self.hooks.modules, lambda p: p.requires_grad and zero_state(p) is not None)
         self.hooks.route(keys)
         self._quiet_backward = {
-            id(m) for m in self.hooks.modules if id(m) in keys and backward_reads_no_params(m) and not _externals(m)
+            id(m) for m in self.hooks.modules if id(m) in keys and backward_reads_no_params(m) and not unit_externals(m)
         }
 
     def _update_routing(self) -> None:
@@ -299,7 +310,7 @@ class ZeroParamManager:
         identities of the unit's parameters and externals) is cheap and catches replaced or added ones.
         """
         own = module.parameters() if is_z3_leaf(module) else dict.values(module._parameters)
-        key = (tuple(id(p) for p in own if p is not None), tuple(_externals(module)))
+        key = (tuple(id(p) for p in own if p is not None), tuple(unit_externals(module)))
         cached = self._unit_states.get(id(module))
         if cached is not None and cached[0] == key:
             return cached[1]
