@@ -222,6 +222,25 @@ def _loss_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[float, list[torc
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
+def _assert_reference_step(manager: ZeroParamManager, model: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    """One forward and backward of ``model`` under ``manager`` (boundary samples on): the loss and every
+    parameter's gradient (summed over its arrivals) equal the unpartitioned ``reference``'s."""
+    grads: dict[int, torch.Tensor] = {}
+
+    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
+        grads[param.ds_id] = grads.get(param.ds_id, 0) + grad.clone()
+        param.grad = None
+
+    manager.on_grad_ready(take)
+    manager.boundary_samples = []
+    ref_loss, ref_grads = _loss_and_grads(reference, x)
+    loss = model(x).square().mean()
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss, abs=1e-6)
+    for param, want in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(grads[param.ds_id], want)
+
+
 def test_manager_applies_the_policy_before_building_units() -> None:
     torch.manual_seed(1)
     model = Net()
@@ -235,21 +254,7 @@ def test_manager_applies_the_policy_before_building_units() -> None:
     assert manager.config_leaves == [model.mix] and is_z3_leaf(model.mix)
     assert {u.name for u in manager.units.values()} == {"<root>", "down", "mix", "up", "head"}
     assert not model.mix.layers[0]._forward_pre_hooks, "modules inside a leaf must not be hooked"
-    grads: dict[int, torch.Tensor] = {}
-
-    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
-        grads[param.ds_id] = grad.clone()
-        param.grad = None
-
-    manager.on_grad_ready(take)
-    manager.boundary_samples = []
-    x = torch.randn(5, 23)
-    ref_loss, ref_grads = _loss_and_grads(reference, x)
-    loss = model(x).square().mean()
-    loss.backward()
-    assert loss.item() == pytest.approx(ref_loss, abs=1e-6)
-    for param, want in zip(model.parameters(), ref_grads, strict=True):
-        torch.testing.assert_close(grads[param.ds_id], want)
+    _assert_reference_step(manager, model, reference, torch.randn(5, 23))
     assert max(s.params_alive for s in manager.boundary_samples) == 6  # the mixer's six tensors at once
     manager.destroy()
 
@@ -337,21 +342,7 @@ def test_manager_fetches_repeated_blocks_as_units_with_the_reference_gradients(b
         assert not model.blocks[0].fc1._forward_pre_hooks, "modules inside a block must not be hooked"
     else:
         assert not blocks & names and "blocks.0.fc1" in names
-    grads: dict[int, torch.Tensor] = {}
-
-    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
-        grads[param.ds_id] = grad.clone()
-        param.grad = None
-
-    manager.on_grad_ready(take)
-    manager.boundary_samples = []
-    x = torch.randn(5, 1)
-    ref_loss, ref_grads = _loss_and_grads(reference, x)
-    loss = model(x).square().mean()
-    loss.backward()
-    assert loss.item() == pytest.approx(ref_loss, abs=1e-6)
-    for param, want in zip(model.parameters(), ref_grads, strict=True):
-        torch.testing.assert_close(grads[param.ds_id], want)
+    _assert_reference_step(manager, model, reference, torch.randn(5, 1))
     # A block's four tensors are gathered together; per submodule, one linear's two at a time.
     assert max(s.params_alive for s in manager.boundary_samples) == (4 if block_units else 2)
     manager.destroy()
@@ -420,18 +411,5 @@ def test_externals_registered_inside_a_block_are_fetched_with_it() -> None:
     gate_state = zero_state(model.gate.w)
     for block in model.blocks:  # part of each block's unit from the start, not only once a forward reads it
         assert any(s is gate_state for s in manager._unit_of(block).states())
-    grads: dict[int, torch.Tensor] = {}
-
-    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
-        grads[param.ds_id] = grads.get(param.ds_id, 0) + grad.clone()
-        param.grad = None
-
-    manager.on_grad_ready(take)
-    x = torch.randn(5, 8)
-    ref_loss, ref_grads = _loss_and_grads(reference, x)
-    loss = model(x).square().mean()
-    loss.backward()
-    assert loss.item() == pytest.approx(ref_loss, abs=1e-6)
-    for param, want in zip(model.parameters(), ref_grads, strict=True):
-        torch.testing.assert_close(grads[param.ds_id], want)
+    _assert_reference_step(manager, model, reference, torch.randn(5, 8))
     manager.destroy()
