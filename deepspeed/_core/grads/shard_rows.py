@@ -90,27 +90,23 @@ class ShardRows:
         entries: list[RowEntry] = bucket.entries
         width = sum(e.state.layout.partition_numel for e in entries)
         rows = self._single_entry_rows(bucket)
-        col = 0
         if rows is not None:  # the gradient already is the (world, width) layout
             bucket.targets.append((entries[0].group, entries[0].offset, 0, width))
             entries.clear()
-        else:
-            rows = torch.empty(self.world_size, width, dtype=self.comm_dtype, device=entries[0].grad.device)
-            if _CHUNK_CAT is not None and self.release is GradRelease.EAGER:
-                # One kernel for the whole bucket: each flattened gradient is cut into ``world`` zero-padded
-                # chunks of ceil(numel / world) elements (exactly the shard layout) and chunk r of every one
-                # lands in row r, converted to the wire dtype (FSDP2's reduce-scatter copy-in).
-                _CHUNK_CAT([e.grad.reshape(-1) for e in entries], 0, self.world_size, out=rows)
-                for e in entries:
-                    bucket.targets.append((e.group, e.offset, col, e.state.layout.partition_numel))
-                    col += e.state.layout.partition_numel
-                entries.clear()
-                return rows
+            return rows
+        rows = torch.empty(self.world_size, width, dtype=self.comm_dtype, device=entries[0].grad.device)
+        if _CHUNK_CAT is not None:
+            # One kernel for the whole bucket: each flattened gradient is cut into ``world`` zero-padded chunks
+            # of ceil(numel / world) elements (exactly the shard layout) and chunk r of every one lands in row r,
+            # converted to the wire dtype (FSDP2's reduce-scatter copy-in).
+            _CHUNK_CAT([e.grad.reshape(-1) for e in entries], 0, self.world_size, out=rows)
+        col = 0
         for e in entries:
             size = e.state.layout.partition_numel
-            flat = e.grad.reshape(-1).to(self.comm_dtype)
-            flat = F.pad(flat, (0, e.state.layout.padded_numel - flat.numel())) if e.state.layout.padding else flat
-            rows[:, col : col + size].copy_(flat.view(self.world_size, size))
+            if _CHUNK_CAT is None:
+                flat = e.grad.reshape(-1).to(self.comm_dtype)
+                flat = F.pad(flat, (0, e.state.layout.padded_numel - flat.numel())) if e.state.layout.padding else flat
+                rows[:, col : col + size].copy_(flat.view(self.world_size, size))
             if self.release is GradRelease.ZEROED:
                 e.grad.zero_()  # upstream-behaviour A/B: the buffer stays allocated until the step ends
             bucket.targets.append((e.group, e.offset, col, size))

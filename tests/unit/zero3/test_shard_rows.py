@@ -15,7 +15,9 @@ from deepspeed._core.grads.shard_rows import GradRelease, RowEntry, ShardRows
 from deepspeed._core.layout.shards import Stage3ParamLayout
 
 
-def _rows(world: int, wire: torch.dtype, batched: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list]:
+def _rows(
+    world: int, wire: torch.dtype, batched: bool, monkeypatch: pytest.MonkeyPatch, release: GradRelease
+) -> tuple[torch.Tensor, list]:
     if not batched:
         monkeypatch.setattr(shard_rows, "_CHUNK_CAT", None)
     gen = torch.Generator().manual_seed(world)
@@ -26,18 +28,23 @@ def _rows(world: int, wire: torch.dtype, batched: bool, monkeypatch: pytest.Monk
         layout = Stage3ParamLayout(g.numel(), world)
         bucket.entries.append(RowEntry(g, SimpleNamespace(layout=layout), 0, offset, False))  # type: ignore[arg-type]
         offset += layout.partition_numel
-    io = ShardRows(world, wire, ReduceScaling(1.0, 1.0), GradRelease.EAGER, lambda *a: None, None)
+    io = ShardRows(world, wire, ReduceScaling(1.0, 1.0), release, lambda *a: None, None)
     rows = io.wire(bucket)
     assert rows is not None and not bucket.entries
+    if release is GradRelease.ZEROED:  # the upstream-behaviour A/B keeps the buffers, zeroed
+        assert all(not g.any() for g in grads)
     return rows, list(bucket.targets)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
-def test_batched_rows_equal_the_per_parameter_copy(world: int, wire: torch.dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("release", [GradRelease.EAGER, GradRelease.ZEROED])
+def test_batched_rows_equal_the_per_parameter_copy(
+    world: int, wire: torch.dtype, release: GradRelease, monkeypatch
+) -> None:
     if shard_rows._CHUNK_CAT is None:
         pytest.skip("torch without _chunk_cat: only the per-parameter copy exists")
-    batched, targets = _rows(world, wire, True, monkeypatch)
-    looped, looped_targets = _rows(world, wire, False, monkeypatch)
+    batched, targets = _rows(world, wire, True, monkeypatch, release)
+    looped, looped_targets = _rows(world, wire, False, monkeypatch, release)
     assert batched.dtype == wire and batched.shape == looped.shape
     assert torch.equal(batched, looped) and targets == looped_targets
