@@ -40,7 +40,7 @@ import torch
 
 from deepspeed._core.comm.streams import record_current
 from deepspeed._core.grads.accumulator import ChunkedGradShard
-from deepspeed._core.grads.convert import convert_scaled
+from deepspeed._core.grads.convert import Coef, convert_scaled
 from deepspeed._core.params.param import ShardedState, ZeroParam
 
 
@@ -252,7 +252,7 @@ class ParkedWindow:
         self._fill(start, end, staged, lambda dst, src: dst.copy_(src))
         return staged
 
-    def convert_into(self, start: int, end: int, out: torch.Tensor, coef: float) -> bool:
+    def convert_into(self, start: int, end: int, out: torch.Tensor, coef: Coef) -> bool:
         """Write the gradient of ``[start, end)`` times ``coef`` into ``out`` (the step's conversion buffer), each
         piece converted from where it lies: one pass over host-resident pieces (shards offloaded with
         ``offload_param``, side tensors) instead of a copy and a conversion.

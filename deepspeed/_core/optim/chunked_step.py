@@ -18,7 +18,7 @@ import torch
 
 # CONVERT_BLOCK_NUMEL is re-exported: it was defined here before the conversion moved to the gradient room.
 from deepspeed._core.grads.convert import CONVERT_BLOCK_NUMEL as CONVERT_BLOCK_NUMEL
-from deepspeed._core.grads.convert import convert_scaled
+from deepspeed._core.grads.convert import Coef, convert_scaled, scales
 
 STEP_CHUNK_BYTES_CAP = 1 << 28
 """At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
@@ -69,7 +69,7 @@ def step_in_chunks(
     group_index: int,
     grad: Any,
     chunk_numel: int,
-    coef: float = 1.0,
+    coef: Coef = 1.0,
     consume: bool = False,
 ) -> None:
     """Apply one update to the single master parameter of ``optimizer.param_groups[group_index]``.
@@ -114,7 +114,7 @@ def step_in_chunks(
                 piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
                 if consume and piece.dtype == master.dtype and piece.device == master.device:
                     view.grad = piece
-                    if coef != 1.0:
+                    if scales(coef):
                         view.grad.mul_(coef)
                 else:
                     if convert is None:

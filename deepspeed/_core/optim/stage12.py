@@ -18,6 +18,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.grads.convert import Coef, scales
 from deepspeed._core.grads.partitions import GradPath, GroupGrads, PartitionConfig, PartitionGrads
 from deepspeed._core.grads.reducer import ReduceMode, ReducerConfig
 from deepspeed._core.grads.scaling import ReduceScaling
@@ -199,21 +200,30 @@ class ZeroOptimizer(ShardedOptimizer):
             counted = self._norm_pieces(parts)
         sq = local_sq_norm(counted, chunk).to(self.groups[0].flat.device)
         del counted
+        on_device = self._device_step(sq, {g.master.device for g in self.groups})
+        if on_device is not None:  # [Note: device step]
+            return self._run_device_step(on_device, lambda coef: self._update(parts, coef))
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
             return self._skip_step()
         self._global_grad_norm = decision.norm
-        coef = decision.coef
-        for index in range(len(self.groups)):
-            self._step_group(index, self.groups[index], parts[index], coef)
-        del parts  # the last reference to views of the accumulators (a loop variable kept one alive)
-        # Gradients go before the all-gather, so its staging never coexists with them (the N=8 step peak).
-        self._clear_grads()
-        self.publish_weights()
+        self._update(parts, decision.coef)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
+
+    def _update(self, parts: list[torch.Tensor | None], coef: Coef) -> None:
+        """Step every group on its partition gradient scaled by ``coef``, drop the gradients, publish the weights.
+
+        Takes ``parts`` over: the list is emptied, so no reference to views of the accumulators outlives the step.
+        """
+        for index in range(len(self.groups)):
+            self._step_group(index, self.groups[index], parts[index], coef)
+        parts.clear()
+        # Gradients go before the all-gather, so its staging never coexists with them (the N=8 step peak).
+        self._clear_grads()
+        self.publish_weights()
 
     def _norm_pieces(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """The partition gradients, less the ranges of tied-weight copies another stage counts
@@ -250,13 +260,13 @@ class ZeroOptimizer(ShardedOptimizer):
             out.append(acc[group.grads.layout.slots[slot].range.as_slice()].view(p.shape))
         return out
 
-    def _step_group(self, index: int, group: ZeroGroup, part: torch.Tensor | None, coef: float) -> None:
+    def _step_group(self, index: int, group: ZeroGroup, part: torch.Tensor | None, coef: Coef) -> None:
         """Update one group's master; groups step one at a time so no other master holds a gradient."""
         master = group.master.param
         if part is None:
             part = torch.zeros_like(master)
         if part.dtype == master.dtype and part.device == master.device:
-            if coef != 1.0:
+            if scales(coef):
                 part.mul_(coef)
             master.grad = part  # handed over, no copy
             self.optimizer.step()

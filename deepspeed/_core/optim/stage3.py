@@ -28,6 +28,7 @@ from deepspeed import comm as dist
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.grads.convert import Coef
 from deepspeed._core.grads.parked import ParkedGrads, ParkedWindow
 from deepspeed._core.grads.reducer import GradReducer, ReduceMode, ReducerConfig
 from deepspeed._core.grads.scaling import ReduceScaling
@@ -281,22 +282,30 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         # The scalar is reduced on the compute device, where the gathered parameters live.
         sq = local_sq_norm(accs + self.parked.tensors(), self._step_chunk_numel)
         sq = sq.to(self.groups[0].states[0].full.device)
+        on_device = self._device_step(sq, {g.master.device for g in self.groups})
+        if on_device is not None:  # [Note: device step]
+            applied = self._run_device_step(on_device, self._update)
+            self._clear_grads()
+            return applied
         decision = self._decide_step(sq)
         self.overflow = decision.overflow
         if decision.overflow:
             return self._skip_step()
         self._global_grad_norm = decision.norm
-        coef = decision.coef
-        for index, grp in enumerate(self.groups):
-            self._step_group(index, grp, coef)
-        self.write_back()
-        self.parked.forget()  # the write-back replaced every parked gradient with the new values
+        self._update(decision.coef)
         self._clear_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
 
-    def _step_group(self, index: int, grp: Stage3Group, coef: float) -> None:
+    def _update(self, coef: Coef) -> None:
+        """Step every group with gradients scaled by ``coef``, then publish the new weights."""
+        for index, grp in enumerate(self.groups):
+            self._step_group(index, grp, coef)
+        self.write_back()
+        self.parked.forget()  # the write-back replaced every parked gradient with the new values
+
+    def _step_group(self, index: int, grp: Stage3Group, coef: Coef) -> None:
         """Update one group's master, one gradient chunk at a time; groups step one at a time so no other
         master holds a gradient. The shard is dropped after the step, so its chunks are consumed in place."""
         acc = grp.ensure_accumulator()
