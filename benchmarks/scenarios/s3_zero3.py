@@ -472,6 +472,12 @@ def run(spec: dict) -> dict:
     reentrant = default_checkpoint_reentrant(spec)
     models.CHECKPOINT_USE_REENTRANT = reentrant
     cfg = MODELS[_model(spec)]
+    if spec.get("host_step"):  # A/B of the device-decided step: ours decides every step on the host instead
+        if spec["impl"] != "ours" or not spec.get("tag"):
+            raise ValueError("'host_step' is an A/B of this package's runs and needs a 'tag' naming the variant")
+        from deepspeed._core.optim.sharded import ShardedOptimizer
+
+        ShardedOptimizer._device_step = lambda self, *args: None  # type: ignore[method-assign]
     with RssSampler() as init_rss:
         trainer, module, n_params = _build(spec)
         sync()

@@ -28,6 +28,7 @@ def _config(stage: int, bf16: bool) -> dict:
         "train_micro_batch_size_per_gpu": 3,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.05,  # below the tiny model's norm: every step is clipped
+        "zero_allow_untested_optimizer": True,  # FlagSGD
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0},
     }
     if bf16:
@@ -35,13 +36,41 @@ def _config(stage: int, bf16: bool) -> dict:
     return cfg
 
 
-def _train(world: int, stage: int, bf16: bool, on_device: bool, overflow: bool) -> dict:
+class FlagSGD(torch.optim.Optimizer):
+    """Plain SGD that skips on a device ``found_inf`` flag and counts steps on the host, as ``FusedAdam`` does on
+    CUDA: the engine must put a skipped step's count back (and drop state the skipped step created)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def skips_on_found_inf(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        flag = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["step"] = state.get("step", 0) + 1
+                    update = p.grad * group["lr"]
+                    # Skipping selects the old value (a product with 0 would turn an inf update into nan).
+                    p.copy_(p - update if flag is None else torch.where(flag.bool(), p, p - update))
+
+
+def _train(
+    world: int, stage: int, bf16: bool, on_device: bool, overflow: bool, inf_step: int = INF_STEP, sgd: bool = False
+) -> dict:
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed._core.optim.sharded import ShardedOptimizer
 
     model = make_model(0)
-    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    if sgd:
+        inner = FlagSGD(model.parameters(), lr=LR)
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
     engine, *_ = deepspeed.initialize(model=model, optimizer=inner, lr_scheduler=sched, config=_config(stage, bf16))
     opt = engine.optimizer
@@ -57,7 +86,7 @@ def _train(world: int, stage: int, bf16: bool, on_device: bool, overflow: bool) 
     originals = {name: getattr(torch.Tensor, name) for name in reads}
     inner_step = inner.step
 
-    def spying_step(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def spying_step(*a, **k):
         order.append("update")
         return inner_step(*a, **k)
 
@@ -65,14 +94,16 @@ def _train(world: int, stage: int, bf16: bool, on_device: bool, overflow: bool) 
     norms, lrs, step_counts, applied = [], [], [], []
     for step in range(STEPS):
         handle = None
-        if overflow and step == INF_STEP and dist.get_rank() == world - 1:
+        if overflow and step == inf_step and dist.get_rank() == world - 1:
             handle = engine.module.fc1.weight.register_hook(lambda g: g * float("inf"))
         engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
         if handle is not None:
             handle.remove()
         order.clear()
         for name, fn in originals.items():
-            setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=fn, **k: (order.append("read"), _f(self, *a, **k))[1])
+            setattr(
+                torch.Tensor, name, lambda self, *a, _n=name, _f=fn, **k: (order.append("read"), _f(self, *a, **k))[1]
+            )
         try:
             engine.step()
         finally:
@@ -84,6 +115,8 @@ def _train(world: int, stage: int, bf16: bool, on_device: bool, overflow: bool) 
         lrs.append(engine.get_lr()[0])
         master_state = next(iter(inner.state.values()), {})
         step_counts.append(float(master_state["step"]) if "step" in master_state else 0.0)
+        if step == 0:
+            first_state_count = len(inner.state)
         if step == 0:
             first_order = (order.index("read") if "read" in order else len(order), last_update)
     obj = [engine._zero3_consolidated_16bit_state_dict() if stage == 3 else engine.module.state_dict()]
@@ -97,6 +130,7 @@ def _train(world: int, stage: int, bf16: bool, on_device: bool, overflow: bool) 
         "skipped": engine.skipped_steps,
         "host_decisions": len(host_decisions),
         "first_read_vs_last_update": first_order,
+        "states_after_first_step": first_state_count,
     }
     engine.destroy()
     return out
@@ -118,7 +152,9 @@ def test_device_step_matches_host_step_and_skips_on_device(world: int, stage: in
         assert host["first_read_vs_last_update"][0] < host["first_read_vs_last_update"][1]
         for got in (dev, host):
             assert got["applied"] == [True, False, True] and got["skipped"] == 1
-            assert got["norms"][INF_STEP] is None and all(math.isfinite(n) for i, n in enumerate(got["norms"]) if i != INF_STEP)
+            assert got["norms"][INF_STEP] is None and all(
+                math.isfinite(n) for i, n in enumerate(got["norms"]) if i != INF_STEP
+            )
             assert got["steps"] == [1.0, 1.0, 2.0], "a skipped step must not advance the optimizer's step count"
             assert got["lrs"][INF_STEP] == got["lrs"][0], "the scheduler must not step on a skipped step"
         assert dev["norms"] == host["norms"] and dev["lrs"] == host["lrs"]
@@ -150,3 +186,23 @@ def test_fp32_device_step_matches_the_reference(stage: int) -> None:
         assert rank["host_decisions"] == 0 and rank["applied"] == [True] * STEPS
         for k, v in model.state_dict().items():
             torch.testing.assert_close(rank["weights"][k], v.float(), rtol=1e-5, atol=1e-6)
+
+
+def _sgd_both(world: int, stage: int, inf_step: int) -> dict:
+    return {on: _train(world, stage, True, on, True, inf_step, sgd=True) for on in (True, False)}
+
+
+@pytest.mark.parametrize("inf_step", [0, 1])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_device_skip_puts_host_step_counts_back(stage: int, inf_step: int) -> None:
+    """An optimizer counting steps on the host: a device-skipped step leaves the counts (and, on the very first
+    step, the absence of state) exactly as the host-decided skip does."""
+    for rank in run_distributed(_sgd_both, 2, 2, stage, inf_step):
+        dev, host = rank[True], rank[False]
+        assert dev["host_decisions"] == 0 and host["host_decisions"] == STEPS
+        expected = [0.0, 1.0, 2.0] if inf_step == 0 else [1.0, 1.0, 2.0]
+        assert dev["steps"] == host["steps"] == expected, (dev["steps"], host["steps"], dev["applied"], host["applied"])
+        assert dev["states_after_first_step"] == host["states_after_first_step"]
+        assert dev["applied"] == host["applied"] and dev["skipped"] == host["skipped"] == 1
+        for k, v in host["weights"].items():
+            assert torch.equal(dev["weights"][k], v), k

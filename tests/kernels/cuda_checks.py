@@ -227,6 +227,36 @@ def check_fused_adam(device: str = "cuda") -> None:
         assert err < tolerance[dtype], f"FusedAdam {dtype} adamw={adam_w_mode} wd={wd}: rel err {err:.3g}"
 
 
+def check_fused_adam_found_inf(device: str = "cuda") -> None:
+    """FusedAdam with a device ``found_inf`` flag: 1 leaves parameters and moments as they were, 0 steps exactly
+    as without a flag; the optimizer declares it (``skips_on_found_inf``)."""
+    from deepspeed.ops.adam import FusedAdam
+
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in (7, 5000)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, twin_opt = FusedAdam(params, lr=1e-2), FusedAdam(twins, lr=1e-2)
+    assert opt.skips_on_found_inf()
+    for flag in (0.0, 1.0, 0.0):
+        grads = [torch.randn_like(p) for p in params]
+        for p, t, g in zip(params, twins, grads, strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        before = [p.detach().clone() for p in params]
+        moments = [opt.state[p]["exp_avg"].clone() for p in params] if opt.state else None
+        opt.found_inf = torch.tensor(flag, device=device)
+        opt.step()
+        del opt.found_inf
+        if flag:
+            assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), "found_inf=1 must skip"
+            assert moments is not None and all(
+                torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(params, moments, strict=True)
+            )
+            for p in params:  # the caller's part: the step count goes back
+                opt.state[p]["step"] -= 1
+        else:
+            twin_opt.step()
+            assert all(torch.equal(p, t) for p, t in zip(params, twins, strict=True)), "found_inf=0 must step"
+
+
 ALL_CHECKS: tuple[Callable[[str], None], ...] = (
     check_every_dtype,
     check_misaligned,
@@ -236,4 +266,5 @@ ALL_CHECKS: tuple[Callable[[str], None], ...] = (
     check_errors,
     check_front_end,
     check_fused_adam,
+    check_fused_adam_found_inf,
 )

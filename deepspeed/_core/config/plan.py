@@ -211,6 +211,12 @@ class ZeroPlan:
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
     load_from_fp32_weights: bool = True
 
+    @property
+    def shards_are_master_views(self) -> bool:
+        """ZeRO-3: whether a stepped parameter's shard becomes its slice of the device master
+        (``lean_gather_from_master`` with neither the optimizer nor the parameters offloaded)."""
+        return self.lean.gather_from_master and not self.offload_optimizer.enabled and not self.offload_param.enabled
+
 
 @dataclass(frozen=True)
 class MemoryTimelinePolicy:

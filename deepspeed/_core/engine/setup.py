@@ -136,6 +136,8 @@ def partition_parameters(
         StreamSet(side=side),
         offload_param=plan.zero.offload_param,
         target=ParamTarget(device, plan.precision.param_dtype),
+        # Shards the optimizer will not replace by master views stay for the run: one buffer holds them.
+        shard_arena=not plan.zero.shards_are_master_views,
     )
     if device is not None and device.type != "cpu":
         # Partitioning frees whole parameters of many sizes; hand their cached blocks back once, here, so the

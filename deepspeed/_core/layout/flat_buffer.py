@@ -43,6 +43,9 @@ def free_storage(tensor: torch.Tensor) -> None:
     """
     _require_whole_storage(tensor)
     storage = tensor.untyped_storage()
+    if storage.nbytes() > tensor.numel() * tensor.element_size():
+        # A view of a larger buffer (a shard cut from an arena): resizing would free its neighbours too.
+        raise ValueError("free_storage needs a tensor that spans its whole storage, not a view of a larger one")
     if storage.nbytes() != 0:
         storage.resize_(0)
 

@@ -61,9 +61,35 @@ class DeviceStep:
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` honours a ``found_inf`` attribute (torch's fused optimizers declare it with
-    ``_step_supports_amp_scaling``)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    """Whether ``optimizer.step()`` honours a ``found_inf`` attribute: torch's fused optimizers declare it with
+    ``_step_supports_amp_scaling``, this package's with a ``skips_on_found_inf()`` method (``FusedAdam`` on CUDA)."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return True
+    probe = getattr(optimizer, "skips_on_found_inf", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _host_step_counts(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, int | None]:
+    """Each group's parameter's step count where the optimizer keeps it on the host (``None``: no state yet)."""
+    counts: dict[torch.Tensor, int | None] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if not torch.is_tensor(step):
+                counts[p] = None if step is None else int(step)
+    return counts
+
+
+def _restore_host_step_counts(optimizer: torch.optim.Optimizer, counts: dict[torch.Tensor, int | None]) -> None:
+    """Undo a device-skipped update's host bookkeeping: counts go back, and state first made by it goes."""
+    for p, count in counts.items():
+        state = optimizer.state.get(p)
+        if not state or torch.is_tensor(state.get("step")):
+            continue  # device step counts: the optimizer put them back itself
+        if count is None:
+            optimizer.state.pop(p, None)
+        else:
+            state["step"] = count
 
 
 class ShardedOptimizer(EngineOptimizer):
@@ -126,6 +152,7 @@ class ShardedOptimizer(EngineOptimizer):
         """Run ``update(coef)`` (every group's step and the write-back) under the device flag, then settle the
         outcome on the host: one read when the overflow check needs it, none otherwise."""
         found_inf = step.found_inf
+        counts = _host_step_counts(self.optimizer) if found_inf is not None else {}
         if found_inf is not None:
             self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
@@ -139,6 +166,8 @@ class ShardedOptimizer(EngineOptimizer):
             return True
         norm, skipped = torch.stack([step.norm, found_inf.double()]).tolist()
         self.overflow = bool(skipped)
+        if self.overflow:
+            _restore_host_step_counts(self.optimizer, counts)
         self._global_grad_norm = None if self.overflow else norm
         return not self.overflow
 

@@ -117,9 +117,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
         zero = plan.zero
         # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
-        self._from_master = (
-            zero.lean.gather_from_master and not zero.offload_optimizer.enabled and not zero.offload_param.enabled
-        )
+        self._from_master = zero.shards_are_master_views
         self.groups = [self._build_group(g) for g in optimizer.param_groups]
         if any(grp.master.data.device.type != "cpu" for grp in self.groups):
             # Building the masters freed blocks of many sizes (the 16-bit shards a master view replaced, the

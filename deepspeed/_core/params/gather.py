@@ -125,13 +125,27 @@ class Gatherer:
         self._last_copy_in: Any = None
 
     # ---------------------------------------------------------------- partitioning
+    def shard_request(
+        self, param: nn.Parameter, group: ShardGroup, target: ParamTarget = ParamTarget()
+    ) -> tuple[int, torch.dtype, torch.device]:
+        """``(numel, dtype, device)`` of the shard :meth:`partition` would allocate for ``param``."""
+        data = param.data
+        numel = Stage3ParamLayout(data.numel(), group.world_size).partition_numel
+        return numel, target.dtype_of(data), self.placement.shard_device(target.device_of(data))
+
     def partition(
-        self, param: nn.Parameter, group: ShardGroup, ds_id: int | None = None, target: ParamTarget = ParamTarget()
+        self,
+        param: nn.Parameter,
+        group: ShardGroup,
+        ds_id: int | None = None,
+        target: ParamTarget = ParamTarget(),
+        shard: torch.Tensor | None = None,
     ) -> ZeroParam:
         """Turn ``param`` into a partitioned parameter (no-op for one that already is); frees its full data.
 
         ``target`` names the compute device and working dtype; the full values may lie anywhere (host memory
-        included): only this rank's slice is copied, cast on the way, into the new shard.
+        included): only this rank's slice is copied, cast on the way, into the new shard. ``shard`` is a zeroed
+        tensor matching :meth:`shard_request` to use instead of a fresh one ([Note: shard arena]).
         """
         existing = zero_state(param)
         if existing is not None:
@@ -139,7 +153,10 @@ class Gatherer:
         data = param.data
         device, dtype = target.device_of(data), target.dtype_of(data)
         layout = Stage3ParamLayout(data.numel(), group.world_size)
-        shard = allocate_shard(layout.partition_numel, dtype, device, self.placement)
+        if shard is None:
+            shard = allocate_shard(layout.partition_numel, dtype, device, self.placement)
+        elif (shard.numel(), shard.dtype, shard.device) != self.shard_request(param, group, target):
+            raise ValueError(f"a preallocated shard {tuple(shard.shape)} {shard.dtype} does not fit this parameter")
         shard.ds_numel = layout.partition_numel  # type: ignore[attr-defined]  # upstream readers: ds_tensor.ds_numel
         # One rank, lean release, plain codec: the gathered tensor can be the shard itself (ZeroParam checks
         # the rest: shard on the compute device, no padding). The upstream-like A/B mode keeps separate copies.

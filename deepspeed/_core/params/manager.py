@@ -38,7 +38,7 @@ from deepspeed._core.params.param import (
     ZeroParam,
     zero_state,
 )
-from deepspeed._core.params.placement import ShardPlacement
+from deepspeed._core.params.placement import ShardPlacement, arena_shards
 from deepspeed._core.params.prefetch import PrefetchBudget, StepTrace
 
 Z3_LEAF_ATTR = "_z3_leaf"
@@ -191,13 +191,15 @@ class ZeroParamManager:
         offload_param: OffloadPolicy | None = None,
         single_rank: FullStorage = FullStorage.SHARD,
         target: ParamTarget = ParamTarget(),
+        shard_arena: bool = False,
     ) -> None:
         """Partition every parameter (adopting those ``zero.Init`` already partitioned) and install hooks.
 
         ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]); ``single_rank``
         ``SEPARATE`` keeps separate gathered storage on one rank too (tests of the release mechanics);
         ``target`` is the compute device and working dtype of parameters not yet partitioned, which may still
-        lie in host memory ([Note: zero3-init]).
+        lie in host memory ([Note: zero3-init]); ``shard_arena`` cuts their shards from one buffer per dtype and
+        device, for shards that stay for the whole run ([Note: shard arena] in ``placement.py``).
         """
         # Leaves first: the hooks and units built below read the marks, and a bad policy fails here, before any
         # collective.
@@ -230,23 +232,31 @@ class ZeroParamManager:
         self._route_grads = lean.eager_grad_release
         self._quiet_backward: set[int] = set()  # modules whose backward runs without fetching (all uses routed)
         self._parked_persistent: list[ZeroParam] = []  # persistent, partitioned while offload_states holds shards
-        self._adopt_parameters(module.parameters())
+        self._adopt_parameters(module.parameters(), arena=shard_arena)
         self._mark_persistent()
         self.hooks = ModuleHooks(self)
         self.register_module(module)
 
     # ---------------------------------------------------------------- setup
-    def _adopt(self, param: nn.Parameter) -> ZeroParam:
+    def _adopt(self, param: nn.Parameter, shard: torch.Tensor | None = None) -> ZeroParam:
         state = zero_state(param)
         if state is None:
-            state = self.gatherer.partition(param, self.group, target=self.target)
+            state = self.gatherer.partition(param, self.group, target=self.target, shard=shard)
         state.gatherer = self.gatherer
         self.states.setdefault(state.ds_id, state)
         return state
 
-    def _adopt_parameters(self, params: Iterable[nn.Parameter]) -> None:
+    def _adopt_parameters(self, params: Iterable[nn.Parameter], arena: bool = False) -> None:
+        """Adopt or partition every parameter; with ``arena`` the new shards are cut from one buffer per dtype and
+        device ([Note: shard arena])."""
+        params = list(params)
+        shards: dict[int, torch.Tensor] = {}
+        if arena and self.gatherer.placement.device is None:
+            fresh = [p for p in params if zero_state(p) is None]
+            cut = arena_shards([self.gatherer.shard_request(p, self.group, self.target) for p in fresh])
+            shards = {id(p): shard for p, shard in zip(fresh, cut, strict=True)}
         for param in params:
-            self._adopt(param)
+            self._adopt(param, shards.pop(id(param), None))
 
     def _mark_persistent(self) -> None:
         budget = self.policy.model_persistence_threshold

@@ -11,6 +11,7 @@ this design needs.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +62,37 @@ def allocate_shard(
     if placement.pinning is Pinning.PINNED and device.type == "cpu" and compute_device.type != "cpu":
         shard = get_accelerator().pin_memory(shard)
     return shard
+
+
+SHARD_ALIGN_BYTES = 256
+"""Each shard cut from an arena starts on this byte boundary, as a separately allocated one would (vectorised
+copy and cast kernels want aligned starts); the padding costs under 256 bytes per parameter."""
+
+
+def arena_shards(requests: Sequence[tuple[int, torch.dtype, torch.device]]) -> list[torch.Tensor]:
+    """Zeroed 1-D shards for ``requests`` (``(numel, dtype, device)`` each, in order), cut from one buffer per dtype
+    and device.
+
+    [Note: shard arena] A model partitioned at ``initialize`` needs one shard per parameter. Allocated one by one,
+    each is rounded up by the caching allocator (to 2 MiB above 1 MiB, into 20 MiB segments between 1 and
+    10 MiB): for the 3B model's ~250 bf16 shards that left reserved 2.4 % above allocated after ``initialize``.
+    When the shards stay for the whole run (the optimizer keeps its master elsewhere) one buffer holds them all,
+    laid out from the sizes before anything is allocated. Where the shards are replaced by views of the device
+    master later, or live in page-locked host memory (whose allocator rounds every block up to a power of two),
+    each keeps its own allocation. A shard cut from an arena is never freed on its own (``free_storage`` refuses
+    a view of a larger buffer); the arena goes when its last shard does.
+    """
+    offsets: list[int] = []
+    totals: dict[tuple[torch.dtype, torch.device], int] = {}
+    for numel, dtype, device in requests:
+        key = (dtype, torch.device(device))
+        align = max(1, SHARD_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        used = totals.get(key, 0)
+        start = -(-used // align) * align if numel else used  # an empty shard takes no room
+        offsets.append(start)
+        totals[key] = start + numel
+    buffers = {key: torch.zeros(total, dtype=key[0], device=key[1]) for key, total in totals.items()}
+    return [
+        buffers[(dtype, torch.device(device))].narrow(0, start, numel)
+        for (numel, dtype, device), start in zip(requests, offsets, strict=True)
+    ]

@@ -94,7 +94,22 @@ class FusedAdam(StatefulOptimizer):
             raise RuntimeError("FusedAdam.step only takes a closure; the legacy arguments are not supported")
         return super().step(closure)
 
+    def skips_on_found_inf(self) -> bool:
+        """Whether :meth:`step` honours a device ``found_inf`` flag (set as an attribute, 1 skips the update, as
+        torch's fused optimizers take it): every parameter is a CUDA tensor the fused kernel steps. The kernel
+        then skips on the device; the per-parameter step counts stay on the host and are advanced regardless, so
+        the caller that set the flag puts them back when it learns the step was skipped."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        return (
+            bool(params)
+            and all(p.device.type == "cuda" and p.dtype in _KERNEL_DTYPES for p in params)
+            and _load_kernel() is not None
+        )
+
     def _noop(self, device: torch.device) -> torch.Tensor:
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:  # read by the kernel on the device: no host synchronisation
+            return found_inf.to(device=device, dtype=torch.int32).reshape(1)
         if device not in self._noop_flags:
             self._noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return self._noop_flags[device]
@@ -107,6 +122,8 @@ class FusedAdam(StatefulOptimizer):
             ms, vs = [m[2]["exp_avg"] for m in members], [m[2]["exp_avg_sq"] for m in members]
             kernel = _load_kernel() if device.type == "cuda" and dtype in _KERNEL_DTYPES else None
             if kernel is None:
+                if getattr(self, "found_inf", None) is not None:
+                    raise RuntimeError("FusedAdam: a found_inf flag needs the fused CUDA kernel (skips_on_found_inf)")
                 _log_once(f"FusedAdam: torch foreach step for {dtype} params on {device.type}")
                 hp = AdamStep(
                     group["lr"], beta1, beta2, group["eps"], group["weight_decay"], mode, group["bias_correction"], step

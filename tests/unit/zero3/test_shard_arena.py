@@ -1,0 +1,86 @@
+"""Shards cut from one buffer per dtype and device ([Note: shard arena] in ``deepspeed/_core/params/placement.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from deepspeed._core.comm.groups import ShardGroup
+from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
+from deepspeed._core.layout.flat_buffer import free_storage
+from deepspeed._core.params.gather import ParamTarget
+from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.placement import SHARD_ALIGN_BYTES, arena_shards
+
+WORLD1 = ShardGroup(None, 0, 1)
+CPU = torch.device("cpu")
+
+
+def test_arena_layout_aligns_each_shard_and_groups_by_dtype() -> None:
+    requests = [(5, torch.float32, CPU), (3, torch.bfloat16, CPU), (70, torch.float32, CPU), (0, torch.float32, CPU)]
+    shards = arena_shards(requests)
+    assert [(s.numel(), s.dtype) for s in shards] == [(n, d) for n, d, _ in requests]
+    fp32 = [s for s in shards if s.dtype == torch.float32]
+    assert len({s.untyped_storage().data_ptr() for s in fp32}) == 1
+    assert shards[1].untyped_storage().data_ptr() != fp32[0].untyped_storage().data_ptr()
+    for s in shards:
+        assert s.numel() == 0 or (s.storage_offset() * s.element_size()) % SHARD_ALIGN_BYTES == 0
+        assert torch.count_nonzero(s) == 0
+    shards[0].fill_(1.0)
+    assert torch.count_nonzero(shards[2]) == 0, "shards must not overlap"
+    # 5 elements rounded up to 64 (256 bytes of fp32), then 70: the buffer is exactly that large.
+    assert fp32[0].untyped_storage().nbytes() == (64 + 70) * 4
+
+
+def test_free_storage_refuses_a_view_of_a_larger_buffer() -> None:
+    first, _ = arena_shards([(4, torch.float32, CPU), (4, torch.float32, CPU)])
+    with pytest.raises(ValueError, match="whole storage"):
+        free_storage(first)  # offset 0, contiguous: only the size tells it apart from a buffer of its own
+    assert first.untyped_storage().nbytes() > 0
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 9)
+        self.norm = nn.LayerNorm(9)
+        self.b = nn.Linear(9, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.norm(self.a(x)))).square().mean()
+
+
+def _grads_and_loss(arena: bool) -> tuple[int, float, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Net()
+    names = {id(p): n for n, p in model.named_parameters()}
+    manager = ZeroParamManager(
+        model,
+        WORLD1,
+        Stage3Policy(param_persistence_threshold=10),  # the norm's parameters stay gathered
+        LeanPolicy(),
+        target=ParamTarget(CPU, torch.float32),
+        shard_arena=arena,
+    )
+    grads: dict[str, torch.Tensor] = {}
+
+    def take(param: nn.Parameter, state: object, grad: torch.Tensor) -> None:
+        grads[names[id(param)]] = grad.clone()
+
+    manager.on_grad_ready(take)
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+    loss = model(x)
+    loss.backward()
+    storages = len({s.shard.untyped_storage().data_ptr() for s in manager.states.values()})
+    manager.destroy()
+    return storages, float(loss.detach()), grads
+
+
+def test_manager_with_an_arena_computes_the_same() -> None:
+    storages, loss, grads = _grads_and_loss(arena=True)
+    ref_storages, ref_loss, ref_grads = _grads_and_loss(arena=False)
+    assert storages == 1 and ref_storages == len(ref_grads) == 6
+    assert loss == ref_loss and grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert torch.equal(grads[name], grad), name
