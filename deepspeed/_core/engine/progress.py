@@ -31,8 +31,7 @@ class ProgressReporter:
         return self.period is not None and math.isfinite(self.period) and self.period > 0
 
     def maybe_report(self, global_steps: int, loss_scale: float, lrs: list[float], grad_norm: Any) -> str | None:
-        """Log (and return) the progress line when ``global_steps`` hits the period; ``grad_norm`` may be a
-        callable, read only then."""
+        """Log (and return) the progress line when ``global_steps`` hits the period."""
         if self.period is None or not self.enabled() or global_steps % int(self.period) != 0:
             return None
         now = time.perf_counter()
@@ -40,8 +39,6 @@ class ProgressReporter:
         samples_per_sec = steps * self.train_batch_size / max(now - self._last_time, 1e-9)
         self._last_time, self._last_step = now, global_steps
         acc = get_accelerator()
-        if callable(grad_norm):
-            grad_norm = grad_norm()
         norm = "n/a" if grad_norm is None else f"{float(grad_norm):.4g}"
         line = (
             f"step={global_steps} loss_scale={loss_scale:g} lr={','.join(f'{lr:.4g}' for lr in lrs)} "

@@ -124,10 +124,7 @@ class TrainingLoop:
         optimizer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.plan.batch.train_batch_size
-        # The norm is passed as a reader: a step decided on the device keeps it there until a report needs it.
-        self.progress.maybe_report(
-            self.global_steps, optimizer.cur_scale, self.get_lr(), lambda: optimizer._global_grad_norm
-        )
+        self.progress.maybe_report(self.global_steps, optimizer.cur_scale, self.get_lr(), optimizer._global_grad_norm)
 
     def zero_grad(self) -> None:
         """Drop gradients of the module's parameters (upstream: no arguments)."""

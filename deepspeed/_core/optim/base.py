@@ -7,7 +7,6 @@ on the ZeRO stage.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,24 +27,10 @@ class EngineOptimizer:
     optimizer: torch.optim.Optimizer
     loss_scaler: Any = None
     overflow: bool = False
-    _grad_norm: float | torch.Tensor | None = None
+    _global_grad_norm: float | None = None
     # Pipeline parallelism: the group of this replica's stages. Each stage holds a disjoint part of the model, so
     # the overflow decision and the clipping norm are summed over it too ([Note: pipeline norm]).
     stage_group: Any = None
-
-    @property
-    def _global_grad_norm(self) -> float | None:
-        """The last step's global gradient norm (``None`` before the first step and after a skipped one). A step
-        decided on the device leaves it there; it is read on first access ([Note: device step])."""
-        value = self._grad_norm
-        if torch.is_tensor(value):
-            value = float(value)
-            self._grad_norm = value = value if math.isfinite(value) else float("inf")
-        return value
-
-    @_global_grad_norm.setter
-    def _global_grad_norm(self, value: float | torch.Tensor | None) -> None:
-        self._grad_norm = value
 
     # --- attributes promoted from the inner optimizer --------------------------------------------
     @property
