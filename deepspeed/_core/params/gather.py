@@ -229,6 +229,43 @@ class Gatherer:
         for state in pending.states:
             state.mark_full()
 
+    def refresh(self, states: Sequence[ZeroParam]) -> None:
+        """Rewrite every ``FULL`` state's gathered values from its shard, in the storage it holds (after the
+        optimizer rewrote the shards of persistent parameters): one all-gather per batch straight into the
+        gathered tensors, no release and re-allocation of each. Other states are gathered as usual."""
+        batches: dict[tuple, list[ZeroParam]] = {}
+        rest: list[ZeroParam] = []
+        seen: set[int] = set()
+        for state in states:
+            if state.ds_id in seen:
+                continue
+            seen.add(state.ds_id)
+            state.restore_values()
+            if state.state is not ShardedState.FULL:
+                rest.append(state)
+            elif not state.aliases_shard:  # a gathered tensor that is the shard holds the new values already
+                batches.setdefault(_group_key(state), []).append(state)
+        role = StreamRole.COMPUTE if self.release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
+        for batch in batches.values():
+            self._retire_flat()
+            result = start_all_gather(
+                [s.shard for s in batch],
+                [s.numel for s in batch],
+                batch[0].group,
+                self.streams,
+                self.codec,
+                batch[0].full.device,
+                self._flat_role,
+                dtype=batch[0].full.dtype,
+            )
+            done = finish_all_gather(result, [s.full for s in batch], self.streams, role, self.codec)
+            if self._flat_role is StreamRole.ALL_GATHER:
+                self._retire_flat()
+                self._flat = Handoff(result.flat, done, StreamRole.ALL_GATHER)
+            result.flat = None
+        if rest:
+            self.gather(rest)
+
     def _retire_flat(self) -> None:
         # [Note: streams-flat]: the previous flat buffer is dropped once the all-gather stream is ordered after
         # the copy-out that read it, so the allocator reuses it only for later work on that stream.

@@ -446,14 +446,9 @@ class ZeroParamManager:
             state.persistence = Persistence.PERSISTENT
 
     def refresh_persistent(self) -> None:
-        """Re-gather persistent parameters after the optimizer rewrote their shards."""
-        persistent = [s for s in self.states.values() if s.is_persistent]
-        for state in persistent:
-            state.persistence = Persistence.PARTITIONED
-            self.gatherer.release([state])
-        self.gatherer.gather(persistent)
-        for state in persistent:
-            state.persistence = Persistence.PERSISTENT
+        """Re-gather persistent parameters after the optimizer rewrote their shards (in place: the gathered
+        tensors keep their storage)."""
+        self.gatherer.refresh([s for s in self.states.values() if s.is_persistent])
 
     # ---------------------------------------------------------------- optimizer seam
     def on_grad_ready(self, callback: GradReadyCallback) -> _CallbackHandle:
