@@ -6,6 +6,15 @@ host-to-device transfer: it runs asynchronously on the all-gather stream, straig
 flat buffer's local row ([Note: zero3-offload] in ``docs/design/zero3.md``). Anything that writes an offloaded
 shard on the host (a CPU optimizer step) must first call ``Gatherer.sync_shard_reads()``, the one host wait
 this design needs.
+
+[Note: shard arena] A model partitioned at ``initialize`` needs one shard per parameter. Allocated one by one,
+each is rounded up by the caching allocator (to 2 MiB above 1 MiB, into 20 MiB segments between 1 and 10 MiB): for
+the 3B model's ~250 bf16 shards that left reserved 2.4 % above allocated after ``initialize`` on the H200, and none
+with one buffer (``benchmarks/results/diag/README.md``). When the shards stay for the whole run (the optimizer
+keeps its master elsewhere) one buffer holds them all, laid out from the sizes before anything is allocated. Where
+the shards are replaced by views of the device master later, or live in page-locked host memory (whose allocator
+rounds every block up to a power of two), each keeps its own allocation. A shard cut from an arena is never freed
+on its own (``free_storage`` refuses a view of a larger buffer); the arena goes when its last shard does.
 """
 
 from __future__ import annotations
@@ -71,17 +80,7 @@ copy and cast kernels want aligned starts); the padding costs under 256 bytes pe
 
 def arena_shards(requests: Sequence[tuple[int, torch.dtype, torch.device]]) -> list[torch.Tensor]:
     """Zeroed 1-D shards for ``requests`` (``(numel, dtype, device)`` each, in order), cut from one buffer per dtype
-    and device.
-
-    [Note: shard arena] A model partitioned at ``initialize`` needs one shard per parameter. Allocated one by one,
-    each is rounded up by the caching allocator (to 2 MiB above 1 MiB, into 20 MiB segments between 1 and
-    10 MiB): for the 3B model's ~250 bf16 shards that left reserved 2.4 % above allocated after ``initialize``.
-    When the shards stay for the whole run (the optimizer keeps its master elsewhere) one buffer holds them all,
-    laid out from the sizes before anything is allocated. Where the shards are replaced by views of the device
-    master later, or live in page-locked host memory (whose allocator rounds every block up to a power of two),
-    each keeps its own allocation. A shard cut from an arena is never freed on its own (``free_storage`` refuses
-    a view of a larger buffer); the arena goes when its last shard does.
-    """
+    and device, each start aligned to :data:`SHARD_ALIGN_BYTES` ([Note: shard arena])."""
     offsets: list[int] = []
     totals: dict[tuple[torch.dtype, torch.device], int] = {}
     for numel, dtype, device in requests:
