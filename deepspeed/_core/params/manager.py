@@ -29,7 +29,7 @@ from deepspeed._core.params.gather import (
 )
 from deepspeed._core.params.grad_route import backward_reads_no_params, routed_keys
 from deepspeed._core.params.hooks import ModuleHooks
-from deepspeed._core.params.leaf_policy import report_leaf_selection, select_leaf_modules
+from deepspeed._core.params.leaf_policy import report_leaf_selection, select_leaf_modules, subtree_numel
 from deepspeed._core.params.param import (
     FullStorage,
     Persistence,
@@ -215,7 +215,10 @@ class ZeroParamManager:
             ShardPlacement.from_policy(offload_param or OffloadPolicy()),
             single_rank,
         )
-        self.trace = StepTrace(PrefetchBudget.from_policy(stage3))
+        # Leaves are gathered whole: at several ranks the next one is prefetched even when the window is smaller
+        # ([Note: zero3-prefetch]); one rank has no communication to overlap.
+        whole = max((subtree_numel(m) for m in self.config_leaves), default=0) if group.world_size > 1 else 0
+        self.trace = StepTrace(PrefetchBudget.from_policy(stage3, whole))
         self.units: dict[int, FetchUnit] = {}
         self._unit_by_module: dict[int, FetchUnit] = {}
         self._unit_states: dict[int, tuple[tuple, list[ZeroParam]]] = {}

@@ -35,17 +35,27 @@ class PrefetchBudget:
         max_live_numel: cap on gathered elements (active units included) when deciding to prefetch.
         reuse_numel: a released unit stays gathered only if it is needed again within this many elements of
             upcoming fetches; never more than ``prefetch_numel``, so what is kept shares the prefetch window.
+        whole_unit_numel: the next upcoming unit is prefetched whole, even when it is larger than the window, if
+            it holds at most this many elements (0: never). Units are gathered whole, so a window smaller than
+            one leaf unit would prefetch nothing ([Note: zero3-prefetch]).
     """
 
     prefetch_numel: int
     max_live_numel: int
     reuse_numel: int
+    whole_unit_numel: int = 0
 
     @classmethod
-    def from_policy(cls, policy: Stage3Policy) -> PrefetchBudget:
-        """Budgets from ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``..._max_reuse_distance``."""
+    def from_policy(cls, policy: Stage3Policy, whole_unit_numel: int = 0) -> PrefetchBudget:
+        """Budgets from ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``..._max_reuse_distance``
+        (``whole_unit_numel``: see the attribute)."""
         window = max(0, int(policy.prefetch_bucket_size))
-        return cls(window, max(0, int(policy.max_live_parameters)), min(window, max(0, int(policy.max_reuse_distance))))
+        return cls(
+            window,
+            max(0, int(policy.max_live_parameters)),
+            min(window, max(0, int(policy.max_reuse_distance))),
+            max(0, int(whole_unit_numel)),
+        )
 
 
 SizeOf = Callable[[int], int]
@@ -99,7 +109,8 @@ class StepTrace:
         """Units to start gathering now, in trace order.
 
         Walks upcoming units, charging every distinct one (already gathered or not) to the prefetch window,
-        and stops when the window or ``max_live_numel`` would be exceeded. ``live_numel`` may be a callable:
+        and stops when the window or ``max_live_numel`` would be exceeded; the next unit alone may exceed the
+        window up to ``whole_unit_numel``. ``live_numel`` may be a callable:
         it is then evaluated only once a candidate fits the window (counting live memory walks every
         parameter, which dominated the fetch path's Python time when the window is smaller than a layer).
         """
@@ -113,7 +124,10 @@ class StepTrace:
             seen.add(unit_id)
             size = size_of(unit_id)
             window += size
-            if window > self.budget.prefetch_numel:
+            allowance = self.budget.prefetch_numel
+            if len(seen) == 1 and allowance > 0 and size <= self.budget.whole_unit_numel:
+                allowance = max(allowance, size)  # the next unit, whole: a leaf larger than the window
+            if window > allowance:
                 break
             if is_gathered(unit_id):
                 continue

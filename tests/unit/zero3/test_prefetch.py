@@ -95,3 +95,34 @@ def test_live_count_is_evaluated_only_when_a_candidate_fits_the_window() -> None
     wide.observe(0)
     assert wide.prefetch_candidates(SIZES.get, lambda u: False, lambda: calls.append(1) or 10) == [1]
     assert calls == [1]  # evaluated once, then tracked locally
+
+
+def _whole_unit_trace(prefetch: int, whole_unit: int, live: int = 10**9) -> StepTrace:
+    policy = Stage3Policy(prefetch_bucket_size=prefetch, max_live_parameters=live, max_reuse_distance=10**9)
+    return StepTrace(PrefetchBudget.from_policy(policy, whole_unit_numel=whole_unit))
+
+
+def test_a_window_smaller_than_the_next_leaf_unit_still_prefetches_that_unit() -> None:
+    """Units are gathered whole: with leaf units larger than the window, the next one is prefetched whole (one
+    unit ahead, as FSDP2 does) instead of nothing; further units wait, and the window's other bounds hold."""
+    sizes = {0: 50, 1: 50, 2: 50, 3: 200}
+    order = [0, 1, 2, 3]
+    for whole_unit, expected in ((0, []), (50, [1])):
+        trace = _whole_unit_trace(10, whole_unit)
+        _run_step(trace, order)
+        trace.begin_step()
+        trace.observe(0)
+        assert trace.prefetch_candidates(sizes.get, lambda u: False, 0) == expected
+    trace = _whole_unit_trace(10, 50)
+    _run_step(trace, order)
+    trace.begin_step()
+    for unit in order[:3]:
+        trace.observe(unit)
+    # The next unit (200 elements) is larger than any leaf unit: the window rules as before.
+    assert trace.prefetch_candidates(sizes.get, lambda u: False, 0) == []
+    # Prefetch off stays off, and the live cap still binds.
+    for trace in (_whole_unit_trace(0, 50), _whole_unit_trace(10, 50, live=60)):
+        _run_step(trace, order)
+        trace.begin_step()
+        trace.observe(0)
+        assert trace.prefetch_candidates(sizes.get, lambda u: False, 20) == []
