@@ -184,17 +184,7 @@ class Gatherer:
                 seen.add(state.ds_id)
                 batches.setdefault(_group_key(state), []).append(state)
         for batch in batches.values():
-            self._retire_flat()
-            result = start_all_gather(
-                [s.shard for s in batch],
-                [s.numel for s in batch],
-                batch[0].group,
-                self.streams,
-                self.codec,
-                batch[0].full.device,
-                self._flat_role,
-                dtype=batch[0].full.dtype,
-            )
+            result = self._issue(batch)
             self._last_copy_in = result.event
             pending = PendingGather(result, batch)
             for state in batch:
@@ -209,22 +199,43 @@ class Gatherer:
                 seen.add(id(pending))
                 self._copy_out(pending)
 
-    def _copy_out(self, pending: PendingGather) -> None:
-        role = StreamRole.COMPUTE if self.release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
-        with self.streams.use(role):
-            for state in pending.states:
-                # DEFERRED: a cancelled free may have left the storage allocated; reuse it as is.
-                if not state.holds_memory and not state.aliases_shard:
-                    alloc_storage(state.full)
-        result = pending.result
-        assert result is not None, "pending gather finished twice"
-        done = finish_all_gather(result, [s.full for s in pending.states], self.streams, role, self.codec)
+    def _issue(self, batch: Sequence[ZeroParam]) -> AllGatherResult:
+        """Start one all-gather of ``batch``'s shards (one dtype, device and group)."""
+        self._retire_flat()
+        return start_all_gather(
+            [s.shard for s in batch],
+            [s.numel for s in batch],
+            batch[0].group,
+            self.streams,
+            self.codec,
+            batch[0].full.device,
+            self._flat_role,
+            dtype=batch[0].full.dtype,
+        )
+
+    @property
+    def _copy_role(self) -> StreamRole:
+        return StreamRole.COMPUTE if self.release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
+
+    def _finish(self, result: AllGatherResult, outputs: Sequence[torch.Tensor]) -> None:
+        """Copy ``result`` out into ``outputs`` and hand its flat buffer back in stream order."""
+        done = finish_all_gather(result, outputs, self.streams, self._copy_role, self.codec)
         if self._flat_role is StreamRole.ALL_GATHER:
             self._retire_flat()
             self._flat = Handoff(result.flat, done, StreamRole.ALL_GATHER)
         # STREAM_ORDERED: the flat buffer came from the compute pool and the copy-out that last read it is
         # queued on the compute stream, so dropping it here is already stream-ordered ([Note: streams-flat]).
         result.flat = None
+
+    def _copy_out(self, pending: PendingGather) -> None:
+        with self.streams.use(self._copy_role):
+            for state in pending.states:
+                # DEFERRED: a cancelled free may have left the storage allocated; reuse it as is.
+                if not state.holds_memory and not state.aliases_shard:
+                    alloc_storage(state.full)
+        result = pending.result
+        assert result is not None, "pending gather finished twice"
+        self._finish(result, [s.full for s in pending.states])
         pending.result = None
         for state in pending.states:
             state.mark_full()
@@ -245,24 +256,8 @@ class Gatherer:
                 rest.append(state)
             elif not state.aliases_shard:  # a gathered tensor that is the shard holds the new values already
                 batches.setdefault(_group_key(state), []).append(state)
-        role = StreamRole.COMPUTE if self.release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
         for batch in batches.values():
-            self._retire_flat()
-            result = start_all_gather(
-                [s.shard for s in batch],
-                [s.numel for s in batch],
-                batch[0].group,
-                self.streams,
-                self.codec,
-                batch[0].full.device,
-                self._flat_role,
-                dtype=batch[0].full.dtype,
-            )
-            done = finish_all_gather(result, [s.full for s in batch], self.streams, role, self.codec)
-            if self._flat_role is StreamRole.ALL_GATHER:
-                self._retire_flat()
-                self._flat = Handoff(result.flat, done, StreamRole.ALL_GATHER)
-            result.flat = None
+            self._finish(self._issue(batch), [s.full for s in batch])
         if rest:
             self.gather(rest)
 
