@@ -22,9 +22,9 @@ Failure handling: the first rank to raise fails the call with that rank's traceb
 reporting fails it at once; if any rank has not reported after ``timeout`` seconds the call fails with the list of
 silent ranks. In every case all rank processes are killed before the error is raised -- never a hang.
 
-Cost: processes are forked from a ``forkserver`` that has already imported torch and deepspeed, so only the first
-call pays the ~2-4 s import; later calls cost roughly a fork plus a gloo rendezvous. Set
-``DS_TEST_START_METHOD=spawn`` to debug with fully fresh interpreters.
+Cost: processes are forked from a ``forkserver`` that has already imported torch, torch._dynamo and deepspeed's
+engines (``_PRELOAD``), so only the first call pays the ~5-7 s import; later calls cost roughly a fork plus a gloo
+rendezvous. Set ``DS_TEST_START_METHOD=spawn`` to debug with fully fresh interpreters.
 """
 
 from __future__ import annotations
@@ -46,7 +46,19 @@ from typing import Any
 
 DEFAULT_TIMEOUT = float(os.environ.get("DS_TEST_TIMEOUT", "120"))
 _START_METHOD = os.environ.get("DS_TEST_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "deepspeed", "deepspeed.comm", "deepspeed.accelerator", "pytest", __name__]
+# What nearly every rank imports, so that a fork inherits it instead of paying it: torch._dynamo (ZeRO-3's hooks
+# are wrapped by torch.compiler.disable, which imports it: ~2.5 s per rank) and the engines (~0.5 s).
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "deepspeed",
+    "deepspeed.comm",
+    "deepspeed.accelerator",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.pipe.engine",
+    "pytest",
+    __name__,
+]
 WORLD_SIZE_FIXTURE = "_ds_world_size"
 
 
