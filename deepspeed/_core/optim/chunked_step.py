@@ -26,14 +26,21 @@ model steps in ~6 chunks), small enough to stay well under the floor's one-bucke
 STEP_CHUNK_BYTES_MIN = 1 << 26
 """At least 64 MiB per chunk, whatever the bucket: HF's "auto" ZeRO-3 bucket (hidden², 8 MiB in bf16 at
 hidden 2048) would otherwise step a 3B model in ~1,500 optimizer calls, each paying Python overhead."""
+STEP_CHUNKS_PER_MASTER = 16
+"""A master is stepped in about this many chunks when that needs chunks above the minimum (up to the cap):
+every chunk is one optimizer call whose host time (~0.1-0.2 ms) the device waits for when the step is
+host-bound, and with 64 MiB chunks a 3B master at one rank took ~180 calls. A sixteenth of the master in
+fp32 is at most a quarter of a byte per parameter of transient, against the 12-16 of the state itself."""
 
 
-def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype) -> int:
-    """Elements per step chunk: one reduce bucket's bytes, clamped to [64 MiB, 256 MiB] of master dtype and
+def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype, master_numel: int = 0) -> int:
+    """Elements per step chunk: one reduce bucket's bytes, or a :data:`STEP_CHUNKS_PER_MASTER`-th of the largest
+    master (``master_numel`` elements) when that is more, clamped to [64 MiB, 256 MiB] of master dtype and
     rounded down to a power of two, so page-locked chunks of this many elements (offloaded gradient shards)
     are not rounded up by the caching host allocator ([Note: pinned ring])."""
     master_bytes = torch.empty((), dtype=master_dtype).element_size()
-    clamped = max(1, min(max(bucket_bytes, STEP_CHUNK_BYTES_MIN), STEP_CHUNK_BYTES_CAP))
+    wanted = max(bucket_bytes, master_numel * master_bytes // STEP_CHUNKS_PER_MASTER)
+    clamped = max(1, min(max(wanted, STEP_CHUNK_BYTES_MIN), STEP_CHUNK_BYTES_CAP))
     return max(1, (1 << (clamped.bit_length() - 1)) // master_bytes)
 
 

@@ -109,10 +109,13 @@ class ZeroOptimizer(ShardedOptimizer):
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
-        # A step chunk holds at most one reduce bucket's bytes, the transient memory_targets.md allows.
+        # A step chunk holds one reduce bucket's bytes, or a fixed fraction of the largest master partition when
+        # that is more ([Note: chunked step]).
         comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
         self._step_chunk_numel = step_chunk_numel(
-            plan.zero.buckets.reduce_bucket_size * comm_bytes, precision.master_dtype
+            plan.zero.buckets.reduce_bucket_size * comm_bytes,
+            precision.master_dtype,
+            max(g.master.param.numel() for g in self.groups),
         )
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 

@@ -112,13 +112,18 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         precision = plan.precision
         comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
         bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
-        # A step chunk holds at most one reduce bucket's bytes (the transient memory_targets.md allows); the
-        # gradient shard is chunked the same way, so the step reads each of its chunks in place.
-        self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype)
+        # A step chunk holds one reduce bucket's bytes, or a fixed fraction of the largest master when that is
+        # more ([Note: chunked step]); the gradient shard is chunked the same way, so the step reads each of its
+        # chunks in place.
+        group_states = [self._group_states(g) for g in optimizer.param_groups]
+        largest = max((sum(s.layout.partition_numel for s in states) for states in group_states), default=0)
+        self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype, largest)
         zero = plan.zero
         # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
         self._from_master = zero.shards_are_master_views
-        self.groups = [self._build_group(g) for g in optimizer.param_groups]
+        self.groups = [
+            self._build_group(g, states) for g, states in zip(optimizer.param_groups, group_states, strict=True)
+        ]
         if any(grp.master.data.device.type != "cpu" for grp in self.groups):
             # Building the masters freed blocks of many sizes (the 16-bit shards a master view replaced, the
             # conversion temporaries): hand them back once, so that training starts with reserved memory equal
@@ -166,7 +171,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
                 if state.param is not None:
                     state.param._z3_optimizer = self
 
-    def _build_group(self, param_group: dict) -> Stage3Group:
+    @staticmethod
+    def _group_states(param_group: dict) -> list[ZeroParam]:
+        """The trainable parameters' states of one optimizer group, each once, in group order."""
         states, seen = [], set()
         for p in param_group["params"]:
             state = zero_state(p)
@@ -175,6 +182,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             if p.requires_grad and state.ds_id not in seen:
                 seen.add(state.ds_id)
                 states.append(state)
+        return states
+
+    def _build_group(self, param_group: dict, states: list[ZeroParam]) -> Stage3Group:
         offsets, total = [], 0
         for s in states:
             offsets.append(total)

@@ -50,6 +50,24 @@ def test_step_chunk_size_is_clamped_between_64_and_256_mib() -> None:
     assert step_chunk_numel(1 << 31, torch.float32) == (256 << 20) // 4  # a 5e8-element bf16 bucket
 
 
+def test_step_chunk_grows_with_the_master_up_to_the_cap() -> None:
+    from deepspeed._core.optim.chunked_step import STEP_CHUNKS_PER_MASTER, step_chunk_numel
+
+    small_bucket = 8 << 20
+    # A 386M-element master (3B over 8 ranks): a sixteenth is under the minimum, which stays.
+    assert step_chunk_numel(small_bucket, torch.float32, 386_000_000) == (64 << 20) // 4
+    # 1.6B elements: a sixteenth is 400 MB, rounded down to 256 MiB (the cap).
+    assert step_chunk_numel(small_bucket, torch.float32, 1_600_000_000) == (256 << 20) // 4
+    # 800M elements: 200 MB -> 128 MiB; the master then steps in at most 2 * STEP_CHUNKS_PER_MASTER chunks.
+    chunk = step_chunk_numel(small_bucket, torch.float32, 800_000_000)
+    assert chunk == (128 << 20) // 4
+    assert -(-800_000_000 // chunk) <= 2 * STEP_CHUNKS_PER_MASTER
+    # 3.09e9 elements (3B at one rank): capped, 47 chunks instead of the 185 of 64 MiB chunks.
+    assert -(-3_090_000_000 // step_chunk_numel(small_bucket, torch.float32, 3_090_000_000)) == 47
+    # A bucket larger than a sixteenth of the master still decides.
+    assert step_chunk_numel(200 << 20, torch.float32, 1_000_000) == (128 << 20) // 4
+
+
 class _Recorder(torch.optim.SGD):
     """SGD that remembers where each step's gradient lived."""
 
