@@ -30,7 +30,7 @@ DEFAULTS = {"dtype": "bf16", "gas": 1, "world_size": 1, "warmup": 2, "trace": Fa
 def full_spec(spec: dict, out: Path) -> dict:
     """``spec`` with the suite's defaults filled in."""
     full = {**DEFAULTS, **spec, "out_dir": str(out.resolve())}
-    if full["impl"] == "fsdp2":
+    if full["impl"] in ("fsdp2", "plain"):
         full["stage"] = None
     else:
         full.setdefault("stage", 3)

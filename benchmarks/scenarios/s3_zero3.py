@@ -9,8 +9,12 @@ DeepSpeed config: what HF Trainer's ``"auto"`` resolves
 to (``_harness.hf_auto_config``), optimizer offloaded to pinned CPU memory with ``spec["offload"]`` (parameters
 too with ``spec["offload_param"]``, ours only); ``spec["stage"] = 2`` is the ZeRO-2 comparison row. FSDP2:
 ``fully_shard`` per decoder layer and on the root (``baselines/fsdp2.py``), ``CPUOffloadPolicy(pin_memory=True)``
-when offloaded. At N > 1 (PyTorch's fake group, rank 0 of N) the DeepSpeed models are built inside
-``deepspeed.zero.Init`` and FSDP2's on the meta device, so the full model never exists on the rank.
+when offloaded. A/B switches of ours (each needs a ``tag``): ``spec["host_step"]`` decides every step on the host
+(the behaviour before the device-decided step); ``spec["bucket_sized_step_chunks"]`` sizes the optimizer's step
+chunks from the reduce bucket alone (the behaviour before they grew with the master). ``impl`` ``"plain"`` is the
+speed floor of ``baselines/plain.py`` (the bare bf16 model under torch AdamW, one rank). At N > 1 (PyTorch's fake
+group, rank 0 of N) the DeepSpeed models are built inside ``deepspeed.zero.Init`` and FSDP2's on the meta device, so
+the full model never exists on the rank.
 
 Protocol: build + wrap (host RSS sampled) → ``warmup`` steps (2: the first creates the Adam state, upstream
 records its prefetch trace in the first and replays it from the second) → the **measured step** (peak counters
@@ -85,6 +89,11 @@ def _build(spec: dict) -> tuple[Any, torch.nn.Module, int]:
         model = build_model(_model(spec), where, torch.float32)  # FSDP2 keeps fp32 params; bf16 compute
         n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         return FSDP2Trainer(model, spec), model, n
+    if spec["impl"] == "plain":  # the speed floor: the bare bf16 model under torch AdamW (baselines/plain.py)
+        from baselines.plain import PlainTrainer
+
+        model = build_model(_model(spec), dev, torch.bfloat16)
+        return PlainTrainer(model, spec), model, sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     ds_cfg = hf_auto_config(spec, cfg.hidden)
     if ws > 1 and _stage(spec) == 3:
         import deepspeed
@@ -342,6 +351,8 @@ def floors(spec: dict, params: int, hidden: int, layer_params: int) -> dict:
     offload, offload_param = bool(spec.get("offload")), bool(spec.get("offload_param"))
     if spec["impl"] == "fsdp2":
         dev_b, host_b = (0.0, 16.0 / n) if offload else (16.0 / n, 0.0)
+    elif spec["impl"] == "plain":
+        dev_b, host_b = 8.0, 0.0  # bf16 weights, gradients and both AdamW moments (torch keeps them in bf16)
     elif stage == 2:
         dev_b, host_b = (2.0 + 2.0 / n, 12.0 / n) if offload else (2.0 + 14.0 / n, 0.0)
     elif offload_param:
@@ -478,6 +489,12 @@ def run(spec: dict) -> dict:
         from deepspeed._core.optim.sharded import ShardedOptimizer
 
         ShardedOptimizer._device_step = lambda self, *args: None  # type: ignore[method-assign]
+    if spec.get("bucket_sized_step_chunks"):  # A/B of the master-relative step chunk: the bucket alone sizes it
+        if not spec["impl"].startswith("ours") or not spec.get("tag"):
+            raise ValueError("'bucket_sized_step_chunks' is an A/B of this package's runs and needs a 'tag'")
+        from deepspeed._core.optim import chunked_step
+
+        chunked_step.STEP_CHUNKS_PER_MASTER = 1 << 62  # a master's share never exceeds the minimum
     with RssSampler() as init_rss:
         trainer, module, n_params = _build(spec)
         sync()
