@@ -145,6 +145,7 @@ def _lean_policy(zero: DeepSpeedZeroConfig) -> LeanPolicy:
         pipeline_release=zero.lean_pipeline_release,
         gather_from_master=zero.lean_gather_from_master,
         block_fetch_units=zero.lean_block_fetch_units,
+        unit_grad_reduce=zero.lean_unit_grad_reduce,
     )
 
 

@@ -135,6 +135,7 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     _Z + "lean_pipeline_release": (False, {}, "plan.zero.lean.pipeline_release"),
     _Z + "lean_gather_from_master": (False, {}, "plan.zero.lean.gather_from_master"),
     _Z + "lean_block_fetch_units": (False, {}, "plan.zero.lean.block_fetch_units"),
+    _Z + "lean_unit_grad_reduce": (False, {}, "plan.zero.lean.unit_grad_reduce"),
     "fp16.enabled": (True, {}, "plan.precision.param_dtype"),
     "fp16.auto_cast": (True, _FP16, "plan.precision.auto_cast"),
     "fp16.loss_scale": (128.0, _FP16, "plan.precision.loss_scale"),

@@ -150,6 +150,8 @@ class LeanPolicy:
             slice of the fp32 master (no 16-bit copy beside it; gathers convert on the way into the wire buffer).
         block_fetch_units: ZeRO-3 fetches each repeated block (a child of a ``ModuleList`` of like modules, at
             most ``stage3_max_live_parameters`` elements) as one unit, with hooks only at its boundary.
+        unit_grad_reduce: ZeRO-3 over several ranks reduce-scatters each fetch unit's gradients together at the
+            end of the unit's backward, not in ``reduce_bucket_size`` buckets.
     """
 
     inplace_flatten: bool = True
@@ -159,6 +161,7 @@ class LeanPolicy:
     pipeline_release: bool = True
     gather_from_master: bool = True
     block_fetch_units: bool = True
+    unit_grad_reduce: bool = True
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

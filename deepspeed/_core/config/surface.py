@@ -223,6 +223,7 @@ _ZERO: dict[str, KeyRule] = {
     "lean_pipeline_release": _impl(),
     "lean_gather_from_master": _impl(),
     "lean_block_fetch_units": _impl(),
+    "lean_unit_grad_reduce": _impl(),
 }
 
 _PRECISION: dict[str, KeyRule] = {

@@ -15,7 +15,9 @@ none of whose parameters got a gradient reduces zeros). Two bucket plans share t
   the order autograd produces gradients; a bucket is complete when each of its parameters has reported;
 - arrival order (ZeRO-3): gradients are appended to one open bucket in the order the parameter manager hands
   them over (the same on every rank, the backward being the same program), and the bucket is complete once it
-  holds ``bucket_numel`` elements; it is then the next in order by construction.
+  holds ``bucket_numel`` elements, or (``ReducerConfig.unit_buckets``) only when the caller closes it
+  (:meth:`GradReducer.close_bucket`, at the end of each fetch unit's backward); it is then the next in order by
+  construction.
 
 ``max_in_flight`` bounds the buckets alive at once, counting the one being filled: after each start the oldest
 started buckets are finished until at most ``max_in_flight - 1`` remain (2 with ``overlap_comm``: one reduces
@@ -119,7 +121,8 @@ class ReducerConfig:
     """Static settings of a :class:`GradReducer`.
 
     ``max_in_flight``: bucket buffers alive at once, counting the one being filled ([Note: launch order]);
-    ``None`` leaves every started bucket in flight until :meth:`GradReducer.finish`.
+    ``None`` leaves every started bucket in flight until :meth:`GradReducer.finish`. ``unit_buckets`` (arrival
+    order only): ``bucket_numel`` sets no limit, a bucket closes only through :meth:`GradReducer.close_bucket`.
     """
 
     mode: ReduceMode
@@ -127,6 +130,7 @@ class ReducerConfig:
     comm_dtype: torch.dtype
     scaling: ReduceScaling
     max_in_flight: int | None = 1
+    unit_buckets: bool = False
 
 
 class GradReducer:
@@ -185,10 +189,11 @@ class GradReducer:
         """Arrival order: append ``entry`` (``numel`` elements) to the open bucket; a full bucket starts."""
         self.open.entries.append(entry)
         self.open.numel += numel
-        if self.open.numel >= self.config.bucket_numel:
-            self._close_open()
+        if not self.config.unit_buckets and self.open.numel >= self.config.bucket_numel:
+            self.close_bucket()
 
-    def _close_open(self) -> None:
+    def close_bucket(self) -> None:
+        """Arrival order: the open bucket is complete; it starts if it holds anything (a no-op otherwise)."""
         bucket, self.open = self.open, Bucket(self.open.index + 1)
         if bucket.entries:
             self.buckets.append(bucket)
@@ -213,7 +218,7 @@ class GradReducer:
         if not self.reducing:
             return
         if not self.static:
-            self._close_open()
+            self.close_bucket()
         for bucket in self.buckets[self._next_launch :]:
             self._start(bucket)
             self._drain(self.config.max_in_flight)

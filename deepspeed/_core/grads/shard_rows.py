@@ -10,6 +10,11 @@ reference until its staging copy. This module is the reducer's
 staging tensor, ``S = sum(s_i)``; row ``r`` holds, for each p_i, the ``r``-th ``s_i`` slice of its
 zero-padded flattened gradient. ``reduce_scatter_tensor`` over the rows leaves rank ``r`` with row ``r``
 summed over ranks: exactly its shards of every p_i, back to back.
+
+With ``contiguous_folds`` (``lean_unit_grad_reduce``) the columns follow the order of the shards in the group's
+flat shard rather than arrival order (a backward hands a unit's gradients over roughly in reverse): a unit's
+parameters sit next to each other there, so their reduced pieces form one contiguous run, folded with one call
+(one add kernel per accumulator chunk it touches) instead of one per parameter.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class ShardRows:
         release: what happens to a staged full gradient.
         fold: where each reduced piece goes.
         group: the data-parallel process group.
+        contiguous_folds: lay the rows out in shard order and fold adjacent shards as one piece ([Note:
+            zero3-grads]); only for a ``fold`` that adds wherever it is given (not the per-region offload and
+            parking paths).
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class ShardRows:
         release: GradRelease,
         fold: FoldInto,
         group: Any,
+        contiguous_folds: bool = False,
     ) -> None:
         self.world_size = world_size
         self.comm_dtype = comm_dtype
@@ -81,6 +90,7 @@ class ShardRows:
         self.release = release
         self.fold = fold
         self.group = group
+        self.contiguous_folds = contiguous_folds
 
     def wire(self, bucket: Bucket) -> torch.Tensor | None:
         """The bucket as ``(world, S)`` rows (``None`` with one rank: each gradient folded unreduced)."""
@@ -94,6 +104,8 @@ class ShardRows:
             bucket.targets.append((entries[0].group, entries[0].offset, 0, width))
             entries.clear()
             return rows
+        if self.contiguous_folds:
+            entries.sort(key=lambda e: (e.group, e.offset))
         rows = torch.empty(self.world_size, width, dtype=self.comm_dtype, device=entries[0].grad.device)
         if _CHUNK_CAT is not None:
             # One kernel for the whole bucket: each flattened gradient is cut into ``world`` zero-padded chunks
@@ -109,7 +121,11 @@ class ShardRows:
                 rows[:, col : col + size].copy_(flat.view(self.world_size, size))
             if self.release is GradRelease.ZEROED:
                 e.grad.zero_()  # upstream-behaviour A/B: the buffer stays allocated until the step ends
-            bucket.targets.append((e.group, e.offset, col, size))
+            last = bucket.targets[-1] if bucket.targets else None
+            if self.contiguous_folds and last is not None and last[0] == e.group and last[1] + last[3] == e.offset:
+                bucket.targets[-1] = (e.group, last[1], last[2], last[3] + size)  # continues the previous run
+            else:
+                bucket.targets.append((e.group, e.offset, col, size))
             col += size
         entries.clear()  # drops the last references to the full gradients
         return rows

@@ -152,7 +152,18 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self.eager_release = plan.zero.lean.eager_grad_release
         release = GradRelease.EAGER if self.eager_release else GradRelease.ZEROED
-        rows = ShardRows(self.world_size, precision.comm_dtype, self.scaling, release, self._fold, dp_group)
+        # lean_unit_grad_reduce: one reduce-scatter per fetch unit, closed when the unit's backward is done; its
+        # rows in shard order fold as one piece unless the fold is the per-region offload path.
+        self.unit_grad_reduce = plan.zero.lean.unit_grad_reduce and self.world_size > 1
+        rows = ShardRows(
+            self.world_size,
+            precision.comm_dtype,
+            self.scaling,
+            release,
+            self._fold,
+            dp_group,
+            contiguous_folds=self.unit_grad_reduce and not plan.zero.offload_optimizer.enabled,
+        )
         self.reducer = GradReducer(
             rows,
             ReducerConfig(
@@ -161,10 +172,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
                 precision.comm_dtype,
                 self.scaling,
                 max_in_flight=2 if plan.zero.buckets.overlap_comm else 1,
+                unit_buckets=self.unit_grad_reduce,
             ),
         )
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
+        if self.unit_grad_reduce:
+            self._subscriptions.append(manager.on_unit_backward_end(self.reducer.close_bucket))
         self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
         for grp in self.groups:  # safe_get_full_* find their optimizer through this (upstream attribute)
             for state in grp.states:

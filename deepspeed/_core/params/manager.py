@@ -228,6 +228,7 @@ class ZeroParamManager:
         self.states: dict[int, ZeroParam] = {}
         self._grad_callbacks: list[GradReadyCallback] = []
         self._backward_end_callbacks: list[BackwardEndCallback] = []
+        self._unit_backward_callbacks: list[BackwardEndCallback] = []
         self.boundary_samples: list[GatheredCounts] | None = None
         self.in_backward = False
         self._forward_stack: list[nn.Module] = []
@@ -417,6 +418,7 @@ class ZeroParamManager:
         self._grad_callbacks.clear()
         self._update_routing()
         self._backward_end_callbacks.clear()
+        self._unit_backward_callbacks.clear()
 
     def shards_for_offload(self) -> list[torch.Tensor]:
         """Partition every parameter, persistent ones included, and return the shards to park (``offload_states``).
@@ -472,6 +474,16 @@ class ZeroParamManager:
         self._backward_end_callbacks.append(callback)
         return _CallbackHandle(self._backward_end_callbacks, callback)
 
+    def on_unit_backward_end(self, callback: BackwardEndCallback) -> _CallbackHandle:
+        """Call ``callback()`` after each post-backward of a hooked module (one call of a fetch unit is done).
+
+        The autograd engine runs a parameter's gradient accumulation as soon as that gradient exists, ahead of
+        other ready work, so the unit's parameters have normally reported by then; one that reports later (a
+        parameter also used outside the unit) simply arrives after the call.
+        """
+        self._unit_backward_callbacks.append(callback)
+        return _CallbackHandle(self._unit_backward_callbacks, callback)
+
     # ---------------------------------------------------------------- HookTarget
     def pre_forward(self, module: nn.Module) -> None:
         """Forward pre-hook: a root call starts a new step (trace replay, leftovers released)."""
@@ -501,9 +513,11 @@ class ZeroParamManager:
         self._sample("pre_backward", module)
 
     def post_backward(self, module: nn.Module) -> None:
-        """After one call's backward: release."""
+        """After one call's backward: release, then tell the subscribers the unit is done."""
         self.release(module)
         self._sample("post_backward", module)
+        for callback in self._unit_backward_callbacks:
+            callback()
 
     def backward_finished(self) -> None:
         """End of the backward pass: release what no post-backward reached, notify subscribers."""

@@ -267,6 +267,14 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     ``stage3_module_granularity_threshold`` is set; explicit ``leaf_module`` entries win. ``false`` fetches per
     submodule (upstream, for A/B)."""
 
+    lean_unit_grad_reduce: bool = True
+    """deepspeed-lean: ZeRO-3 over several ranks reduce-scatters each fetch unit's gradients together once the
+    unit's backward is done (FSDP2's schedule: one collective per decoder layer under ``lean_block_fetch_units``),
+    rather than in buckets of ``reduce_bucket_size`` elements; the reduced rows are laid out in shard order, so a
+    unit's gradients fold into the gradient shard as one contiguous piece. The transient is one unit's gradients
+    (already alive as autograd gradients) staged once. No effect on one rank, where nothing is reduced. ``false``
+    buckets by ``reduce_bucket_size`` (upstream, for A/B)."""
+
     lean_pipeline_release: bool = True
     """deepspeed-lean: with pipeline parallelism, every stage frees a micro-batch's outputs and inputs as soon as its
     backward has run (and its input gradient is sent), so stage ``s`` of ``P`` holds at most ``min(P - s, G)``

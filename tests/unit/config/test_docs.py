@@ -62,5 +62,6 @@ def test_lean_switches_explained() -> None:
         "lean_grads_in_param_shards",
         "lean_gather_from_master",
         "lean_block_fetch_units",
+        "lean_unit_grad_reduce",
     ):
         assert DOC.count(key) >= 2  # the switch table and the key reference

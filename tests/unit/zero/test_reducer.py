@@ -199,11 +199,20 @@ class _State:
 
 
 def _rows(
-    release: GradRelease = GradRelease.EAGER, scaling: ReduceScaling = ReduceScaling(1.0, 1.0), world: int = 2
+    release: GradRelease = GradRelease.EAGER,
+    scaling: ReduceScaling = ReduceScaling(1.0, 1.0),
+    world: int = 2,
+    contiguous: bool = False,
 ) -> tuple[ShardRows, list]:
     folds: list = []
     io = ShardRows(
-        world, torch.float32, scaling, release, lambda g, off, piece: folds.append((g, off, piece.clone())), None
+        world,
+        torch.float32,
+        scaling,
+        release,
+        lambda g, off, piece: folds.append((g, off, piece.clone())),
+        None,
+        contiguous_folds=contiguous,
     )
     return io, folds
 
@@ -225,6 +234,28 @@ def test_arrival_buckets_rank_major_rows_and_fold_targets(comm: list) -> None:
     assert [(g, off) for g, off, _ in folds] == [(0, 0), (1, 5)]
     assert torch.equal(folds[0][2], torch.tensor([0.0, 2.0])) and torch.equal(folds[1][2], torch.tensor([20.0, 22.0]))
     assert red.buckets == [] and red.reducing  # arrival-order buckets reduce every backward
+
+
+def test_unit_buckets_close_when_told_and_fold_adjacent_shards_once(comm: list) -> None:
+    io, folds = _rows(contiguous=True)
+    config = ReducerConfig(ReduceMode.REDUCE_SCATTER, 2, torch.float32, ReduceScaling(1.0, 1.0), 2, unit_buckets=True)
+    red = GradReducer(io, config)
+    # A unit's gradients arrive last parameter first: shards at offsets 5 (2 elements) and 3 (2), then 0 (3, group 1).
+    red.add(_entry(torch.arange(4.0), 2, 0, 5), 4)
+    red.add(_entry(torch.arange(10.0, 14.0), 2, 0, 3), 4)
+    assert not comm, "a unit bucket does not close on size"
+    red.close_bucket()
+    assert [e[2] for e in comm if e[0] == "start"] == ["scatter"]
+    red.add(_entry(torch.arange(20.0, 26.0), 2, 1, 0), 6)
+    red.close_bucket()
+    red.close_bucket()  # an empty bucket starts nothing
+    red.finish()
+    assert [e[2] for e in comm if e[0] == "start"] == ["scatter", "scatter"]
+    # Rows in shard order: offset 3's shard then offset 5's, folded as one 4-element piece at offset 3.
+    assert [(g, off, piece.tolist()) for g, off, piece in folds] == [
+        (0, 3, [20.0, 22.0, 0.0, 2.0]),
+        (1, 0, [40.0, 42.0, 44.0]),
+    ]
 
 
 def test_single_large_entry_travels_without_a_staging_copy() -> None:
