@@ -27,10 +27,11 @@ STEP_CHUNK_BYTES_MIN = 1 << 26
 """At least 64 MiB per chunk, whatever the bucket: HF's "auto" ZeRO-3 bucket (hidden², 8 MiB in bf16 at
 hidden 2048) would otherwise step a 3B model in ~1,500 optimizer calls, each paying Python overhead."""
 STEP_CHUNKS_PER_MASTER = 16
-"""A master is stepped in about this many chunks when that needs chunks above the minimum (up to the cap):
-every chunk is one optimizer call whose host time (~0.1-0.2 ms) the device waits for when the step is
-host-bound, and with 64 MiB chunks a 3B master at one rank took ~180 calls. A sixteenth of the master in
-fp32 is at most a quarter of a byte per parameter of transient, against the 12-16 of the state itself."""
+"""A master on the accelerator is stepped in about this many chunks when that needs chunks above the minimum (up
+to the cap): every chunk is one optimizer call whose host time (~0.1-0.2 ms) the device waits for when the step
+is host-bound, and with 64 MiB chunks a 3B master at one rank took ~180 calls. A sixteenth of the master in
+fp32 is at most a quarter of a byte per parameter of transient, against the 12-16 of the state itself. Masters
+offloaded to the host pass no size: their step is bound by its arithmetic, and their chunks stay as before."""
 
 
 def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype, master_numel: int = 0) -> int:

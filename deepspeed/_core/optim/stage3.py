@@ -113,10 +113,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
         bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
         # A step chunk holds one reduce bucket's bytes, or a fixed fraction of the largest master when that is
-        # more ([Note: chunked step]); the gradient shard is chunked the same way, so the step reads each of its
-        # chunks in place.
+        # more and the master is on the device ([Note: chunked step]; a host step is bound by its arithmetic, not
+        # by per-call overhead); the gradient shard is chunked the same way, so the step reads each of its chunks
+        # in place.
         group_states = [self._group_states(g) for g in optimizer.param_groups]
         largest = max((sum(s.layout.partition_numel for s in states) for states in group_states), default=0)
+        if plan.zero.offload_optimizer.enabled:
+            largest = 0
         self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype, largest)
         zero = plan.zero
         # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
