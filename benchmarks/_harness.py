@@ -310,6 +310,33 @@ class Trainer:
         return {}
 
 
+class TorchLoopTrainer(Trainer):
+    """The plain PyTorch loop around an already wrapped (or bare) module: ``gas`` micro-steps accumulate into
+    ``.grad``, then ``clip_grad_norm_(1.0)``, the AdamW step of :func:`make_optimizer` and ``zero_grad``."""
+
+    def __init__(self, model: torch.nn.Module, spec: dict) -> None:
+        self.model = model
+        self.gas = int(spec.get("gas", 1))
+        self.optimizer = make_optimizer(model.parameters())
+        self._micro = 0
+        self.steps = 0
+
+    def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.gas).backward()
+
+    def step(self) -> None:
+        self._micro += 1
+        if self._micro % self.gas:
+            return
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+
 class DeepSpeedTrainer(Trainer):
     """``deepspeed.initialize`` of whichever ``deepspeed`` package is on the path (ours or upstream)."""
 

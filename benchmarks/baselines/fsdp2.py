@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from _harness import Trainer, device, make_optimizer
+from _harness import TorchLoopTrainer, device
 
 
 def _materialise(model: nn.Module, where: torch.device) -> None:
@@ -44,7 +44,7 @@ def layer_unsharded(module: nn.Module) -> bool:
     return any((not g.is_sharded) or g._all_gather_result is not None for g in groups)
 
 
-class FSDP2Trainer(Trainer):
+class FSDP2Trainer(TorchLoopTrainer):
     """``fully_shard`` on every transformer block and then on the root; same ``loss/backward/step`` protocol."""
 
     name = "fsdp2"
@@ -66,26 +66,7 @@ class FSDP2Trainer(Trainer):
         fully_shard(model, **kw)
         if any(p.is_meta for p in model.parameters()):
             _materialise(model, torch.device("cpu") if self.offload else device())
-        self.model = model
-        self.gas = int(spec.get("gas", 1))
-        self.optimizer = make_optimizer(model.parameters())
-        self._micro = 0
-        self.steps = 0
-
-    def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, labels)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.gas).backward()
-
-    def step(self) -> None:
-        self._micro += 1
-        if self._micro % self.gas:
-            return
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
+        super().__init__(model, spec)
 
     def info(self) -> dict[str, Any]:
         where = "on the CPU (CPUOffloadPolicy, pinned)" if self.offload else ""

@@ -13,37 +13,18 @@ from typing import Any
 
 import torch
 
-from _harness import Trainer, make_optimizer
+from _harness import TorchLoopTrainer
 
 
-class PlainTrainer(Trainer):
-    """``loss/backward/step`` of the bare model; ``gas`` micro-steps accumulate into ``.grad``."""
+class PlainTrainer(TorchLoopTrainer):
+    """The bare model in :class:`~_harness.TorchLoopTrainer`'s loop; one rank only."""
 
     name = "plain"
 
     def __init__(self, model: torch.nn.Module, spec: dict) -> None:
         if int(spec.get("world_size", 1)) != 1:
             raise ValueError("the plain PyTorch floor runs on one rank only")
-        self.model = model
-        self.gas = int(spec.get("gas", 1))
-        self.optimizer = make_optimizer(model.parameters())
-        self._micro = 0
-        self.steps = 0
-
-    def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, labels)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.gas).backward()
-
-    def step(self) -> None:
-        self._micro += 1
-        if self._micro % self.gas:
-            return
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
+        super().__init__(model, spec)
 
     def info(self) -> dict[str, Any]:
         optimizer = "torch.optim.AdamW (fused on CUDA) on the bf16 weights, no engine"

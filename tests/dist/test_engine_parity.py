@@ -3,6 +3,7 @@
 Each world size runs one spawn that trains every configuration in turn, to keep process start-up
 cost (the dominant cost on a 2-core CI machine) to one per world size.
 """
+
 from __future__ import annotations
 
 import copy
@@ -69,7 +70,9 @@ def _train_cases(world_size: int, stage: int) -> dict[str, dict[str, torch.Tenso
     return out
 
 
-def _reference(gas: int, clip: float, world_size: int, dtype: torch.dtype, **model_kwargs: bool) -> dict[str, torch.Tensor]:
+def _reference(
+    gas: int, clip: float, world_size: int, dtype: torch.dtype, **model_kwargs: bool
+) -> dict[str, torch.Tensor]:
     model = make_model(0, **model_kwargs)
     reference_train(
         model,

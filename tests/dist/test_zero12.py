@@ -1,6 +1,7 @@
 """ZeRO-1/2 behaviour beyond plain parity: gradient-buffer lifetimes, accumulation independence,
 overflow handling, no host copies at initialisation, awkward models, and CPU optimizer offload.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -69,7 +70,9 @@ def test_gradient_buffer_lifetimes(world_size: int) -> None:
             at_step = [e for e in events if e["event"] == "before_step"]
             after = [e for e in events if e["event"] == "after_step"]
             # Nothing survives a step, in either mode, in any window (no leak across steps).
-            assert all(e["param_grads"] == e["partition_grads"] == e["accumulators"] == e["staging"] == 0 for e in after)
+            assert all(
+                e["param_grads"] == e["partition_grads"] == e["accumulators"] == e["staging"] == 0 for e in after
+            )
             if lean:
                 # No autograd gradient is alive at any reduction event or at the step; while a bucket's
                 # buffer is being allocated only the gradient being copied into it exists.
@@ -93,6 +96,7 @@ def test_gradient_buffer_lifetimes(world_size: int) -> None:
             for lean in (True, False):
                 if stage == 1 and lean:
                     continue
+
                 def peak(gas: int) -> tuple[int, ...]:
                     evs = [e for w in rank_result[(stage, lean, gas)] for e in w]
                     keys = ("param_grads", "partition_grads", "accumulators", "staging")
@@ -195,8 +199,9 @@ def _overflow(world: int, stage: int) -> dict:
         skipped=engine.skipped_steps,
         applied=engine.was_step_applied(),
         scale_ratio=engine.optimizer.cur_scale / scale0,
-        buffers=engine.optimizer.live_grad_buffers() if hasattr(engine.optimizer, "live_grad_buffers") else {
-            "param_grads": sum(p.grad is not None for p in engine.module.parameters())},
+        buffers=engine.optimizer.live_grad_buffers()
+        if hasattr(engine.optimizer, "live_grad_buffers")
+        else {"param_grads": sum(p.grad is not None for p in engine.module.parameters())},
         global_steps=engine.global_steps,
     )
 
@@ -280,8 +285,13 @@ def _awkward(world: int, stage: int, offload: bool) -> dict:
         for m in range(2):
             engine.backward(engine(*micro_batch(step, engine_micro_index(m, dist.get_rank(), world))))
             if m == 1:
-                ptrs.append([g.grads.partition_grad.data_ptr() for g in engine.optimizer.groups
-                             if g.grads.partition_grad is not None])
+                ptrs.append(
+                    [
+                        g.grads.partition_grad.data_ptr()
+                        for g in engine.optimizer.groups
+                        if g.grads.partition_grad is not None
+                    ]
+                )
             engine.step()
     return {k: v.detach().clone() for k, v in engine.module.inner.state_dict().items()}, ptrs
 

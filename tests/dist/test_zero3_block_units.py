@@ -74,6 +74,13 @@ def _config(block_units: bool) -> dict:
     }
 
 
+def reference_weights(world: int) -> dict[str, torch.Tensor]:
+    """The single-process reference's weights after the same training (fp32 copies)."""
+    model = _make()
+    reference_train(model, STEPS, world, GAS, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01), clip=1.0)
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
 def _run_both(world: int) -> dict:
     import deepspeed
     from deepspeed import comm as dist
@@ -101,9 +108,7 @@ def _run_both(world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_blocks_change_units_not_numbers(world: int) -> None:
     results = run_distributed(_run_both, world, world)
-    model = _make()
-    reference_train(model, STEPS, world, GAS, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01), clip=1.0)
-    ref = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    ref = reference_weights(world)
     init = _make().state_dict()
     assert any(not torch.allclose(init[k], v) for k, v in ref.items()), "the reference did not train"
     for rank_result in results:

@@ -132,7 +132,9 @@ def test_parity_bit_identity_and_memory_invariant(world: int, gas: int, bf16: bo
 def _save(master: bool, save_dir: str) -> None:
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=make_model(0, tied=True, frozen_first=True), config=_config(master, 1, True))
+    engine, *_ = deepspeed.initialize(
+        model=make_model(0, tied=True, frozen_first=True), config=_config(master, 1, True)
+    )
     _train(engine, range(2), 1)
     engine.save_checkpoint(save_dir)
     engine.destroy()
@@ -161,7 +163,9 @@ def _resume(master: bool, save_dir: str, module_only: bool) -> dict:
 def _straight(master: bool) -> dict:
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=make_model(0, tied=True, frozen_first=True), config=_config(master, 1, True))
+    engine, *_ = deepspeed.initialize(
+        model=make_model(0, tied=True, frozen_first=True), config=_config(master, 1, True)
+    )
     _train(engine, range(2), 1)
     at_save = _weights(engine)
     _train(engine, range(2, 4), 1)

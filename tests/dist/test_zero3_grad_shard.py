@@ -1,5 +1,6 @@
 """ZeRO-3 gradient shards in small chunks: allocated as the backward reaches them, stepped chunk by chunk in
 place, and numerically the same as the single-process reference ([Note: lazy grad shard])."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,7 @@ def _train_tiny_chunks(world: int, offload: bool, direct: bool = False) -> dict:
             def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
                 submitted[kind] += 1
                 return fn(*args, **kwargs)
+
             return wrapped
 
         opt.host.submit_direct, opt.host.submit = count("direct", real_direct), count("ring", real_submit)
@@ -63,8 +65,15 @@ def _train_tiny_chunks(world: int, offload: bool, direct: bool = False) -> dict:
             if not first_backward:
                 first_backward = list(samples)
             engine.step()
-        kept.append(sorted(c.data_ptr() for g in opt.groups if g.accumulator is not None
-                           for c in g.accumulator._chunks if c is not None))
+        kept.append(
+            sorted(
+                c.data_ptr()
+                for g in opt.groups
+                if g.accumulator is not None
+                for c in g.accumulator._chunks
+                if c is not None
+            )
+        )
     handle.remove()
     chunk = opt._step_chunk_numel
     sd = engine._zero3_consolidated_16bit_state_dict()
@@ -72,12 +81,20 @@ def _train_tiny_chunks(world: int, offload: bool, direct: bool = False) -> dict:
     dist.broadcast_object_list(obj, src=0)
     after = opt.live_grad_buffers()
     engine.destroy()
-    return dict(first=first_backward, total=total, chunk=chunk, after=after, kept=kept, submitted=submitted,
-                weights={k: v.float() for k, v in obj[0].items()})
+    return dict(
+        first=first_backward,
+        total=total,
+        chunk=chunk,
+        after=after,
+        kept=kept,
+        submitted=submitted,
+        weights={k: v.float() for k, v in obj[0].items()},
+    )
 
 
-@pytest.mark.parametrize("world,offload,direct", [(1, False, False), (2, False, False), (2, True, False),
-                                                   (2, True, True)])
+@pytest.mark.parametrize(
+    "world,offload,direct", [(1, False, False), (2, False, False), (2, True, False), (2, True, True)]
+)
 def test_zero3_grad_shard_chunks_are_lazy_and_exact(world: int, offload: bool, direct: bool) -> None:
     results = run_distributed(_train_tiny_chunks, world, world, offload, direct)
     model = make_model(0)

@@ -1,6 +1,7 @@
 """ZeRO-3 with the optimizer offloaded, one micro-step per window: gradients wait for the step in their
 parameters' shards ([Note: parked grads]). Parity with the reference, no host gradient chunk, and every read
 of a parked shard before the step (gather, safe_get, zero_grad) sees the values and the gradient it should."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,13 @@ def _config(parked: bool = True, **extra: object) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": True}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 30,
-                              "offload_optimizer": {"device": "cpu"}, "lean_grads_in_param_shards": parked},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 500,
+            "stage3_param_persistence_threshold": 30,
+            "offload_optimizer": {"device": "cpu"},
+            "lean_grads_in_param_shards": parked,
+        },
         **extra,
     }
 
@@ -54,8 +60,15 @@ def _train(world: int, tied: bool, parked: bool, bf16: bool) -> dict:
 
 def _reference(world: int, tied: bool, dtype: torch.dtype = torch.float32) -> dict:
     model = make_model(0, tied=tied)
-    reference_train(model, STEPS, world, 1, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01), clip=1.0,
-                    working_dtype=dtype)
+    reference_train(
+        model,
+        STEPS,
+        world,
+        1,
+        lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01),
+        clip=1.0,
+        working_dtype=dtype,
+    )
     return {k: v.detach().float() for k, v in model.state_dict().items()}
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests._harness import run_distributed
-from tests.dist.test_zero3_block_units import GAS, LR, STEPS, _config, _make
+from tests.dist.test_zero3_block_units import GAS, STEPS, _config, _make, reference_weights
 from tests.reference.models import micro_batch
-from tests.reference.zero_oracle import engine_micro_index, reference_train
+from tests.reference.zero_oracle import engine_micro_index
 
 
 def _block_of(name: str) -> str | None:
@@ -73,9 +73,7 @@ def _run_both(world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_unit_buckets_match_the_reference_with_fewer_collectives(world: int) -> None:
     results = run_distributed(_run_both, world, world)
-    model = _make()
-    reference_train(model, STEPS, world, GAS, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01), clip=1.0)
-    ref = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    ref = reference_weights(world)
     for rank_result in results:
         on, off = rank_result[True], rank_result[False]
         for case, got in (("on", on["weights"]), ("off", off["weights"])):
