@@ -59,6 +59,7 @@ def _train(world: int, unit_reduce: bool) -> dict:
         "contiguous": io.contiguous_folds,
         "buckets_per_backward": len(buckets) / backwards,
         "mixed": [b for b in buckets if len({_block_of(n) for n in b} - {None}) > 1],
+        "delivered_all": len(runs) == len(buckets),
         "block_runs": [r for b, r in zip(buckets, runs, strict=False) if all(_block_of(n) for n in b)],
         "weights": {k: v.float().clone() for k, v in obj[0].items()},
     }
@@ -84,6 +85,7 @@ def test_unit_buckets_match_the_reference_with_fewer_collectives(world: int) -> 
             assert not on["unit_buckets"]
             continue
         assert on["unit_buckets"] and on["contiguous"]
+        assert on["delivered_all"], "every bucket started is delivered (the fold counts line up with the buckets)"
         assert not on["mixed"], f"a bucket mixed two blocks' gradients: {on['mixed']}"
         # 500-element buckets cut every ~2.4k-element block into several; unit buckets take one per block.
         assert on["buckets_per_backward"] < off["buckets_per_backward"]

@@ -110,11 +110,11 @@ class ZeroOptimizer(ShardedOptimizer):
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
         # A step chunk holds one reduce bucket's bytes, or a fixed fraction of the largest master partition when
-        # that is more and on the device ([Note: chunked step]; a host step is bound by its arithmetic).
+        # that is more and not offloaded ([Note: chunked step]; a host step is bound by its arithmetic).
         comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
-        on_device = [g.master.param.numel() for g in self.groups if g.master.param.device.type != "cpu"]
+        largest = 0 if plan.zero.offload_optimizer.enabled else max(g.master.param.numel() for g in self.groups)
         self._step_chunk_numel = step_chunk_numel(
-            plan.zero.buckets.reduce_bucket_size * comm_bytes, precision.master_dtype, max(on_device, default=0)
+            plan.zero.buckets.reduce_bucket_size * comm_bytes, precision.master_dtype, largest
         )
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 

@@ -117,9 +117,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         # by per-call overhead); the gradient shard is chunked the same way, so the step reads each of its chunks
         # in place.
         group_states = [self._group_states(g) for g in optimizer.param_groups]
-        largest = max((sum(s.layout.partition_numel for s in states) for states in group_states), default=0)
-        if plan.zero.offload_optimizer.enabled:
-            largest = 0
+        sizes = [sum(s.layout.partition_numel for s in states) for states in group_states]
+        largest = 0 if plan.zero.offload_optimizer.enabled else max(sizes, default=0)
         self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype, largest)
         zero = plan.zero
         # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
