@@ -43,9 +43,10 @@ def environment_rows() -> list[tuple[str, str]]:
     from torch.utils.cpp_extension import CUDA_HOME, is_ninja_available
 
     import deepspeed
+    from deepspeed.ops.op_builder.builder import find_nvcc
 
     compiler = os.environ.get("CXX", "c++")
-    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    nvcc = find_nvcc()
     return [
         ("python version", f"{platform.python_version()} ({sys.executable})"),
         ("torch version", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),

@@ -8,7 +8,8 @@ bytes train, the last 10 % are held out. Tokens are bytes (vocabulary 256), so n
 of each phase (after forward / backward / step) next to the model-state floor of this ZeRO stage, and writes into
 ``--out``: ``metrics.json`` (losses, memory records), ``memory_phases.png`` (with matplotlib) and, on CUDA, the
 engine's allocator timeline of one step (``memory_timeline_rank<r>.png/.json/.pickle``). On a machine without GPUs
-the launcher starts CPU processes (gloo) and "memory" is each process's resident set size.
+the launcher starts CPU processes (gloo); with no device allocator to ask, "memory" is then the tensor storages the
+engine holds (parameters, gradients, optimizer states, its buffers), and the plot says so.
 
 Exits non-zero when the held-out loss did not fall.
 """
@@ -115,6 +116,7 @@ def engine_config(path: str, out: Path) -> dict:
 def train(
     args: argparse.Namespace,
     engine: deepspeed.DeepSpeedEngine,
+    probe: MemoryProbe,
     train_data: torch.Tensor,
     val_batches: list[torch.Tensor],
 ) -> list[dict]:
@@ -128,8 +130,11 @@ def train(
         for micro_step in range(engine.gradient_accumulation_steps()):
             tokens = sample(train_data, micro, args.seq, seed=(step * 64 + micro_step) * 1024 + rank)
             loss = engine(tokens.to(engine.device))
+            probe.mark("after forward", step)
             engine.backward(loss)
+            probe.mark("after backward", step)
             engine.step()
+            probe.mark("after step", step)
         if step % args.eval_every == 0 or step == args.steps:
             history.append(
                 {
@@ -148,54 +153,129 @@ def train(
     return history
 
 
-def memory_summary(records: list[dict]) -> dict[str, dict[str, float]]:
-    """Per phase: the largest allocated and peak GiB seen over the run, and the model-state floor."""
+def held_tensor_bytes(root: object, depth: int = 8) -> int:
+    """Bytes of the distinct tensor storages reachable from ``root`` through attributes, lists and dicts.
+
+    Used on CPU, where there is no device allocator to ask: walking the engine finds the parameters, gradients,
+    optimizer states and the buffers the engine keeps, each storage counted once. Activations are not held by
+    the engine between phases and are not counted.
+    """
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+    frontier: list[tuple[object, int]] = [(root, 0)]
+    while frontier:
+        obj, level = frontier.pop()
+        if id(obj) in seen_objects or level > depth:
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            frontier.extend((t, level + 1) for t in (getattr(obj, "grad", None), getattr(obj, "ds_tensor", None)))
+            continue
+        if isinstance(obj, dict):
+            children = list(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            children = list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            children = list(vars(obj).values())
+        else:
+            continue
+        frontier.extend((c, level + 1) for c in children)
+    return sum(storages.values())
+
+
+class MemoryProbe:
+    """The memory figure at each phase of training, in GiB, with a statement of what it measures.
+
+    On a GPU: the bytes the device allocator has handed to tensors. On a CPU: the tensor storages the engine holds
+    (see :func:`held_tensor_bytes`), the quantity the model-state floor bounds from below.
+    """
+
+    def __init__(self, engine: deepspeed.DeepSpeedEngine) -> None:
+        self.engine = engine
+        self.on_gpu = get_accelerator().device_name() != "cpu"
+        self.what = "device memory allocated to tensors" if self.on_gpu else "tensors held by the engine"
+        self.records: list[dict] = []
+
+    def mark(self, phase: str, step: int) -> None:
+        """Record the figure after ``phase`` of optimizer step ``step``."""
+        used = get_accelerator().memory_allocated() if self.on_gpu else held_tensor_bytes(self.engine)
+        self.records.append({"phase": phase, "step": step, "gib": used / 2**30})
+
+
+def memory_summary(records: list[dict], floor_gib: float) -> dict[str, dict[str, float]]:
+    """Per phase: the largest figure over the run, next to the model-state floor."""
     phases: dict[str, dict[str, float]] = {}
     for r in records:
-        p = phases.setdefault(r["phase"], {"allocated_gib": 0.0, "peak_gib": 0.0, "floor_gib": r["floor_gib"]})
-        p["allocated_gib"] = max(p["allocated_gib"], r["allocated_gib"])
-        p["peak_gib"] = max(p["peak_gib"], r["peak_gib"])
+        p = phases.setdefault(r["phase"], {"largest_gib": 0.0, "floor_gib": floor_gib})
+        p["largest_gib"] = max(p["largest_gib"], r["gib"])
     return phases
 
 
-def plot_phases(records: list[dict], png: Path, what: str) -> bool:
-    """Allocated memory at every phase of every step, with the floor; False when matplotlib is missing."""
+def plot_run(probe: MemoryProbe, floor_gib: float, history: list[dict], png: Path, title: str) -> bool:
+    """Memory per phase against the floor (left) and the loss curves (right); False without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return False
-    fig = Figure(figsize=(10, 4.5))
+    fig = Figure(figsize=(13, 4.8))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot([r["allocated_gib"] for r in records], label=f"{what} at each phase", linewidth=0.8)
-    ax.plot([r["floor_gib"] for r in records], label="model-state floor (ZeRO-3, this rank)", linestyle="--")
-    ax.set_xlabel("phase points (after forward / backward / step, in order)")
-    ax.set_ylabel("GiB")
-    ax.legend()
+    mem, loss = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    for phase, marker in (("after forward", "o"), ("after backward", "s"), ("after step", "^")):
+        points = [r for r in probe.records if r["phase"] == phase]
+        mem.plot(
+            [r["step"] for r in points],
+            [r["gib"] for r in points],
+            marker=marker,
+            markersize=2.5,
+            linewidth=0.8,
+            label=phase,
+        )
+    mem.axhline(floor_gib, color="black", linestyle="--", label="model-state floor (this rank)")
+    mem.set(xlabel="optimizer step", ylabel="GiB", title=f"memory: {probe.what} (rank 0)")
+    mem.set_ylim(bottom=0)
+    mem.legend(fontsize=8)
+    trained = [h for h in history if "train_loss" in h]
+    loss.plot([h["step"] for h in trained], [h["train_loss"] for h in trained], marker="o", label="train (last batch)")
+    loss.plot([h["step"] for h in history], [h["val_loss"] for h in history], marker="s", label="held-out")
+    loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats per byte)", title="loss")
+    loss.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.text(
+        0.01,
+        -0.05,
+        "Model-state floor: the bytes this rank's share of the parameters, gradients and optimizer states must take "
+        "at this ZeRO stage (docs/memory_floors.md).\n"
+        + (
+            "On a GPU the figure is what the caching allocator has handed to tensors; the gap above the floor is "
+            "activations and communication buffers."
+            if probe.on_gpu
+            else "On a CPU there is no device allocator: the figure is the tensor storages reachable from the engine "
+            "(each counted once); activations live in the autograd graph and are not counted. After the step the "
+            "gradients are released, so the figure drops below the floor, which counts them."
+        ),
+        fontsize=8,
+    )
     fig.savefig(png, dpi=110, bbox_inches="tight")
     return True
 
 
-def report(args: argparse.Namespace, engine: deepspeed.DeepSpeedEngine, history: list[dict]) -> None:
+def report(
+    args: argparse.Namespace, engine: deepspeed.DeepSpeedEngine, probe: MemoryProbe, history: list[dict], title: str
+) -> None:
     """Rank 0 prints the memory table and writes metrics.json and the PNG."""
-    # The engine keeps the memory_breakdown records of its phase points (one list per process).
-    records = list(engine._loop.memory.records)
-    what = "resident set size" if get_accelerator().device_name() == "cpu" else "allocated device memory"
+    floor_gib = engine._loop.memory.floor.device / 2**30  # the engine's own floor for this stage and world
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = memory_summary(records)
-    print(f"memory per phase ({what}, rank 0, largest over the run):")
+    summary = memory_summary(probe.records, floor_gib)
+    print(f"memory per phase ({probe.what}, rank 0, largest over the run):")
     for phase, m in summary.items():
-        print(
-            f"  {phase:<17} {m['allocated_gib']:8.3f} GiB (peak {m['peak_gib']:.3f}); "
-            f"model-state floor {m['floor_gib']:.4f} GiB"
-        )
-    (args.out / "metrics.json").write_text(
-        json.dumps(
-            {"history": history, "memory_per_phase": summary, "memory_measure": what, "records": records}, indent=1
-        )
-    )
-    drawn = plot_phases(records, args.out / "memory_phases.png", what)
+        print(f"  {phase:<15} {m['largest_gib']:8.4f} GiB; model-state floor {m['floor_gib']:.4f} GiB")
+    metrics = {"history": history, "memory_per_phase": summary, "memory_measure": probe.what, "records": probe.records}
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    drawn = plot_run(probe, floor_gib, history, args.out / "memory_phases.png", title)
     print(
         f"wrote {args.out / 'metrics.json'}"
         + (f" and {args.out / 'memory_phases.png'}" if drawn else " (pip install matplotlib for memory_phases.png)")
@@ -212,17 +292,17 @@ def main() -> None:
     args.deepspeed_config = None
     engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), config=config)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # the per-phase lines are summarised at the end
-    rank = deepspeed.comm.get_rank()
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    ranks = f"{world} GPU(s)" if get_accelerator().device_name() != "cpu" else f"{world} CPU process(es)"
+    title = f"byte-level GPT, {n / 1e6:.1f}M parameters, ZeRO stage {engine.zero_optimization_stage()} over {ranks}"
     if rank == 0:
-        n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
-        print(
-            f"GPT: {n / 1e6:.2f}M parameters, {args.layers} layers, dim {args.dim}, context {args.seq} bytes; "
-            f"ZeRO stage {engine.zero_optimization_stage()} over {deepspeed.comm.get_world_size()} ranks"
-        )
+        print(f"{title}; {args.layers} layers, dim {args.dim}, context {args.seq} bytes")
     val_batches = [sample(val_data, 16, args.seq, seed=10_000 + i) for i in range(4)]
-    history = train(args, engine, train_data, val_batches)
+    probe = MemoryProbe(engine)
+    history = train(args, engine, probe, train_data, val_batches)
     if rank == 0:
-        report(args, engine, history)
+        report(args, engine, probe, history, title)
     first, last = history[0]["val_loss"], history[-1]["val_loss"]
     engine.destroy()
     if not last < first:

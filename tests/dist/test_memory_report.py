@@ -1,5 +1,5 @@
 """``memory_breakdown``: the engine reports allocated / reserved / peak memory at each phase of a step, next to
-the model-state floor of memory_targets.md for this model, stage, world size and offload."""
+the model-state floor of docs/memory_floors.md for this model, stage, world size and offload."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The first user report's configuration, scaled down, through the pipeline engine (gloo, PP=2 x DP=2)."""
+"""The GPT-NeoX pipeline configuration of examples/ds_config_pipeline_neox.json, scaled down, through the pipeline engine (gloo, PP=2 x DP=2)."""
 
 from __future__ import annotations
 

@@ -67,3 +67,25 @@ def test_ds_report_lists_every_op(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in text
     assert "torch version" in text and "ninja" in text
     assert "fused_adam" in text and ("falling back" in text or "kernel" in text)
+
+
+def test_report_and_builders_agree_on_the_cuda_toolkit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A toolkit ds_report lists is never called missing by an op's status line (one lookup serves both)."""
+    import torch.utils.cpp_extension as cpp
+
+    from deepspeed import env_report
+    from deepspeed.ops.op_builder import builder
+
+    monkeypatch.setattr(cpp, "CUDA_HOME", None)
+    monkeypatch.setattr(builder.shutil, "which", lambda name: "/opt/cuda/bin/nvcc" if name == "nvcc" else None)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    nvcc_row = dict(env_report.environment_rows())["nvcc"]
+    assert nvcc_row.startswith("/opt/cuda/bin/nvcc")
+    reasons = builder.CUDAOpBuilder.cuda_reasons(builder.CUDAOpBuilder.__new__(builder.CUDAOpBuilder))
+    assert reasons == [
+        "this torch build has no CUDA; the CUDA toolkit at /opt/cuda/bin/nvcc needs a CUDA build of torch"
+    ]
+    monkeypatch.setattr(builder.shutil, "which", lambda name: None)
+    assert dict(env_report.environment_rows())["nvcc"] == "not found"
+    reasons = builder.CUDAOpBuilder.cuda_reasons(builder.CUDAOpBuilder.__new__(builder.CUDAOpBuilder))
+    assert reasons == ["this torch build has no CUDA"]

@@ -1,4 +1,4 @@
-"""The model-state floors match the formulas in shared/spec/memory_targets.md."""
+"""The model-state floors match the formulas in docs/memory_floors.md."""
 
 from __future__ import annotations
 

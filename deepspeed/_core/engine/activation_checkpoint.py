@@ -8,8 +8,8 @@ What a checkpointed call keeps between forward and backward:
 * its positional inputs, one entry per argument. Non-tensors are kept as they are. With partitioning on and a
   model-parallel group of size ``mp > 1``, each floating-point tensor is flattened, padded to a multiple of ``mp``
   and only this rank's ``ceil(numel / mp)`` elements are cloned and kept: the full tensor is referenced by nobody
-  once forward returns, which is the whole point (user report 1). With CPU checkpointing the kept tensor (the
-  partition, or the whole input) is a host copy.
+  once forward returns, which is the whole point. With CPU checkpointing the kept tensor (the partition, or the
+  whole input) is a host copy.
 * a snapshot of the RNG streams (CPU generator, device generator, every tracker stream) taken before the forward
   ran, so the recomputation draws the same dropout masks.
 

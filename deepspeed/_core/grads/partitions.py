@@ -1,6 +1,6 @@
 """ZeRO-1/2 gradients: from autograd into each rank's partition gradient, with the buffers' lifetime as a policy.
 
-[Note: gradient lifetime] (user report 1). Autograd hands each parameter's gradient to a
+[Note: gradient lifetime]. Autograd hands each parameter's gradient to a
 post-accumulate-grad hook. What happens next is the :class:`GradPath`:
 
 - ``STAGE2_FREE`` (lean ZeRO-2): the gradient is copied into its bucket's communication buffer and

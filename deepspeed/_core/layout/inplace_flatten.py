@@ -1,9 +1,9 @@
 """Flatten a parameter group into a :class:`FlatBuffer` on the device, never through host memory.
 
-Lean mechanism 1 (user report 2). The group is built segment by segment ([Note: layout], "In-place
+The ``lean_inplace_flatten`` mechanism. The group is built segment by segment ([Note: layout], "In-place
 flatten"): allocate one segment, copy its parameters in, point each ``param.data`` at its view, then resize
 the parameters' old storages to zero bytes. At any moment the live bytes are the parameters' own bytes plus
-at most one segment, which is the bound ``memory_targets.md`` asks for.
+at most one segment, the bound this module exists to keep.
 
 :func:`flatten_params_via_host` keeps upstream's old behaviour (copy every parameter to the host, flatten
 there, move the result back) for A/B comparisons only.
@@ -236,7 +236,7 @@ def flatten_params_via_host(
 ) -> FlatBuffer:
     """Upstream's old flatten, kept for A/B runs only: every param to the host, flatten there, move back.
 
-    Costs a device-to-host copy of every parameter, host RAM for two copies of the group, and (user report 2)
+    Costs a device-to-host copy of every parameter, host RAM for two copies of the group, and
     a doubled reservation on the device because the freed per-param blocks cannot hold the flat buffer.
     """
     device = torch.device(device)

@@ -200,6 +200,18 @@ class OpBuilder:
         return OpStatus(self.name, not reasons, self.is_built(), reasons)
 
 
+def find_nvcc() -> str | None:
+    """The CUDA compiler: the one in torch's ``CUDA_HOME`` when torch found a toolkit, else ``nvcc`` on PATH.
+
+    ``ds_report`` and the builders' compatibility checks both ask this one function, so they agree.
+    """
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME:
+        return os.path.join(CUDA_HOME, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
 class CUDAOpBuilder(OpBuilder):
     """Builder of an op with CUDA sources. ``CUDA_REQUIRED = False`` ops build CPU-only without CUDA."""
 
@@ -209,12 +221,14 @@ class CUDAOpBuilder(OpBuilder):
         """Why CUDA sources cannot be compiled here (empty when they can)."""
         from torch.utils.cpp_extension import CUDA_HOME
 
-        reasons = []
+        nvcc = find_nvcc()
         if torch.version.cuda is None:
-            reasons.append("this torch build has no CUDA")
+            found = f"; the CUDA toolkit at {nvcc} needs a CUDA build of torch" if nvcc else ""
+            return [f"this torch build has no CUDA{found}"]
         if CUDA_HOME is None:
-            reasons.append("no CUDA toolkit found (nvcc / CUDA_HOME)")
-        return reasons
+            # torch's extension builder compiles with the toolkit it found itself, not with any nvcc on PATH.
+            return ["torch found no CUDA toolkit (set CUDA_HOME)" + (f"; nvcc on PATH: {nvcc}" if nvcc else "")]
+        return []
 
     def uses_cuda(self) -> bool:
         """True when the CUDA sources can be compiled here."""
