@@ -1,10 +1,27 @@
 """Upstream config-key names and defaults that training scripts import.
 
-Plain constants only: parsing and validation live in the pydantic models (``deepspeed.runtime.config`` and the
-block modules). Values here are the JSON keys and defaults DeepSpeed documents; they must not drift from them.
+Plain constants only: parsing and validation live in the pydantic models (``deepspeed/_core/config/``). Values
+here are the JSON keys and defaults DeepSpeed documents; they must not drift from them.
 """
 
 from __future__ import annotations
+
+from deepspeed._core.config.blocks import (  # noqa: F401 - upstream names importable from here
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    DEEPSPEED_OPTIMIZERS,
+    LAMB_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUON_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    ONEBIT_ADAM_OPTIMIZER,
+    ONEBIT_LAMB_OPTIMIZER,
+    ZERO_ONE_ADAM_OPTIMIZER,
+    ValidationMode,
+)
 
 # Engine forward routes.
 ROUTE_TRAIN = "train"
@@ -34,32 +51,6 @@ SCHEDULER_TYPE_DEFAULT = None
 SCHEDULER_PARAMS = "params"
 MAX_GRAD_NORM = "max_grad_norm"
 
-ADAGRAD_OPTIMIZER = "adagrad"
-ADAM_OPTIMIZER = "adam"
-ADAMW_OPTIMIZER = "adamw"
-LAMB_OPTIMIZER = "lamb"
-ONEBIT_ADAM_OPTIMIZER = "onebitadam"
-ZERO_ONE_ADAM_OPTIMIZER = "zerooneadam"
-ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
-MUADAM_OPTIMIZER = "muadam"
-MUADAMW_OPTIMIZER = "muadamw"
-MUSGD_OPTIMIZER = "musgd"
-LION_OPTIMIZER = "lion"
-MUON_OPTIMIZER = "muon"
-DEEPSPEED_OPTIMIZERS = [
-    ADAGRAD_OPTIMIZER,
-    ADAM_OPTIMIZER,
-    ADAMW_OPTIMIZER,
-    LAMB_OPTIMIZER,
-    ONEBIT_ADAM_OPTIMIZER,
-    ONEBIT_LAMB_OPTIMIZER,
-    ZERO_ONE_ADAM_OPTIMIZER,
-    MUADAM_OPTIMIZER,
-    MUADAMW_OPTIMIZER,
-    MUSGD_OPTIMIZER,
-    LION_OPTIMIZER,
-    MUON_OPTIMIZER,
-]
 TORCH_ADAM_PARAM = "torch_adam"
 ADAM_W_MODE = "adam_w_mode"
 ADAM_W_MODE_DEFAULT = True
@@ -151,14 +142,6 @@ GRAD_ACCUM_DTYPE_DEFAULT = None
 # Checkpoint block.
 CHECKPOINT = "checkpoint"
 CHECKPOINT_TAG_VALIDATION = "tag_validation"
-
-
-class ValidationMode:
-    """Allowed values of ``checkpoint.tag_validation`` (compared case-insensitively)."""
-
-    WARN = "WARN"
-    IGNORE = "IGNORE"
-    FAIL = "FAIL"
 
 
 CHECKPOINT_TAG_VALIDATION_DEFAULT = ValidationMode.WARN

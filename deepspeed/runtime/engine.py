@@ -20,8 +20,7 @@ from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.optim.loss_scaling import from_policy as loss_scaler_from_policy
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed.moe._setup import configure_moe
-from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.config_utils import DeepSpeedConfigError
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine_checkpointing import EngineCheckpointMixin
 from deepspeed.runtime.optimizers import build_basic_optimizer, build_lr_scheduler

@@ -1,7 +1,7 @@
 """One config-to-plan conversion: the ZeRO façades built without the engine plan exactly what the engine path plans.
 
 ``DeepSpeedZeroOptimizer(...)`` and ``DeepSpeedZeRoOffload(...)`` take upstream's keyword arguments; the engine
-reads a config. Both go through ``deepspeed/runtime/config_plan.py``, so the same settings must give equal plan
+reads a config. Both go through ``deepspeed/_core/config/convert.py``, so the same settings must give equal plan
 objects, and a no-effect keyword warns naming its key, as the config key does.
 """
 

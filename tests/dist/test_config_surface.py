@@ -22,13 +22,15 @@ from typing import Any
 import pytest
 
 from deepspeed._core.config.surface import SURFACE, Status
-from deepspeed.runtime.config import _TOLERATED_TOP_LEVEL_KEYS, DeepSpeedConfig, DeepSpeedConfigError, _RootConfig
-from deepspeed.runtime.config_surface import model_keys, render_status_table
+from deepspeed._core.config.schema import TOLERATED_TOP_LEVEL_KEYS, RootConfig
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from deepspeed._core.config.docs import render_status_table
+from deepspeed._core.config.enforce import model_keys
 from tests._harness import run_distributed
 from tests.reference.models import make_model
 
 BASE = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-RAW_TOP_LEVEL = _TOLERATED_TOP_LEVEL_KEYS - {"bfloat16"}  # bfloat16 is read as the bf16 block
+RAW_TOP_LEVEL = TOLERATED_TOP_LEVEL_KEYS - {"bfloat16"}  # bfloat16 is read as the bf16 block
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +61,7 @@ def _config(flat: dict[str, Any]) -> dict:
 
 
 def test_every_parsed_key_is_in_the_table_and_back() -> None:
-    parsed = {key for key, _ in model_keys(_RootConfig)}
+    parsed = {key for key, _ in model_keys(RootConfig)}
     missing = sorted((parsed | RAW_TOP_LEVEL) - set(SURFACE))
     assert not missing, f"keys the parser accepts but the surface table lacks: {missing}"
     unknown = sorted(k for k in SURFACE if k not in parsed and k.split(".")[0] not in RAW_TOP_LEVEL)
@@ -68,7 +70,7 @@ def test_every_parsed_key_is_in_the_table_and_back() -> None:
 
 def test_docs_hold_the_generated_table() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
-    assert render_status_table() in doc, "docs/config.md is stale: python -m deepspeed.runtime.config_surface"
+    assert render_status_table() in doc, "docs/config.md is stale: python -m deepspeed._core.config.docs"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -369,7 +371,7 @@ NO_EFFECT_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
 def _no_effect_value(key: str) -> tuple[Any, dict[str, Any]]:
     if key in NO_EFFECT_VALUES:
         return NO_EFFECT_VALUES[key]
-    default = dict(model_keys(_RootConfig)).get(key)
+    default = dict(model_keys(RootConfig)).get(key)
     if isinstance(default, bool):
         return not default, {}
     if isinstance(default, float):

@@ -1,13 +1,13 @@
 """Frozen run plan: the validated config, turned once into small immutable policy objects.
 
-The public pydantic models (``deepspeed.runtime.config`` and friends) keep upstream's JSON keys, aliases
-and deprecations. ``DeepSpeedConfig`` validates them once and ``deepspeed/runtime/config_plan.py`` (the one
-conversion, also used by the façades that build optimizers without the engine) turns them into a :class:`RunPlan`;
-everything under ``deepspeed._core`` receives these plan objects and never the pydantic models or the raw dict.
-That keeps flags from being threaded through constructors (see docs/design/conventions.md).
+The pydantic models of this room keep upstream's JSON keys, aliases and deprecations. ``DeepSpeedConfig`` validates
+them once and ``convert.py`` (the one conversion, also used by the façades that build optimizers without the
+engine) turns them into a :class:`RunPlan`; everything else under ``deepspeed._core`` receives these plan objects
+and never the pydantic models or the raw dict. That keeps flags from being threaded through constructors (see
+docs/design/conventions.md).
 
 A config key that changes nothing here has no plan field: what users are told about such keys is the config
-surface (``deepspeed/_core/config/surface.py``).
+surface (``surface.py``).
 
 Nothing here imports a façade module or touches a process group: plans are pure data.
 """

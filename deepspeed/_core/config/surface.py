@@ -10,8 +10,8 @@ statuses:
   what is supported (an ``implemented`` key can also carry a refusal for the values it does not support);
 * ``pipeline engine`` / ``moe``: owned by the pipeline engine and the MoE layer, which decide themselves.
 
-The table is the one place these statuses live: ``deepspeed.runtime.config_surface`` enforces it when a config is
-read (on every rank, before any collective) and renders the status table of docs/config.md from it, and
+The table is the one place these statuses live: ``enforce.py`` enforces it when a config is read (on every rank,
+before any collective), ``docs.py`` renders the status table of docs/config.md from it, and
 ``tests/dist/test_config_surface.py`` checks both directions (every parsed key is listed; every key behaves as
 listed). Blocks this package accepts without modelling them (``compile``, ``tensor_parallel``, …) are listed by
 block name; a ``block.key`` entry takes precedence over its block's entry for that key.

@@ -20,7 +20,7 @@ from deepspeed._core.pipe.executor import PipeExecutor, StageInfo
 from deepspeed._core.pipe.module import PipelineModule
 from deepspeed._core.pipe.p2p import StageLink
 from deepspeed._core.pipe.schedule import InferenceSchedule, TrainSchedule
-from deepspeed.runtime.config_utils import DeepSpeedConfigError
+from deepspeed.runtime.config import DeepSpeedConfigError
 from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils.logging import logger

@@ -2,7 +2,7 @@
 
 A façade over :class:`deepspeed._core.params.manager.ZeroParamManager`: the constructor turns upstream's keyword
 arguments into the validated stage-3 ``zero_optimization`` block they stand for, converts it with the one
-config-to-plan conversion (``deepspeed/runtime/config_plan.py``) and delegates.
+config-to-plan conversion (``deepspeed/_core/config/convert.py``) and delegates.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from torch import nn
 
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import SideStreams, StreamSet
+from deepspeed._core.config.convert import offload_policy, stage3_policy
 from deepspeed._core.config.plan import LeanPolicy
+from deepspeed._core.config.zero import DeepSpeedZeroConfig
 from deepspeed._core.params.manager import ZeroParamManager
-from deepspeed.runtime.config_plan import offload_policy, stage3_policy
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.partitioned_param_coordinator import (
     PartitionedParameterCoordinator,
 )

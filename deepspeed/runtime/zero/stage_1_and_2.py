@@ -4,7 +4,7 @@ The engine builds the core optimizer (:class:`deepspeed._core.optim.stage12.Zero
 from its run plan. This façade exists for code that constructs the optimizer itself with upstream's
 keyword list: the ZeRO keywords become the validated ``zero_optimization`` block they stand for, and that block,
 the working dtype and the gradient keywords go through the one config-to-plan conversion
-(``deepspeed/runtime/config_plan.py``) into a frozen :class:`~deepspeed._core.config.plan.RunPlan`; everything else
+(``deepspeed/_core/config/convert.py``) into a frozen :class:`~deepspeed._core.config.plan.RunPlan`; everything else
 is the core class. Stage 1 is ``partition_grads=False``, stage 2 ``partition_grads=True``, as upstream.
 """
 
@@ -16,7 +16,10 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
+from deepspeed._core.config.convert import grad_policy, precision_policy, zero_plan
+from deepspeed._core.config.enforce import enforce_block_surface
 from deepspeed._core.config.plan import BatchPlan, LossScalePolicy, OffloadDevice, PrecisionPolicy, ReduceOp, RunPlan
+from deepspeed._core.config.zero import DeepSpeedZeroConfig
 from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups, is_moe_param_group
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping
 from deepspeed._core.optim.loss_scaling import (
@@ -25,9 +28,6 @@ from deepspeed._core.optim.loss_scaling import (
     from_policy,
 )
 from deepspeed._core.optim.stage12 import ZeroOptimizer
-from deepspeed.runtime.config_plan import grad_policy, precision_policy, zero_plan
-from deepspeed.runtime.config_surface import enforce_block_surface
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 __all__ = ["DeepSpeedZeroOptimizer"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError, data_parallel_world_size, resolve_batch
+from deepspeed._core.config.batch import data_parallel_world_size, resolve_batch
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
 TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError, load_config_dict
+from deepspeed._core.config.load import load_config_dict
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
 BASE = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
 

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
+from deepspeed._core.config import enforce
 from deepspeed._core.config.surface import SURFACE, Status
-from deepspeed.runtime import config_surface
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
 _Z = "zero_optimization."
@@ -44,7 +44,7 @@ def _nested(flat: dict) -> dict:
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_surface, "_warned", set())
+    monkeypatch.setattr(enforce, "_warned", set())
 
 
 def _warnings(records: list[logging.LogRecord]) -> list[str]:

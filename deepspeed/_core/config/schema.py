@@ -1,168 +1,44 @@
-"""The schema of a DeepSpeed config: every pydantic block of the top level, validated in one pass.
+"""The root model of a DeepSpeed config: one field per top-level key or block, validated in one pass.
 
-``_RootConfig`` holds each modelled top-level key (upstream names, aliases and defaults); the blocks owned by other
-packages (``zero_optimization``, ``fp16``/``bf16``, ``comms_logger``, the monitors, ``activation_checkpointing``)
-are imported from their upstream modules, and the small blocks upstream reads key by key are defined here. Unknown
-top-level keys are ignored with one warning; unknown keys inside strict blocks are errors (see docs/config.md).
+:class:`RootConfig` holds each modelled top-level key (upstream names, aliases and defaults) and one field per
+block; each block's model lives in its own module of this room. A new block is hooked in with one field here.
+Unknown top-level keys are ignored with one warning (``enforce.py``); unknown keys inside strict blocks are errors.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from deepspeed._core.config.activation import DeepSpeedActivationCheckpointingConfig
+from deepspeed._core.config.base import DeepSpeedLenientConfigModel
+from deepspeed._core.config.blocks import (
+    AioConfig,
+    CheckpointConfig,
+    DeepSpeedFlopsProfilerConfig,
+    MemoryTimelineConfig,
+    OptimizerBlockConfig,
+    SchedulerBlockConfig,
+)
+from deepspeed._core.config.comms import CommsLoggerConfig
+from deepspeed._core.config.monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from deepspeed._core.config.plan import ReduceOp
-from deepspeed.comm.config import CommsLoggerConfig
-from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
-from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel, DeepSpeedLenientConfigModel
-from deepspeed.runtime.constants import ValidationMode
-from deepspeed.runtime.precision_config import (
+from deepspeed._core.config.precision import (
     DataTypesConfig,
     DeepSpeedBF16Config,
     DeepSpeedFP16Config,
     to_torch_dtype,
     validate_float_dtype_name,
 )
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, read_zero_config_deprecated
-
-# --------------------------------------------------------------------------------------------------------------
-# Blocks upstream reads key by key (unknown keys ignored with a warning).
-
-
-class DeepSpeedFlopsProfilerConfig(DeepSpeedLenientConfigModel):
-    """``flops_profiler`` block; enabling it also turns on ``wall_clock_breakdown``."""
-
-    config_block: ClassVar[str] = "flops_profiler"
-
-    enabled: bool = False
-    """Profile one training step's FLOPs, latency and parameters."""
-    recompute_fwd_factor: float = 0.0
-    """Extra forward cost of activation recomputation, as a fraction of one forward."""
-    profile_step: int = Field(1, ge=0)
-    """Global step at which to profile."""
-    module_depth: int = -1
-    """Depth of the module tree to report (-1 = all)."""
-    top_modules: int = 1
-    """How many of the most expensive modules to list."""
-    detailed: bool = True
-    """Print the per-module breakdown."""
-    output_file: str | None = None
-    """Write the report here instead of stdout."""
-
-
-class CheckpointParallelWriteConfig(DeepSpeedLenientConfigModel):
-    """``checkpoint.parallel_write``."""
-
-    config_block: ClassVar[str] = "checkpoint.parallel_write"
-
-    pipeline_stage: bool = False
-    """Pipeline runs: every stage writes its own layers in parallel."""
-
-
-class CheckpointConfig(DeepSpeedLenientConfigModel):
-    """``checkpoint`` block."""
-
-    config_block: ClassVar[str] = "checkpoint"
-    tolerated_keys: ClassVar[frozenset[str]] = frozenset({"writer"})
-
-    tag_validation: str = ValidationMode.WARN
-    """Check that all ranks save with the same tag: ``WARN``, ``IGNORE`` or ``FAIL`` (case-insensitive)."""
-    load_universal: bool = False
-    """Load a universal (world-size independent) checkpoint."""
-    use_node_local_storage: bool = False
-    """Each node writes to its own storage (local rank 0 of every node writes)."""
-    parallel_write: CheckpointParallelWriteConfig = Field(default_factory=CheckpointParallelWriteConfig)
-    """Parallel-write options."""
-    checkpoint_serialization: bool = True
-    """Serialize with ``torch.save`` (upstream switch; other writers are not implemented)."""
-
-    @field_validator("tag_validation")
-    @classmethod
-    def _known_mode(cls, value: str) -> str:
-        mode = str(value).upper()
-        if mode not in (ValidationMode.WARN, ValidationMode.IGNORE, ValidationMode.FAIL):
-            raise ValueError(f"must be one of WARN, IGNORE, FAIL; got {value!r}")
-        return mode
-
-
-class AioConfig(DeepSpeedLenientConfigModel):
-    """``aio`` block: asynchronous NVMe I/O settings."""
-
-    config_block: ClassVar[str] = "aio"
-    tolerated_keys: ClassVar[frozenset[str]] = frozenset({"thread_count"})
-
-    block_size: int = Field(1048576, gt=0)
-    """Bytes per I/O request."""
-    queue_depth: int = Field(8, gt=0)
-    """Outstanding requests per I/O thread."""
-    intra_op_parallelism: int = Field(1, gt=0)
-    """I/O threads per operation."""
-    single_submit: bool = False
-    """Submit requests one at a time instead of batched."""
-    overlap_events: bool = True
-    """Overlap request submission with completion polling."""
-    use_gds: bool = False
-    """Use GPUDirect Storage."""
-
-
-class OptimizerBlockConfig(DeepSpeedLenientConfigModel):
-    """``optimizer`` block: ``{"type": name, "params": {...}}``; params pass through to the optimizer."""
-
-    config_block: ClassVar[str] = "optimizer"
-
-    type: str | None = None
-    """Optimizer name: a DeepSpeed optimizer (compared lower-case) or a ``torch.optim`` class name."""
-    params: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the optimizer constructor."""
-    legacy_fusion: bool = False
-    """Upstream legacy fused-optimizer switch (accepted; ignored)."""
-
-    @field_validator("params")
-    @classmethod
-    def _no_max_grad_norm(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if "max_grad_norm" in value:
-            raise ValueError(
-                "'max_grad_norm' is not supported as an optimizer parameter; use the top-level "
-                "'gradient_clipping' key instead"
-            )
-        return value
-
-
-class SchedulerBlockConfig(DeepSpeedLenientConfigModel):
-    """``scheduler`` block: ``{"type": name, "params": {...}}``."""
-
-    config_block: ClassVar[str] = "scheduler"
-
-    type: str | None = None
-    """Scheduler name from ``deepspeed.runtime.lr_schedules`` or ``torch.optim.lr_scheduler``."""
-    params: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the scheduler constructor."""
-
-
-class MemoryTimelineConfig(DeepSpeedConfigModel):
-    """``memory_timeline`` block (a deepspeed-lean key): record one optimizer step's allocator history and write
-    it with a per-category summary and chart (see docs/config.md)."""
-
-    config_block: ClassVar[str] = "memory_timeline"
-
-    enabled: bool = False
-    """Record the allocator history of one optimizer step (CUDA only; elsewhere one warning, nothing recorded)."""
-    step: int = Field(2, ge=1)
-    """Global optimizer step to record, counting from 1: from its first micro-step through its optimizer step."""
-    path: str = Field("memory_timeline", min_length=1)
-    """Output prefix: every rank writes ``<path>_rank<r>.pickle``, ``.json`` and (with matplotlib) ``.png``."""
-    max_entries: int = Field(1_000_000, ge=1)
-    """Size of the allocator's history ring buffer; entries beyond it overwrite the oldest."""
-
+from deepspeed._core.config.zero import DeepSpeedZeroConfig, ZeroStageEnum, read_zero_config_deprecated
 
 # --------------------------------------------------------------------------------------------------------------
 # The whole config.
 
 # Upstream top-level keys this package accepts without modelling; they never trigger the unknown-key warning.
-_TOLERATED_TOP_LEVEL_KEYS = frozenset(
+TOLERATED_TOP_LEVEL_KEYS = frozenset(
     {
         "amp",
         "torch_autocast",
@@ -192,11 +68,14 @@ _TOLERATED_TOP_LEVEL_KEYS = frozenset(
 )
 
 
-class _RootConfig(DeepSpeedLenientConfigModel):
+class RootConfig(DeepSpeedLenientConfigModel):
     """Every modelled key of a DeepSpeed config; unknown top-level keys are ignored with one warning."""
 
     config_block: ClassVar[str] = ""
-    tolerated_keys: ClassVar[frozenset[str]] = _TOLERATED_TOP_LEVEL_KEYS
+    tolerated_keys: ClassVar[frozenset[str]] = TOLERATED_TOP_LEVEL_KEYS
+    # Every rank validates the config, some more than once (the engine, zero.Init): enforce.py warns about unknown
+    # top-level keys instead, once per process and on the first rank only.
+    warns_unknown_keys: ClassVar[bool] = False
 
     train_batch_size: int | None = None
     """Global batch size per optimizer step (see the batch triangle)."""
@@ -301,7 +180,7 @@ class _RootConfig(DeepSpeedLenientConfigModel):
         return value
 
     @model_validator(mode="after")
-    def _cross_block_checks(self) -> _RootConfig:
+    def _cross_block_checks(self) -> RootConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled cannot both be true; enable at most one")
         wanted = to_torch_dtype(self.data_types.param_dtype)
@@ -315,7 +194,7 @@ class _RootConfig(DeepSpeedLenientConfigModel):
         return self
 
 
-def mode_dtype(root: _RootConfig) -> torch.dtype:
+def mode_dtype(root: RootConfig) -> torch.dtype:
     """Working parameter dtype selected by the precision blocks."""
     if root.bf16.enabled:
         return torch.bfloat16

@@ -10,7 +10,7 @@ from typing import Any
 
 import hjson
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigError, dict_raise_error_on_duplicate_keys
+from deepspeed._core.config.base import DeepSpeedConfigError, dict_raise_error_on_duplicate_keys
 
 __all__ = ["load_config_dict"]
 

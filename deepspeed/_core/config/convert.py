@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from deepspeed._core.config.offload import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
 from deepspeed._core.config.plan import (
     BatchPlan,
     BucketPolicy,
@@ -36,10 +37,9 @@ from deepspeed._core.config.plan import (
     Stage3Policy,
     ZeroPlan,
 )
-from deepspeed.runtime.config_schema import MemoryTimelineConfig, _RootConfig, mode_dtype
-from deepspeed.runtime.precision_config import DeepSpeedFP16Config, to_torch_dtype
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+from deepspeed._core.config.precision import DeepSpeedFP16Config, to_torch_dtype
+from deepspeed._core.config.schema import MemoryTimelineConfig, RootConfig, mode_dtype
+from deepspeed._core.config.zero import DeepSpeedZeroConfig
 
 __all__ = [
     "run_plan",
@@ -168,7 +168,7 @@ def zero_plan(zero: DeepSpeedZeroConfig) -> ZeroPlan:
     )
 
 
-def _root_precision(root: _RootConfig) -> PrecisionPolicy:
+def _root_precision(root: RootConfig) -> PrecisionPolicy:
     return precision_policy(
         mode_dtype(root),
         grad_accum_dtype=to_torch_dtype(root.data_types.grad_accum_dtype),
@@ -186,7 +186,7 @@ def _memory_timeline_policy(block: MemoryTimelineConfig) -> MemoryTimelinePolicy
     return MemoryTimelinePolicy(enabled=block.enabled, step=block.step, path=block.path, max_entries=block.max_entries)
 
 
-def run_plan(root: _RootConfig, batch: BatchPlan) -> RunPlan:
+def run_plan(root: RootConfig, batch: BatchPlan) -> RunPlan:
     """The frozen :class:`RunPlan` of a validated top-level config and its resolved batch triangle."""
     grads = grad_policy(
         clip_norm=root.gradient_clipping,

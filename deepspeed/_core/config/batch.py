@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from deepspeed._core.config.base import DeepSpeedConfigError
 from deepspeed._core.config.plan import BatchPlan
-from deepspeed.runtime.config_utils import DeepSpeedConfigError
 
 __all__ = ["data_parallel_world_size", "resolve_batch", "check_batch"]
 

@@ -1,0 +1,100 @@
+"""``zero_optimization.offload_param`` and ``zero_optimization.offload_optimizer`` blocks (upstream keys)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
+
+from deepspeed._core.config.base import DeepSpeedConfigModel, pp_int
+
+
+class OffloadDeviceEnum(str, Enum):
+    """Where offloaded tensors live."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, Enum):
+    """Tensor classes that ``engine.offload_states`` can move off the accelerator."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
+    """``offload_param``: keep ZeRO-3 parameter shards off the accelerator."""
+
+    config_block: ClassVar[str] = "zero_optimization.offload_param"
+
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
+    """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
+
+    nvme_path: Path | None = None
+    """Upstream: directory for NVMe swap files. No effect here: NVMe offload is refused."""
+
+    buffer_count: int = Field(5, ge=0)
+    """Upstream: staging buffers for swapping parameters from NVMe. No effect here: NVMe offload is refused."""
+
+    buffer_size: int = Field(pp_int(1e8), ge=0)
+    """Size in elements of each NVMe staging buffer."""
+
+    max_in_cpu: int = Field(pp_int(1e9), ge=0)
+    """Elements of parameters kept in CPU memory when offloading to NVMe."""
+
+    pin_memory: bool = True
+    """Use page-locked host buffers (faster copies, more pinned RAM). Default true since upstream v0.19.5."""
+
+
+class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
+    """``offload_optimizer``: keep optimizer state (and the step) on CPU or NVMe."""
+
+    config_block: ClassVar[str] = "zero_optimization.offload_optimizer"
+
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
+    """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
+
+    nvme_path: Path | None = None
+    """Upstream: directory for NVMe swap files. No effect here: NVMe offload is refused."""
+
+    buffer_count: int = Field(4, ge=0)
+    """Upstream: staging buffers for swapping optimizer state from NVMe. No effect here: NVMe offload is
+    refused."""
+
+    pin_memory: bool = True
+    """Use page-locked host buffers. Default true since upstream v0.19.5. Gradient staging goes through a few fixed
+    pinned slots at every stage, and write-backs through two pinned buffers. Masters and moments stay pageable at
+    every stage (pinning a model-sized tensor through PyTorch's host allocator costs up to twice its size;
+    docs/design/zero3.md, [Note: zero3-optimizer-offload]); upstream pins ZeRO-1/2's fp32 master partition. ZeRO-3
+    also page-locks its host gradient chunks (power-of-two sized), which device copies write into directly."""
+
+    pipeline_read: bool = False
+    """Overlap NVMe reads of the next sub-group with the current optimizer step."""
+
+    pipeline_write: bool = False
+    """Overlap NVMe writes of the previous sub-group with the current optimizer step."""
+
+    fast_init: bool = False
+    """Initialise NVMe-offloaded optimizer state without a round-trip through swap files."""
+
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Upstream: fraction of optimizer state to offload (below 1.0 with ZeRO-3 only, still checked). No effect
+    here: all of it is offloaded."""
+
+    super_offload: bool = False
+    """Upstream SuperOffload mode (accepted; not implemented by deepspeed-lean)."""
+
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+    """Share of CPU cores the CPU Adam step may use."""
+
+    @property
+    def pipeline(self) -> bool:
+        """True when either NVMe read or write pipelining is on."""
+        return self.pipeline_read or self.pipeline_write
