@@ -3,7 +3,8 @@
 * Every key the parser accepts (the pydantic models walked, nested blocks included, plus the upstream blocks it
   accepts unmodelled) is in the table, and every table key is one the parser accepts.
 * ``implemented``: setting the key changes what its consumer reads (the run plan or the config attribute the engine
-  or the helper module reads); every implemented key needs an entry in ``EFFECTS``.
+  or the helper module reads); every implemented key needs an entry in ``EFFECTS`` unless a plan field names it
+  (``tests/unit/config/test_plan_keys.py`` checks those).
 * ``refused`` (and the refused values of implemented keys): ``deepspeed.initialize`` raises
   ``DeepSpeedConfigError`` naming the key, its block and what is supported; the five configs a user could set
   without a word before are checked at world size 2 (every rank raises).
@@ -24,6 +25,7 @@ import pytest
 from deepspeed._core.config.surface import SURFACE, Status
 from deepspeed._core.config.schema import TOLERATED_TOP_LEVEL_KEYS, RootConfig
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from deepspeed._core.config.convert import plan_keys
 from deepspeed._core.config.docs import render_status_table
 from deepspeed._core.config.enforce import model_keys
 from tests._harness import run_distributed
@@ -191,8 +193,13 @@ def _implemented() -> list[str]:
     return sorted(k for k, rule in SURFACE.items() if rule.status is Status.IMPLEMENTED)
 
 
+# Keys a plan field names with key(): tests/unit/config/test_plan_keys.py sets each one and reads its plan field.
+PLAN_KEYED = {entry.config_keys[0] for entry in plan_keys() if not entry.derived}
+
+
 def test_every_implemented_key_has_an_effect_check() -> None:
-    unchecked = [k for k in _implemented() if k not in EFFECTS and k not in CHECKS and k not in JOINT[0]]
+    checked = set(EFFECTS) | set(CHECKS) | set(JOINT[0]) | PLAN_KEYED
+    unchecked = [k for k in _implemented() if k not in checked]
     assert not unchecked, f"implemented keys without an effect check: {unchecked}"
 
 

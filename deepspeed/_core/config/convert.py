@@ -1,35 +1,37 @@
-"""The one conversion from validated config blocks to the frozen run plan (``deepspeed/_core/config/plan.py``).
+"""The one conversion from validated config blocks to the frozen run plan (``plan.py``).
 
 Every place that needs a plan calls this module:
 
-* ``DeepSpeedConfig.plan`` (the engine path): :func:`run_plan` on the validated top-level model;
+* ``DeepSpeedConfig.plan`` (the engine path): :func:`run_plan` on the validated root model;
 * the façades that integrations construct without the engine, ``DeepSpeedZeroOptimizer`` and
   ``DeepSpeedZeRoOffload``: they first turn upstream's keyword arguments into the same validated
   ``zero_optimization`` block (``DeepSpeedZeroConfig``), then call :func:`zero_plan`, :func:`stage3_policy`,
-  :func:`precision_policy` and :func:`grad_policy` here, so the same settings give the same plan on both paths.
+  :func:`offload_policy`, :func:`precision_policy` and :func:`grad_policy` here, so the same settings give the same
+  plan on both paths.
 
-It lives beside the pydantic models rather than in ``deepspeed/_core/config``: its input is those models (upstream
-keys, aliases, deprecations resolved), and ``_core`` never imports a façade module. A plain-values version inside
-``_core`` would have to list every key a second time, with the model-reading half still needed out here.
-
+Fields that copy a key are filled by :func:`fill` from their metadata ([Note: plan keys]); only the values derived
+from several keys (the working dtypes, the batch triangle, the timers switch) are computed by the functions below.
 Keys that change nothing in this package have no plan field; what users are told about them is the config surface
-(``deepspeed/_core/config/surface.py``).
+(``surface.py``).
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from typing import Any, TypeVar
 
-from deepspeed._core.config.offload import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+import torch
+from pydantic import BaseModel
+
+from deepspeed._core.config.enforce import submodel
 from deepspeed._core.config.plan import (
+    CONVERT,
+    DERIVED,
+    KEY,
+    NESTED,
     BatchPlan,
-    BucketPolicy,
     GradPolicy,
-    LeafModulePolicy,
-    LeanPolicy,
     LossScalePolicy,
-    MemoryTimelinePolicy,
-    OffloadDevice,
     OffloadPolicy,
     PrecisionPolicy,
     ReduceOp,
@@ -38,10 +40,11 @@ from deepspeed._core.config.plan import (
     ZeroPlan,
 )
 from deepspeed._core.config.precision import DeepSpeedFP16Config, to_torch_dtype
-from deepspeed._core.config.schema import MemoryTimelineConfig, RootConfig, mode_dtype
+from deepspeed._core.config.schema import RootConfig, mode_dtype
 from deepspeed._core.config.zero import DeepSpeedZeroConfig
 
 __all__ = [
+    "fill",
     "run_plan",
     "zero_plan",
     "stage3_policy",
@@ -51,20 +54,52 @@ __all__ = [
     "loss_scale_policy",
 ]
 
+_Policy = TypeVar("_Policy")
+
+
+def read_key(model: BaseModel | None, path: str) -> Any:
+    """The validated value at the dotted ``path`` below ``model`` (``""``: the model itself); ``None`` where a block
+    on the way is absent."""
+    value: Any = model
+    for part in filter(None, path.split(".")):
+        if value is None:
+            return None
+        value = getattr(value, part)
+    return value
+
+
+def fill(policy: type[_Policy], model: BaseModel | None, **computed: Any) -> _Policy:
+    """``policy`` filled from the validated block ``model`` through its fields' metadata ([Note: plan keys]).
+
+    A ``key`` field takes the key's value (converted); a ``nested`` field is filled from its sub-block, or keeps its
+    default when the sub-block is absent; a ``derived`` field must be passed in ``computed`` (as may any field).
+    A key the block does not model (a policy shared by blocks with different keys) keeps the field's default.
+    ``model`` ``None`` (an absent optional block) gives the policy's defaults.
+
+    Raises:
+        TypeError: a derived field is not in ``computed``.
+    """
+    if model is None:
+        return policy(**computed)
+    values: dict[str, Any] = {}
+    for item in dataclasses.fields(policy):  # type: ignore[arg-type]  # plan policies are dataclasses
+        meta = item.metadata
+        if item.name in computed:
+            values[item.name] = computed[item.name]
+        elif KEY in meta and meta[KEY].split(".")[0] in type(model).model_fields:
+            value = read_key(model, meta[KEY])
+            values[item.name] = meta[CONVERT](value) if meta[CONVERT] is not None else value
+        elif NESTED in meta:
+            block, nested_policy = meta[NESTED]
+            values[item.name] = fill(nested_policy, read_key(model, block))
+        elif DERIVED in meta:
+            raise TypeError(f"{policy.__name__}.{item.name} is derived from {meta[DERIVED]}; pass it to fill()")
+    return policy(**values)
+
 
 def loss_scale_policy(fp16: DeepSpeedFP16Config) -> LossScalePolicy | None:
     """The fp16 block's loss scaling, or ``None`` when fp16 is off."""
-    if not fp16.enabled:
-        return None
-    return LossScalePolicy(
-        dynamic=fp16.dynamic_loss_scale,
-        static_scale=float(fp16.loss_scale or 1.0),
-        initial_scale_power=fp16.initial_scale_power,
-        scale_window=fp16.loss_scale_window,
-        hysteresis=fp16.hysteresis,
-        consecutive_hysteresis=fp16.consecutive_hysteresis,
-        min_scale=float(fp16.min_loss_scale),
-    )
+    return fill(LossScalePolicy, fp16) if fp16.enabled else None
 
 
 def precision_policy(
@@ -101,7 +136,7 @@ def precision_policy(
 
 
 def grad_policy(*, clip_norm: float, prescale: bool, predivide_factor: float, reduce_op: ReduceOp | str) -> GradPolicy:
-    """Gradient clipping, pre-division and reduction op."""
+    """Gradient clipping, pre-division and reduction op, from upstream's ZeRO-optimizer keyword arguments."""
     return GradPolicy(
         clip_norm=float(clip_norm),
         prescale=bool(prescale),
@@ -110,62 +145,19 @@ def grad_policy(*, clip_norm: float, prescale: bool, predivide_factor: float, re
     )
 
 
-def offload_policy(
-    block: DeepSpeedZeroOffloadParamConfig | DeepSpeedZeroOffloadOptimizerConfig | None,
-) -> OffloadPolicy:
+def offload_policy(block: BaseModel | None) -> OffloadPolicy:
     """One validated offload block (``offload_param`` / ``offload_optimizer``), or ``None`` for no offload."""
-    if block is None:
-        return OffloadPolicy()
-    return OffloadPolicy(device=OffloadDevice(block.device), pin_memory=block.pin_memory)
+    return fill(OffloadPolicy, block)
 
 
 def stage3_policy(zero: DeepSpeedZeroConfig) -> Stage3Policy:
     """The ZeRO-3 fetch/release knobs of a validated ``zero_optimization`` block."""
-    leaf = zero.leaf_module
-    return Stage3Policy(
-        prefetch_bucket_size=zero.prefetch_bucket_size,
-        max_live_parameters=zero.max_live_parameters,
-        max_reuse_distance=zero.max_reuse_distance,
-        param_persistence_threshold=zero.param_persistence_threshold,
-        model_persistence_threshold=zero.model_persistence_threshold,
-        gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
-        module_granularity_threshold=zero.module_granularity_threshold,
-        leaf_module=LeafModulePolicy(
-            classes=tuple(leaf.classes), names=tuple(leaf.names), name_suffixes=tuple(leaf.name_suffixes)
-        ),
-    )
-
-
-def _lean_policy(zero: DeepSpeedZeroConfig) -> LeanPolicy:
-    return LeanPolicy(
-        inplace_flatten=zero.lean_inplace_flatten,
-        eager_grad_release=zero.lean_eager_grad_release,
-        stream_ordered_release=zero.lean_stream_ordered_release,
-        grads_in_param_shards=zero.lean_grads_in_param_shards,
-        pipeline_release=zero.lean_pipeline_release,
-        gather_from_master=zero.lean_gather_from_master,
-        block_fetch_units=zero.lean_block_fetch_units,
-        unit_grad_reduce=zero.lean_unit_grad_reduce,
-    )
+    return fill(Stage3Policy, zero)
 
 
 def zero_plan(zero: DeepSpeedZeroConfig) -> ZeroPlan:
     """Everything the ZeRO optimizers read, from a validated ``zero_optimization`` block."""
-    buckets = BucketPolicy(
-        reduce_bucket_size=zero.reduce_bucket_size,
-        allgather_bucket_size=zero.allgather_bucket_size,
-        overlap_comm=bool(zero.overlap_comm),
-        reduce_scatter=zero.reduce_scatter,
-    )
-    return ZeroPlan(
-        stage=int(zero.stage),
-        buckets=buckets,
-        offload_optimizer=offload_policy(zero.offload_optimizer),
-        offload_param=offload_policy(zero.offload_param),
-        lean=_lean_policy(zero),
-        stage3=stage3_policy(zero),
-        load_from_fp32_weights=zero.load_from_fp32_weights,
-    )
+    return fill(ZeroPlan, zero)
 
 
 def _root_precision(root: RootConfig) -> PrecisionPolicy:
@@ -182,28 +174,51 @@ def _root_precision(root: RootConfig) -> PrecisionPolicy:
     )
 
 
-def _memory_timeline_policy(block: MemoryTimelineConfig) -> MemoryTimelinePolicy:
-    return MemoryTimelinePolicy(enabled=block.enabled, step=block.step, path=block.path, max_entries=block.max_entries)
-
-
 def run_plan(root: RootConfig, batch: BatchPlan) -> RunPlan:
-    """The frozen :class:`RunPlan` of a validated top-level config and its resolved batch triangle."""
-    grads = grad_policy(
-        clip_norm=root.gradient_clipping,
-        prescale=root.prescale_gradients,
-        predivide_factor=root.gradient_predivide_factor,
-        reduce_op=root.gradient_allreduce_op,
-    )
-    return RunPlan(
+    """The frozen :class:`RunPlan` of a validated root config and its resolved batch triangle."""
+    return fill(
+        RunPlan,
+        root,
         batch=batch,
         precision=_root_precision(root),
-        grads=grads,
-        zero=zero_plan(root.zero_optimization),
-        steps_per_print=root.steps_per_print,
         wall_clock_breakdown=root.wall_clock_breakdown or root.flops_profiler.enabled,
-        memory_breakdown=root.memory_breakdown,
-        zero_allow_untested_optimizer=root.zero_allow_untested_optimizer,
-        zero_force_ds_cpu_optimizer=root.zero_force_ds_cpu_optimizer,
-        dataloader_drop_last=root.dataloader_drop_last,
-        memory_timeline=_memory_timeline_policy(root.memory_timeline),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanKey:
+    """Where one plan field comes from: ``plan_path`` (attributes below ``RunPlan``) and the dotted config keys."""
+
+    plan_path: str
+    config_keys: tuple[str, ...]
+    derived: bool
+
+
+def plan_keys(
+    policy: type = RunPlan, model: type[BaseModel] | None = RootConfig, plan_prefix: str = "", key_prefix: str = ""
+) -> list[PlanKey]:
+    """Every plan field below ``policy`` with the config keys it is filled or derived from ([Note: plan keys]).
+
+    A ``key`` field of a policy shared by blocks (``OffloadPolicy``) is listed only where its block models the key.
+    """
+    found: list[PlanKey] = []
+    for item in dataclasses.fields(policy):
+        meta, plan_path = item.metadata, plan_prefix + item.name
+        if KEY in meta:
+            if model is not None and meta[KEY].split(".")[0] in model.model_fields:
+                found.append(PlanKey(plan_path, (key_prefix + meta[KEY],), derived=False))
+        elif DERIVED in meta:
+            found.append(PlanKey(plan_path, tuple(key_prefix + path for path in meta[DERIVED]), derived=True))
+        elif NESTED in meta:
+            block, nested_policy = meta[NESTED]
+            sub = model if not block or model is None else _block_model(model, block)
+            sub_prefix = f"{key_prefix}{block}." if block else key_prefix
+            found.extend(plan_keys(nested_policy, sub, f"{plan_path}.", sub_prefix))
+        else:
+            found.append(PlanKey(plan_path, (), derived=True))  # no metadata: reported by the plan-keys test
+    return found
+
+
+def _block_model(model: type[BaseModel], block: str) -> type[BaseModel] | None:
+    info = model.model_fields.get(block)
+    return submodel(info.annotation) if info is not None else None

@@ -6,8 +6,13 @@ engine) turns them into a :class:`RunPlan`; everything else under ``deepspeed._c
 and never the pydantic models or the raw dict. That keeps flags from being threaded through constructors (see
 docs/design/conventions.md).
 
-A config key that changes nothing here has no plan field: what users are told about such keys is the config
-surface (``surface.py``).
+[Note: plan keys] Every plan field says where its value comes from, in its dataclass metadata: :func:`key`
+names the config key it copies (relative to the block the policy is filled from, optionally with a converter),
+:func:`nested` the block a nested policy is filled from, and :func:`derived` the keys a value is computed from by a
+named function of ``convert.py``. ``convert.fill`` reads the metadata, so a key with an effect needs one plan field
+and no conversion code; ``tests/unit/config/test_plan_keys.py`` checks every field against the schema and the
+surface table. A config key that changes nothing here has no plan field: what users are told about such keys is the
+config surface (``surface.py``).
 
 Nothing here imports a façade module or touches a process group: plans are pure data.
 """
@@ -15,9 +20,37 @@ Nothing here imports a façade module or touches a process group: plans are pure
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
+from typing import Any
 
 import torch
+
+KEY = "config_key"
+"""Metadata name: the config key (dotted, relative to the policy's block) a field copies."""
+CONVERT = "config_convert"
+"""Metadata name: the function applied to the key's validated value (identity when absent)."""
+NESTED = "config_block"
+"""Metadata name: ``(block, policy class)`` of a nested policy (``""``: the same block as its parent)."""
+DERIVED = "config_derived"
+"""Metadata name: the config keys (relative, as for ``KEY``) a computed field is derived from."""
+
+
+def key(path: str, default: Any = MISSING, convert: Callable[[Any], Any] | None = None) -> Any:
+    """A plan field that copies the config key ``path`` (see [Note: plan keys])."""
+    return field(default=default, metadata={KEY: path, CONVERT: convert})
+
+
+def nested(block: str, policy: type, default: Any = MISSING) -> Any:
+    """A plan field holding ``policy`` filled from the sub-block ``block`` (``""``: the same block)."""
+    if default is MISSING:
+        return field(default_factory=policy, metadata={NESTED: (block, policy)})
+    return field(default=default, metadata={NESTED: (block, policy)})
+
+
+def derived(*paths: str, default: Any = MISSING) -> Any:
+    """A plan field computed from the config keys ``paths`` by a named function of ``convert.py``."""
+    return field(default=default, metadata={DERIVED: paths})
 
 
 class OffloadDevice(str, enum.Enum):
@@ -42,23 +75,27 @@ class BatchPlan:
     Invariant: ``train_batch_size == micro_batch_per_gpu * gradient_accumulation_steps * dp_world_size``.
     """
 
-    train_batch_size: int
-    micro_batch_per_gpu: int
-    gradient_accumulation_steps: int
-    dp_world_size: int
+    train_batch_size: int = derived("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    micro_batch_per_gpu: int = derived(
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+    )
+    gradient_accumulation_steps: int = derived(
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+    )
+    dp_world_size: int = derived("sequence_parallel_size")
 
 
 @dataclass(frozen=True)
 class LossScalePolicy:
     """fp16 loss scaling. ``dynamic`` False means a static scale of ``static_scale``."""
 
-    dynamic: bool = True
-    static_scale: float = 1.0
-    initial_scale_power: int = 16
-    scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_scale: float = 1.0
+    dynamic: bool = key("loss_scale", True, lambda scale: scale == 0)
+    static_scale: float = key("loss_scale", 1.0, lambda scale: float(scale or 1.0))
+    initial_scale_power: int = key("initial_scale_power", 16)
+    scale_window: int = key("loss_scale_window", 1000)
+    hysteresis: int = key("hysteresis", 2)
+    consecutive_hysteresis: bool = key("consecutive_hysteresis", False)
+    min_scale: float = key("min_loss_scale", 1.0, float)
 
 
 @dataclass(frozen=True)
@@ -76,14 +113,16 @@ class PrecisionPolicy:
         check_grad_overflow: bf16 only: whether to check gradients for inf/nan before stepping.
     """
 
-    param_dtype: torch.dtype = torch.float32
-    grad_accum_dtype: torch.dtype = torch.float32
-    comm_dtype: torch.dtype = torch.float32
-    buffer_dtype: torch.dtype | None = None
-    loss_scale: LossScalePolicy | None = None
-    auto_cast: bool = False
-    master_dtype: torch.dtype = torch.float32
-    check_grad_overflow: bool = True
+    param_dtype: torch.dtype = derived("fp16.enabled", "bf16.enabled", default=torch.float32)
+    grad_accum_dtype: torch.dtype = derived("data_types.grad_accum_dtype", default=torch.float32)
+    comm_dtype: torch.dtype = derived("communication_data_type", default=torch.float32)
+    buffer_dtype: torch.dtype | None = derived("data_types.buffer_dtype", default=None)
+    loss_scale: LossScalePolicy | None = nested("fp16", LossScalePolicy, default=None)
+    auto_cast: bool = derived("fp16.auto_cast", default=False)
+    master_dtype: torch.dtype = derived(
+        "fp16.fp16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads", default=torch.float32
+    )
+    check_grad_overflow: bool = derived("bf16.check_grad_overflow", default=True)
 
     @property
     def fp16(self) -> bool:
@@ -100,31 +139,31 @@ class PrecisionPolicy:
 class GradPolicy:
     """Gradient post-processing common to every stage."""
 
-    clip_norm: float = 1.0
-    """Global-norm clip value; ``0.0`` disables clipping (upstream ``gradient_clipping``)."""
-    prescale: bool = False
-    """Divide gradients before the reduction instead of after it (``prescale_gradients``)."""
-    predivide_factor: float = 1.0
-    """``gradient_predivide_factor``: divide by this before reducing, by world/factor after."""
-    reduce_op: ReduceOp = ReduceOp.MEAN
+    clip_norm: float = key("gradient_clipping", 1.0, float)
+    """Global-norm clip value; ``0.0`` disables clipping."""
+    prescale: bool = key("prescale_gradients", False)
+    """Divide gradients before the reduction instead of after it."""
+    predivide_factor: float = key("gradient_predivide_factor", 1.0, float)
+    """Divide by this before reducing, by world/factor after."""
+    reduce_op: ReduceOp = key("gradient_allreduce_op", ReduceOp.MEAN, ReduceOp)
 
 
 @dataclass(frozen=True)
 class BucketPolicy:
     """Bucketing of gradient reduction and parameter all-gather (sizes in elements)."""
 
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
-    reduce_scatter: bool = True
+    reduce_bucket_size: int = key("reduce_bucket_size", 500_000_000)
+    allgather_bucket_size: int = key("allgather_bucket_size", 500_000_000)
+    overlap_comm: bool = key("overlap_comm", False, bool)
+    reduce_scatter: bool = key("reduce_scatter", True)
 
 
 @dataclass(frozen=True)
 class OffloadPolicy:
     """One offload target (optimizer state or parameters)."""
 
-    device: OffloadDevice = OffloadDevice.NONE
-    pin_memory: bool = True
+    device: OffloadDevice = key("device", OffloadDevice.NONE, OffloadDevice)
+    pin_memory: bool = key("pin_memory", True)
 
     @property
     def enabled(self) -> bool:
@@ -154,14 +193,14 @@ class LeanPolicy:
             end of the unit's backward, not in ``reduce_bucket_size`` buckets.
     """
 
-    inplace_flatten: bool = True
-    eager_grad_release: bool = True
-    stream_ordered_release: bool = True
-    grads_in_param_shards: bool = True
-    pipeline_release: bool = True
-    gather_from_master: bool = True
-    block_fetch_units: bool = True
-    unit_grad_reduce: bool = True
+    inplace_flatten: bool = key("lean_inplace_flatten", True)
+    eager_grad_release: bool = key("lean_eager_grad_release", True)
+    stream_ordered_release: bool = key("lean_stream_ordered_release", True)
+    grads_in_param_shards: bool = key("lean_grads_in_param_shards", True)
+    pipeline_release: bool = key("lean_pipeline_release", True)
+    gather_from_master: bool = key("lean_gather_from_master", True)
+    block_fetch_units: bool = key("lean_block_fetch_units", True)
+    unit_grad_reduce: bool = key("lean_unit_grad_reduce", True)
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (
@@ -183,36 +222,36 @@ class LeafModulePolicy:
         name_suffixes: suffixes of those qualified names.
     """
 
-    classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES
-    names: tuple[str, ...] = ()
-    name_suffixes: tuple[str, ...] = ()
+    classes: tuple[str, ...] = key("classes", DEFAULT_LEAF_MODULE_CLASSES, tuple)
+    names: tuple[str, ...] = key("names", (), tuple)
+    name_suffixes: tuple[str, ...] = key("name_suffixes", (), tuple)
 
 
 @dataclass(frozen=True)
 class Stage3Policy:
     """ZeRO-3 fetch/release knobs (sizes in elements)."""
 
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    param_persistence_threshold: int = 100_000
-    model_persistence_threshold: int = 2**63 - 1
-    gather_16bit_weights_on_model_save: bool = False
-    module_granularity_threshold: int = 0
-    leaf_module: LeafModulePolicy = field(default_factory=LeafModulePolicy)
+    prefetch_bucket_size: int = key("prefetch_bucket_size", 50_000_000)
+    max_live_parameters: int = key("max_live_parameters", 1_000_000_000)
+    max_reuse_distance: int = key("max_reuse_distance", 1_000_000_000)
+    param_persistence_threshold: int = key("param_persistence_threshold", 100_000)
+    model_persistence_threshold: int = key("model_persistence_threshold", 2**63 - 1)
+    gather_16bit_weights_on_model_save: bool = key("gather_16bit_weights_on_model_save", False)
+    module_granularity_threshold: int = key("module_granularity_threshold", 0)
+    leaf_module: LeafModulePolicy = nested("leaf_module", LeafModulePolicy)
 
 
 @dataclass(frozen=True)
 class ZeroPlan:
     """Everything the ZeRO optimizers need, resolved from ``zero_optimization``."""
 
-    stage: int = 0
-    buckets: BucketPolicy = field(default_factory=BucketPolicy)
-    offload_optimizer: OffloadPolicy = field(default_factory=OffloadPolicy)
-    offload_param: OffloadPolicy = field(default_factory=OffloadPolicy)
-    lean: LeanPolicy = field(default_factory=LeanPolicy)
-    stage3: Stage3Policy = field(default_factory=Stage3Policy)
-    load_from_fp32_weights: bool = True
+    stage: int = key("stage", 0, int)
+    buckets: BucketPolicy = nested("", BucketPolicy)
+    offload_optimizer: OffloadPolicy = nested("offload_optimizer", OffloadPolicy)
+    offload_param: OffloadPolicy = nested("offload_param", OffloadPolicy)
+    lean: LeanPolicy = nested("", LeanPolicy)
+    stage3: Stage3Policy = nested("", Stage3Policy)
+    load_from_fp32_weights: bool = key("load_from_fp32_weights", True)
 
     @property
     def shards_are_master_views(self) -> bool:
@@ -232,10 +271,10 @@ class MemoryTimelinePolicy:
         max_entries: size of the allocator's history ring buffer.
     """
 
-    enabled: bool = False
-    step: int = 2
-    path: str = "memory_timeline"
-    max_entries: int = 1_000_000
+    enabled: bool = key("enabled", False)
+    step: int = key("step", 2)
+    path: str = key("path", "memory_timeline")
+    max_entries: int = key("max_entries", 1_000_000)
 
 
 @dataclass(frozen=True)
@@ -245,14 +284,14 @@ class RunPlan:
     ``dataloader_drop_last`` is read by the engine façade when it builds the training data loader.
     """
 
-    batch: BatchPlan
-    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
-    grads: GradPolicy = field(default_factory=GradPolicy)
-    zero: ZeroPlan = field(default_factory=ZeroPlan)
-    steps_per_print: float | None = None
-    wall_clock_breakdown: bool = False
-    memory_breakdown: bool = False
-    zero_allow_untested_optimizer: bool = False
-    zero_force_ds_cpu_optimizer: bool = True
-    dataloader_drop_last: bool = False
-    memory_timeline: MemoryTimelinePolicy = field(default_factory=MemoryTimelinePolicy)
+    batch: BatchPlan = field(metadata={NESTED: ("", BatchPlan)})  # resolved by batch.py, so no default
+    precision: PrecisionPolicy = nested("", PrecisionPolicy)
+    grads: GradPolicy = nested("", GradPolicy)
+    zero: ZeroPlan = nested("zero_optimization", ZeroPlan)
+    steps_per_print: float | None = key("steps_per_print", None)
+    wall_clock_breakdown: bool = derived("wall_clock_breakdown", "flops_profiler.enabled", default=False)
+    memory_breakdown: bool = key("memory_breakdown", False)
+    zero_allow_untested_optimizer: bool = key("zero_allow_untested_optimizer", False)
+    zero_force_ds_cpu_optimizer: bool = key("zero_force_ds_cpu_optimizer", True)
+    dataloader_drop_last: bool = key("dataloader_drop_last", False)
+    memory_timeline: MemoryTimelinePolicy = nested("memory_timeline", MemoryTimelinePolicy)

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from deepspeed._core.config import enforce
 from deepspeed.utils.logging import logger
 
 
@@ -33,3 +34,9 @@ def ds_logs():
 def _single_process_world(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts from a world size of 1 unless it sets WORLD_SIZE itself."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warnings given once per process (no-effect keys, unknown top-level keys) start unsaid in every test."""
+    monkeypatch.setattr(enforce, "_warned", set())

@@ -10,7 +10,6 @@ import logging
 
 import pytest
 
-from deepspeed._core.config import enforce
 from deepspeed._core.config.surface import SURFACE, Status
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
@@ -40,11 +39,6 @@ def _nested(flat: dict) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = value
     return out
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(enforce, "_warned", set())
 
 
 def _warnings(records: list[logging.LogRecord]) -> list[str]:
