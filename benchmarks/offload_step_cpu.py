@@ -111,7 +111,7 @@ def main() -> None:
         chunks = norm_shard.allocated()
         t = time.perf_counter()
         if reused:
-            local_sq_norm(chunks, ch)
+            local_sq_norm(chunks)
         else:
             total = torch.zeros(())
             for c in chunks:

@@ -9,8 +9,9 @@ from deepspeed._core.optim import clipping
 from deepspeed._core.optim.clipping import local_sq_norm
 
 
-@pytest.mark.parametrize("chunk", [None, 5, 64, 1000])
-def test_matches_a_float64_reference_across_dtypes_and_blocks(chunk: int | None, monkeypatch) -> None:
+@pytest.mark.parametrize("chunk", [5, 64, 1000, clipping.NORM_CHUNK_NUMEL])
+def test_matches_a_float64_reference_across_dtypes_and_blocks(chunk: int, monkeypatch) -> None:
+    monkeypatch.setattr(clipping, "NORM_CHUNK_NUMEL", chunk)
     monkeypatch.setattr(clipping, "HOST_NORM_BLOCK_NUMEL", 7)  # many blocks, ragged ends
     gen = torch.Generator().manual_seed(3)
     grads = [
@@ -24,7 +25,7 @@ def test_matches_a_float64_reference_across_dtypes_and_blocks(chunk: int | None,
         ]
     ]
     expected = sum(float((g.double() ** 2).sum()) for g in grads)
-    got = local_sq_norm(grads, chunk)
+    got = local_sq_norm(grads)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert float(got) == pytest.approx(expected, rel=1e-6)
 
@@ -73,6 +74,7 @@ def test_gradients_on_two_devices_are_reduced_where_they_live(monkeypatch) -> No
         return real_dot(a, b)
 
     monkeypatch.setattr(torch, "dot", spy)
-    got = local_sq_norm(grads, 64)
+    monkeypatch.setattr(clipping, "NORM_CHUNK_NUMEL", 64)
+    got = local_sq_norm(grads)
     assert got.device.type == "cpu" and float(got) == pytest.approx(expected, rel=1e-5)
     assert dot_devices.count(device.type) >= len(on_device)  # device pieces were dotted on the device

@@ -182,7 +182,7 @@ _ZERO: dict[str, KeyRule] = {
     "offload_optimizer.ratio": _noop("all optimizer state is offloaded (partial offload is not implemented)"),
     "offload_optimizer.super_offload": _refused("SuperOffload is not implemented", "false"),
     "offload_optimizer.cpuadam_cores_perc": _noop("the CPU step uses torch's thread pool"),
-    "sub_group_size": _noop("the ZeRO-3 step is chunked by reduce_bucket_size"),
+    "sub_group_size": _noop("the step is chunked by its own rule: a sixteenth of the master, within 64-256 MiB"),
     "cpu_offload_param": _impl("deprecated: offload_param {device: cpu}"),
     "cpu_offload_use_pin_memory": _noop("deprecated; use pin_memory in the offload blocks"),
     "cpu_offload": _impl("deprecated: offload_optimizer {device: cpu}"),

@@ -115,8 +115,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Optimizer-state offload; see ``offload_optimizer`` keys."""
 
     sub_group_size: int = Field(pp_int(1e9), ge=0)
-    """Upstream: ZeRO-3 elements per optimizer sub-group stepped at a time. No effect here: the ZeRO-3 step is
-    chunked by ``reduce_bucket_size``."""
+    """Upstream: ZeRO-3 elements per optimizer sub-group stepped at a time. No effect here: the step is chunked
+    by its own rule, a sixteenth of the master within 64-256 MiB (``deepspeed/_core/optim/chunked_step.py``)."""
 
     # Upstream's deprecation interface puts the converter function in json_schema_extra, typed by pydantic as JSON.
     cpu_offload_param: bool | None = Field(

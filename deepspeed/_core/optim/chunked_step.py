@@ -22,25 +22,26 @@ from deepspeed._core.grads.convert import Coef, convert_scaled, scales
 
 STEP_CHUNK_BYTES_CAP = 1 << 28
 """At most 256 MiB of fp32 gradient per chunk: large enough that per-chunk launches are noise (a 1.4B
-model steps in ~6 chunks), small enough to stay well under the floor's one-bucket transient."""
+model steps in ~6 chunks), small enough to stay a small transient beside the master."""
 STEP_CHUNK_BYTES_MIN = 1 << 26
-"""At least 64 MiB per chunk, whatever the bucket: HF's "auto" ZeRO-3 bucket (hidden², 8 MiB in bf16 at
-hidden 2048) would otherwise step a 3B model in ~1,500 optimizer calls, each paying Python overhead."""
+"""At least 64 MiB per chunk: smaller chunks would step a 3B model in ~1,500 optimizer calls, each paying Python
+overhead. A master offloaded to the host steps in chunks of this size (its step is bound by its arithmetic, not
+by the number of calls)."""
 STEP_CHUNKS_PER_MASTER = 16
 """A master on the accelerator is stepped in about this many chunks when that needs chunks above the minimum (up
 to the cap): every chunk is one optimizer call whose host time (~0.1-0.2 ms) the device waits for when the step
 is host-bound, and with 64 MiB chunks a 3B master at one rank took ~180 calls. A sixteenth of the master in
-fp32 is at most a quarter of a byte per parameter of transient, against the 12-16 of the state itself. Masters
-offloaded to the host pass no size: their step is bound by its arithmetic, and their chunks stay as before."""
+fp32 is at most a quarter of a byte per parameter of transient, against the 12-16 of the state itself."""
 
 
-def step_chunk_numel(bucket_bytes: int, master_dtype: torch.dtype, master_numel: int = 0) -> int:
-    """Elements per step chunk: one reduce bucket's bytes, or a :data:`STEP_CHUNKS_PER_MASTER`-th of the largest
-    master (``master_numel`` elements) when that is more, clamped to [64 MiB, 256 MiB] of master dtype and
-    rounded down to a power of two, so page-locked chunks of this many elements (offloaded gradient shards)
-    are not rounded up by the caching host allocator ([Note: pinned ring])."""
+def step_chunk_numel(master_dtype: torch.dtype, master_numel: int = 0) -> int:
+    """Elements per step chunk: a :data:`STEP_CHUNKS_PER_MASTER`-th of the largest master (``master_numel``
+    elements; 0 for a master offloaded to the host), clamped to [64 MiB, 256 MiB] of master dtype and rounded down
+    to a power of two, so page-locked chunks of this many elements (offloaded gradient shards) are not rounded up
+    by the caching host allocator ([Note: pinned ring]). The step's own rule: gradient bucket sizes
+    (``reduce_bucket_size``) size the reducer's buckets only."""
     master_bytes = torch.empty((), dtype=master_dtype).element_size()
-    wanted = max(bucket_bytes, master_numel * master_bytes // STEP_CHUNKS_PER_MASTER)
+    wanted = master_numel * master_bytes // STEP_CHUNKS_PER_MASTER
     clamped = max(1, min(max(wanted, STEP_CHUNK_BYTES_MIN), STEP_CHUNK_BYTES_CAP))
     return max(1, (1 << (clamped.bit_length() - 1)) // master_bytes)
 

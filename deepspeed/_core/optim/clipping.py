@@ -17,7 +17,8 @@ from deepspeed import comm as dist
 from deepspeed._core.comm.collectives import sum_over
 
 NORM_CHUNK_NUMEL = 1 << 23
-"""Largest piece of a narrow gradient upcast at once by :func:`local_sq_norm` (32 MiB in fp32)."""
+"""Largest piece of a narrow gradient upcast at once by :func:`local_sq_norm` (32 MiB in fp32): the norm's own
+size, independent of the reducer's buckets and of the step's chunks."""
 HOST_NORM_BLOCK_NUMEL = 1 << 20
 """On the host the upcast goes 4 MiB at a time through one reused buffer: the block stays in cache, and no
 fresh host tensor is page-faulted in per piece (128M bf16 elements: 0.35 s that way, 0.04-0.05 s through one
@@ -31,11 +32,11 @@ class NormScope(enum.Enum):
     PARTITIONED = "partitioned"
 
 
-def local_sq_norm(grads: Sequence[torch.Tensor], chunk_numel: int | None = None) -> torch.Tensor:
+def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of ``grads`` in fp32, as a 0-d tensor on the first gradient's device (0 if empty).
 
     fp32 gradients are reduced with a dot product, which needs no temporary. Narrower ones are upcast
-    at most ``min(chunk_numel, NORM_CHUNK_NUMEL)`` elements at a time, so the norm's transient stays a few
+    at most :data:`NORM_CHUNK_NUMEL` elements at a time, so the norm's transient stays a few
     tens of MiB whatever the partition size (an upcast of a whole bucket cost 2x its fp32 size at the
     step peak on the H200: benchmarks/results/diag). Gradients on several devices (ZeRO-3 gradients parked in
     device shards beside host ones) are reduced where each lives and only the partial sums move: one upcast
@@ -47,17 +48,15 @@ def local_sq_norm(grads: Sequence[torch.Tensor], chunk_numel: int | None = None)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
-    partials = [_sq_norm_on(device, same, chunk_numel) for device, same in by_device.items()]
+    partials = [_sq_norm_on(device, same) for device, same in by_device.items()]
     total = partials[0]
     for partial in partials[1:]:
         total = total + partial.to(total.device)
     return total
 
 
-def _sq_norm_on(device: torch.device, grads: list[torch.Tensor], chunk_numel: int | None) -> torch.Tensor:
-    step = NORM_CHUNK_NUMEL if chunk_numel is None else max(1, min(chunk_numel, NORM_CHUNK_NUMEL))
-    if device.type == "cpu":
-        step = min(step, HOST_NORM_BLOCK_NUMEL)
+def _sq_norm_on(device: torch.device, grads: list[torch.Tensor]) -> torch.Tensor:
+    step = min(NORM_CHUNK_NUMEL, HOST_NORM_BLOCK_NUMEL) if device.type == "cpu" else NORM_CHUNK_NUMEL
     total = torch.zeros((), dtype=torch.float32, device=device)
     scratch: torch.Tensor | None = None  # one upcast buffer for every piece
     for g in grads:

@@ -109,13 +109,10 @@ class ZeroOptimizer(ShardedOptimizer):
         precision = plan.precision
         self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
         self._cleared_after_step = True
-        # A step chunk holds one reduce bucket's bytes, or a fixed fraction of the largest master partition when
-        # that is more and not offloaded ([Note: chunked step]; a host step is bound by its arithmetic).
-        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
+        # A step chunk is a fixed fraction of the largest master partition on the device, the minimum chunk for
+        # one on the host ([Note: chunked step]; a host step is bound by its arithmetic).
         largest = 0 if plan.zero.offload_optimizer.enabled else max(g.master.param.numel() for g in self.groups)
-        self._step_chunk_numel = step_chunk_numel(
-            plan.zero.buckets.reduce_bucket_size * comm_bytes, precision.master_dtype, largest
-        )
+        self._step_chunk_numel = step_chunk_numel(precision.master_dtype, largest)
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
@@ -195,12 +192,11 @@ class ZeroOptimizer(ShardedOptimizer):
     def step(self, closure: Any = None) -> bool:
         """Overflow check + global norm (one all-reduce), unscale and clip, inner step, write back, all-gather."""
         parts = [self._grad_partition(g) for g in self.groups]
-        chunk = self.plan.zero.buckets.reduce_bucket_size
         # The scalar travels on the communication device even when the partitions live on the host.
         counted = [p for p in parts if p is not None]
         if any(not counts_in_norm(p) for g in self.groups for p in g.params):  # pipeline tied-weight copies
             counted = self._norm_pieces(parts)
-        sq = local_sq_norm(counted, chunk).to(self.groups[0].flat.device)
+        sq = local_sq_norm(counted).to(self.groups[0].flat.device)
         del counted
         on_device = self._device_step(sq, {g.master.device for g in self.groups})
         if on_device is not None:  # [Note: device step]

@@ -110,16 +110,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.world_size = dist.get_world_size(group=dp_group)
         self.rank = dist.get_rank(group=dp_group)
         precision = plan.precision
-        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
-        bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
-        # A step chunk holds one reduce bucket's bytes, or a fixed fraction of the largest master when that is
-        # more and the master is on the device ([Note: chunked step]; a host step is bound by its arithmetic, not
-        # by per-call overhead); the gradient shard is chunked the same way, so the step reads each of its chunks
-        # in place.
+        # A step chunk is a fixed fraction of the largest master on the device, the minimum chunk for a master on
+        # the host ([Note: chunked step]; a host step is bound by its arithmetic, not by per-call overhead); the
+        # gradient shard is chunked the same way, so the step reads each of its chunks in place.
         group_states = [self._group_states(g) for g in optimizer.param_groups]
         sizes = [sum(s.layout.partition_numel for s in states) for states in group_states]
         largest = 0 if plan.zero.offload_optimizer.enabled else max(sizes, default=0)
-        self._step_chunk_numel = step_chunk_numel(bucket_bytes, precision.master_dtype, largest)
+        self._step_chunk_numel = step_chunk_numel(precision.master_dtype, largest)
         zero = plan.zero
         # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
         self._from_master = zero.shards_are_master_views
@@ -133,7 +130,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             get_accelerator().empty_cache()
         self.index = ShardIndex(self.groups)
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
-        self.host = HostTransfers(slot_bytes_for(bucket_bytes))
+        # The host slots stage one reduced bucket's rows at a time, so they follow the reducer's bucket size.
+        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
+        self.host = HostTransfers(slot_bytes_for(plan.zero.buckets.reduce_bucket_size * comm_bytes))
         # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
         # waits for the step in its parameter's shard instead of in host chunks.
         self.parked = ParkedGrads(
@@ -304,7 +303,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.flush()
         accs = [chunk for grp in self.groups if grp.accumulator is not None for chunk in grp.accumulator.allocated()]
         # The scalar is reduced on the compute device, where the gathered parameters live.
-        sq = local_sq_norm(accs + self.parked.tensors(), self._step_chunk_numel)
+        sq = local_sq_norm(accs + self.parked.tensors())
         sq = sq.to(self.groups[0].states[0].full.device)
         on_device = self._device_step(sq, {g.master.device for g in self.groups})
         if on_device is not None:  # [Note: device step]

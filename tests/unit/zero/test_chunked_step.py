@@ -44,28 +44,49 @@ def test_chunked_equals_plain(name: str, chunk: int) -> None:
 def test_step_chunk_size_is_clamped_between_64_and_256_mib() -> None:
     from deepspeed._core.optim.chunked_step import step_chunk_numel
 
-    assert step_chunk_numel(8 << 20, torch.float32) == (64 << 20) // 4  # HF "auto" ZeRO-3 bucket at hidden 2048
-    assert step_chunk_numel(100 << 20, torch.float32) == (64 << 20) // 4  # rounded down to a power of two
-    assert step_chunk_numel(200 << 20, torch.float32) == (128 << 20) // 4
-    assert step_chunk_numel(1 << 31, torch.float32) == (256 << 20) // 4  # a 5e8-element bf16 bucket
+    assert step_chunk_numel(torch.float32) == (64 << 20) // 4  # a master offloaded to the host: the minimum
+    assert step_chunk_numel(torch.bfloat16) == (64 << 20) // 2  # in elements of the master dtype
+    assert step_chunk_numel(torch.float32, 1_000_000) == (64 << 20) // 4  # a small master: the minimum
+    assert step_chunk_numel(torch.float32, 10**11) == (256 << 20) // 4  # a huge one: the cap
 
 
 def test_step_chunk_grows_with_the_master_up_to_the_cap() -> None:
     from deepspeed._core.optim.chunked_step import STEP_CHUNKS_PER_MASTER, step_chunk_numel
 
-    small_bucket = 8 << 20
     # A 386M-element master (3B over 8 ranks): a sixteenth is under the minimum, which stays.
-    assert step_chunk_numel(small_bucket, torch.float32, 386_000_000) == (64 << 20) // 4
+    assert step_chunk_numel(torch.float32, 386_000_000) == (64 << 20) // 4
     # 1.6B elements: a sixteenth is 400 MB, rounded down to 256 MiB (the cap).
-    assert step_chunk_numel(small_bucket, torch.float32, 1_600_000_000) == (256 << 20) // 4
-    # 800M elements: 200 MB -> 128 MiB; the master then steps in at most 2 * STEP_CHUNKS_PER_MASTER chunks.
-    chunk = step_chunk_numel(small_bucket, torch.float32, 800_000_000)
+    assert step_chunk_numel(torch.float32, 1_600_000_000) == (256 << 20) // 4
+    # 800M elements: 200 MB -> 128 MiB (rounded down to a power of two); the master then steps in at most
+    # 2 * STEP_CHUNKS_PER_MASTER chunks.
+    chunk = step_chunk_numel(torch.float32, 800_000_000)
     assert chunk == (128 << 20) // 4
     assert -(-800_000_000 // chunk) <= 2 * STEP_CHUNKS_PER_MASTER
     # 3.09e9 elements (3B at one rank): capped, 47 chunks instead of the 185 of 64 MiB chunks.
-    assert -(-3_090_000_000 // step_chunk_numel(small_bucket, torch.float32, 3_090_000_000)) == 47
-    # A bucket larger than a sixteenth of the master still decides.
-    assert step_chunk_numel(200 << 20, torch.float32, 1_000_000) == (128 << 20) // 4
+    assert -(-3_090_000_000 // step_chunk_numel(torch.float32, 3_090_000_000)) == 47
+
+
+@pytest.mark.parametrize("bucket", [400, 10**6, 5 * 10**8])
+def test_reduce_bucket_size_sizes_only_the_reducer(bucket: int) -> None:
+    """The step chunk follows the master (and the norm its own constant) whatever ``reduce_bucket_size`` is."""
+    from deepspeed._core.optim.chunked_step import step_chunk_numel
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from tests._harness import run_distributed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket}}
+    plan = DeepSpeedConfig(config).plan
+    chunk, master_numel, bucket_numel = run_distributed(_chunk_sizes, 1, plan, timeout=60)[0]
+    assert bucket_numel == bucket  # the reducer's buckets follow the key
+    assert chunk == step_chunk_numel(torch.float32, master_numel) == (64 << 20) // 4  # the step does not
+
+
+def _chunk_sizes(plan: object) -> tuple[int, int, int]:
+    from deepspeed._core.optim.stage12 import ZeroOptimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), plan, None, None)
+    master_numel = max(g.master.param.numel() for g in opt.groups)
+    return opt._step_chunk_numel, master_numel, opt.reducer.config.bucket_numel
 
 
 class _Recorder(torch.optim.SGD):
