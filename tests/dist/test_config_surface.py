@@ -27,7 +27,7 @@ from deepspeed._core.config.schema import TOLERATED_TOP_LEVEL_KEYS, RootConfig
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed._core.config.convert import plan_keys
 from deepspeed._core.config.docs import render_status_table
-from deepspeed._core.config.enforce import model_keys
+from deepspeed._core.config.base import model_keys
 from tests._harness import run_distributed
 from tests.reference.models import make_model
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections.abc
 import difflib
 import json
+import typing
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
@@ -271,3 +273,21 @@ class DeepSpeedConfigObject:
 
     def __repr__(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True, indent=4, cls=ScientificNotationEncoder)
+
+
+def submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic block class a field holds (``X`` or ``X | None``), or ``None`` for a plain value."""
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def model_keys(model_cls: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every dotted leaf key of ``model_cls`` (nested blocks walked), with its default."""
+    for name, info in model_cls.model_fields.items():
+        block = submodel(info.annotation)
+        if block is not None:
+            yield from model_keys(block, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", info.get_default(call_default_factory=True)

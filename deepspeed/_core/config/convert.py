@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from pydantic import BaseModel
 
-from deepspeed._core.config.enforce import submodel
+from deepspeed._core.config.base import submodel
 from deepspeed._core.config.plan import (
     CONVERT,
     DERIVED,

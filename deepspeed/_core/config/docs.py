@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from deepspeed._core.config.enforce import submodel
+from deepspeed._core.config.base import submodel
 from deepspeed._core.config.schema import RootConfig
 from deepspeed._core.config.surface import SURFACE, KeyRule, Status
 

@@ -8,36 +8,17 @@ key per process; unknown top-level keys one warning per run (first rank only) wi
 from __future__ import annotations
 
 import os
-import typing
 from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel
 
-from deepspeed._core.config.base import DeepSpeedConfigError, accepted_keys, unknown_key_message
+from deepspeed._core.config.base import DeepSpeedConfigError, accepted_keys, model_keys, unknown_key_message
 from deepspeed._core.config.surface import RAW_BLOCKS, SURFACE, Verdict, judge
 from deepspeed.utils.logging import logger
 
 _warned: set[str] = set()
 """Keys already warned about in this process."""
-
-
-def submodel(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic block class a field holds (``X`` or ``X | None``), or ``None`` for a plain value."""
-    for arg in typing.get_args(annotation) or (annotation,):
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
-
-
-def model_keys(model_cls: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every dotted leaf key of ``model_cls`` (nested blocks walked), with its default."""
-    for name, info in model_cls.model_fields.items():
-        block = submodel(info.annotation)
-        if block is not None:
-            yield from model_keys(block, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", info.get_default(call_default_factory=True)
 
 
 def _flatten(model: BaseModel | None, prefix: str, given_only: bool) -> Iterator[tuple[str, Any]]:

@@ -16,9 +16,8 @@ from typing import Any, ClassVar
 import pytest
 
 from deepspeed._core.config import convert
-from deepspeed._core.config.base import DeepSpeedConfigModel
+from deepspeed._core.config.base import DeepSpeedConfigModel, model_keys
 from deepspeed._core.config.convert import fill, plan_keys
-from deepspeed._core.config.enforce import model_keys
 from deepspeed._core.config.plan import KEY, NESTED, derived, key, nested
 from deepspeed._core.config.schema import RootConfig
 from deepspeed._core.config.surface import SURFACE, Status
