@@ -1,4 +1,7 @@
-"""``comms_logger`` config block (upstream keys). The rest of ``deepspeed.comm`` lives in sibling modules."""
+"""``comms_logger`` config block (upstream keys) and the holder the engine reads.
+
+``deepspeed/comm/config.py`` re-exports both under upstream's path.
+"""
 
 from __future__ import annotations
 

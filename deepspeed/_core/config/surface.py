@@ -11,7 +11,8 @@ statuses:
 * ``pipeline engine`` / ``moe``: owned by the pipeline engine and the MoE layer, which decide themselves.
 
 The table is the one place these statuses live: ``enforce.py`` enforces it when a config is read (on every rank,
-before any collective), ``docs.py`` renders the status table of docs/config.md from it, and
+before any collective), ``docs.py`` renders the status table of docs/config.md from it (``python -m
+deepspeed._core.config.docs`` regenerates that page's tables after a change here), and
 ``tests/dist/test_config_surface.py`` checks both directions (every parsed key is listed; every key behaves as
 listed). Blocks this package accepts without modelling them (``compile``, ``tensor_parallel``, …) are listed by
 block name; a ``block.key`` entry takes precedence over its block's entry for that key.

@@ -1,7 +1,7 @@
 """``zero_optimization`` block: upstream keys, aliases, defaults and deprecations, plus the lean switches.
 
-``ZeroStageEnum`` must stay importable from this module: upstream checkpoints pickle it (optimizer-state key
-``zero_stage``), so ``torch.load`` of an upstream checkpoint resolves ``deepspeed._core.config.zero.ZeroStageEnum``.
+``ZeroStageEnum`` pickles as ``deepspeed.runtime.zero.config.ZeroStageEnum`` (upstream checkpoints store it under
+that path, optimizer-state key ``zero_stage``; the façade there re-exports it).
 """
 
 from __future__ import annotations
