@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.grads.accumulator import ChunkedGradShard

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import broadcast_tensor, sum_over
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import broadcast_tensor, sum_over
 from deepspeed._core.engine import activation_checkpoint as _ac
 from deepspeed._core.pipe import checkpoint as _ckpt
 from deepspeed._core.pipe.partition import PartitionError, parse_method, partition_layers
 from deepspeed._core.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
-from deepspeed.utils.logging import log_dist
+from deepspeed._foundation.logging import log_dist
 
 
 class LayerSpec:
