@@ -15,7 +15,7 @@ from torch import nn
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import SideStreams, StreamSet
 from deepspeed._core.config.plan import LeanPolicy
-from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.manager import ParamStorage, ZeroParamManager
 from deepspeed.runtime.config_plan import offload_policy, stage3_policy
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.partitioned_param_coordinator import (
@@ -85,7 +85,7 @@ class DeepSpeedZeRoOffload:
             stage3_policy(zero),
             _lean_policy(ds_config),
             streams,
-            offload_param=offload_policy(zero.offload_param),
+            storage=ParamStorage(offload_param=offload_policy(zero.offload_param)),
         )
         self.module = module
         self.dp_process_group = dp_process_group
