@@ -56,6 +56,14 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
         logger.log(level, f"[Rank {rank}] {message}")
 
 
+def print_dist(message: str, ranks: Iterable[int] | None = None) -> None:
+    """Write ``message`` to standard output on the given global ranks (all when ``None`` or holding -1)."""
+    rank = _current_rank()
+    if ranks is None or -1 in ranks or rank in ranks:
+        sys.stdout.write(f"[Rank {rank}] {message}\n")
+        sys.stdout.flush()
+
+
 def print_json_dist(message: dict, ranks: Iterable[int] | None = None, path: str | None = None) -> None:
     """Write ``message`` as JSON to ``path`` on the selected ranks (upstream helper name)."""
     import json

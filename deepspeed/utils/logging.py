@@ -10,6 +10,7 @@ from deepspeed._foundation.logging import (  # noqa: F401
     log_dist,
     log_levels,
     logger,
+    print_dist,
     print_json_dist,
     should_log_le,
 )

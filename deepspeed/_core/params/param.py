@@ -398,6 +398,23 @@ class _CompletedGather:
         """Nothing to wait for."""
 
 
+class MultipleAllGatherHandles:
+    """Several gather handles waited on as one (upstream's name, ``partition_parameters.MultipleAllGatherHandles``).
+
+    Args:
+        handles: anything with ``wait()``: the handles ``param.all_gather(...)`` returns, or collective work.
+    """
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: Any = True) -> None:
+        """Wait on every handle in order (``handle_dependency``: accepted for upstream's signature; the order is
+        always kept)."""
+        for handle in self.handles:
+            handle.wait()
+
+
 def _states(param: ZeroParameter, param_list: Sequence[nn.Parameter] | None) -> list[ZeroParam]:
     params = [param] if param_list is None else list(param_list)
     return [cast(ZeroParameter, p)._ds_state for p in params]
