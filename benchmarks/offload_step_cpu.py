@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.grads.accumulator import KEPT_CHUNKS, ChunkedGradShard
 from deepspeed._core.optim.chunked_step import step_in_chunks
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -75,7 +75,7 @@ def main() -> None:
             x.mul_(0.5)
         return time.perf_counter() - t
 
-    kept = ChunkedGradShard(n, ch, torch.bfloat16, "cpu", keep_storage=True)
+    kept = ChunkedGradShard(n, ch, torch.bfloat16, "cpu", KEPT_CHUNKS)
     incoming = torch.randn(ch).bfloat16()
 
     def fill(shard: ChunkedGradShard) -> float:

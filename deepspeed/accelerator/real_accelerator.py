@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
+from deepspeed._foundation.logging import logger
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
-from deepspeed.utils.logging import logger
 
 SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu"]
 

@@ -6,6 +6,7 @@ Saving and loading themselves are engine methods (``DeepSpeedEngine.save_checkpo
 """
 
 from deepspeed.checkpoint import constants
+from deepspeed.checkpoint.constants import *  # noqa: F403 - upstream's package exposes every key constant
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 
-__all__ = ["constants", "clone_tensors_for_torch_save"]
+__all__ = ["constants", "clone_tensors_for_torch_save", *(n for n in dir(constants) if n.isupper())]

@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from deepspeed.checkpoint.constants import (
+    MODEL_FILE_PREFIX,
+    MODEL_FILE_SUFFIX,
+    OPTIM_FILE_SUFFIX,
+    ZERO_FILE_PREFIX,
+)
+
+
+def get_model_ckpt_name_for_rank(base_folder: str, mp_rank_str: str) -> str:
+    """Path of the model-states file of model-parallel rank ``mp_rank_str`` (already formatted, e.g. ``"00"``)."""
+    return os.path.join(base_folder, f"{MODEL_FILE_PREFIX}{mp_rank_str}{MODEL_FILE_SUFFIX}")
+
+
+def get_zero_ckpt_name_for_rank(base_folder: str, dp_rank: int, mp_rank: int) -> str:
+    """Path of the ZeRO optimizer-states file of data-parallel rank ``dp_rank`` and model-parallel rank ``mp_rank``."""
+    name = f"{ZERO_FILE_PREFIX}{dp_rank}_{MODEL_FILE_PREFIX}{mp_rank:02d}{OPTIM_FILE_SUFFIX}"
+    return os.path.join(base_folder, name)
+
+
+def get_layer_ckpt_name_for_rank(base_folder: str, layer_id: str, tp_rank: int) -> str:
+    """Path of a pipeline layer's file: ``layer_id`` is the layer's file stem (``layer_03``), ``tp_rank`` the
+    tensor-parallel rank."""
+    return os.path.join(base_folder, f"{layer_id}-model_{tp_rank:02d}{MODEL_FILE_SUFFIX}")
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device("cpu")) -> Any:

@@ -1,4 +1,8 @@
-"""``deepspeed.comm``: import as ``from deepspeed import comm as dist``; mirrors torch.distributed's free functions."""
+"""``deepspeed.comm``: import as ``from deepspeed import comm as dist``; mirrors torch.distributed's free functions.
+
+A façade: the implementation lives in deepspeed/_core/comm/ (``dist.py``, ``backend.py``), which the core imports
+directly.
+"""
 
 from deepspeed.comm.backend import ProcessGroup  # noqa: F401
 from deepspeed.comm.comm import (  # noqa: F401

@@ -1,22 +1,5 @@
-"""``deepspeed.comm.ReduceOp``: the reduction names DeepSpeed callers pass to collectives.
-
-The backend converts these to ``torch.distributed.ReduceOp``; a torch ``ReduceOp`` is also accepted as-is.
-"""
+"""``deepspeed.comm.reduce_op``: upstream's home of ``ReduceOp`` (implemented in deepspeed/_core/comm/reduce_op.py)."""
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class ReduceOp(Enum):
-    """Reduction operators understood by every ``deepspeed.comm`` collective."""
-
-    SUM = 0
-    PRODUCT = 1
-    MIN = 2
-    MAX = 3
-    BAND = 4
-    BOR = 5
-    BXOR = 6
-    AVG = 7
-    UNUSED = 8
+from deepspeed._core.comm.reduce_op import ReduceOp  # noqa: F401

@@ -14,7 +14,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 # `slots=N` may be followed by other OpenMPI hostfile keys (e.g. `max_slots=16`), which we ignore, but
 # not glued to other characters: `slots=4x` is a typo, not four slots.

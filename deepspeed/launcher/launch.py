@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from deepspeed._foundation.logging import logger
 from deepspeed.launcher.constants import PID_FILE_BASEPATH, TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.launcher.hostfile import decode_world_info
 from deepspeed.launcher.local_accelerator import (
@@ -23,7 +24,6 @@ from deepspeed.launcher.local_accelerator import (
 )
 from deepspeed.launcher.numa import available_cores, cores_for_rank, numactl_prefix, parse_core_list, require_numactl
 from deepspeed.launcher.supervisor import Supervisor
-from deepspeed.utils.logging import logger
 
 
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from deepspeed._core import launch_env
+from deepspeed._foundation import launch_env
 
 
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 # Names used when the accelerator cannot be asked (CPU-only installs, or before it is importable).
 DEFAULT_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from deepspeed._foundation.logging import log_levels, logger
 from deepspeed.launcher.constants import (  # noqa: F401  (re-exported: upstream callers import these from here)
     ELASTIC_TRAINING_ID_DEFAULT,
     IMPI_LAUNCHER,
@@ -46,7 +47,6 @@ from deepspeed.launcher.plan import (  # noqa: F401  (re-exported)
     build_launch_plan,
 )
 from deepspeed.launcher.supervisor import Supervisor
-from deepspeed.utils.logging import log_levels, logger
 
 KILL_COMMAND_TIMEOUT_SECONDS = 60
 # Exported variables whose values are never printed (Azure ML exports tokens and storage keys).

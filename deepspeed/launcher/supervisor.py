@@ -31,8 +31,8 @@ from typing import IO
 
 import psutil
 
+from deepspeed._foundation.logging import logger
 from deepspeed.launcher.constants import POLL_INTERVAL_SECONDS, TERMINATE_GRACE_SECONDS
-from deepspeed.utils.logging import logger
 
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1

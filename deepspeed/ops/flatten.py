@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 _state: dict[str, ModuleType | None | bool] = {"module": None, "tried": False}
 _logged: set[str] = set()

@@ -517,3 +517,16 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._loop.plan = self.plan
         self._loop.accumulation.gas = gas
         self._loop.progress.train_batch_size = batch.train_batch_size
+
+
+# Upstream's default bucket for reducing gradients in one piece-wise all-reduce (pipeline engines and integrations
+# read it); the engine here reduces through its own buckets (``zero_optimization.reduce_bucket_size``).
+MEMORY_OPT_ALLREDUCE_SIZE = 500000000
+
+
+def autocast_if_enabled(engine: DeepSpeedEngine) -> Any:
+    """The ``torch.autocast`` context the engine's forward runs under: none here, because the ``torch_autocast``
+    block is refused (fp16/bf16 run the model in the working dtype), so the context does nothing."""
+    import contextlib
+
+    return contextlib.nullcontext(engine)

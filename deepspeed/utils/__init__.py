@@ -19,6 +19,7 @@ _LAZY = {
     "z3_leaf_module": ("deepspeed.utils.z3_leaf_module", "z3_leaf_module"),
     "RepeatingLoader": ("deepspeed.runtime.dataloader", "RepeatingLoader"),
     "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
+    "instrument_w_nvtx": ("deepspeed.utils.nvtx", "instrument_w_nvtx"),
     "safe_get_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_get_full_fp32_param"),
     "safe_set_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_set_full_fp32_param"),
     "safe_get_full_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_get_full_optimizer_state"),

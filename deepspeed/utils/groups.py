@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed.utils.logging import log_dist
 
 # Megatron-style model-parallel unit registered by deepspeed.initialize(mpu=...) (upstream attribute name).

@@ -1,8 +1,8 @@
 """``init_distributed`` under each launch environment: SLURM task variables, MPI, torch's names, none, half of one.
 
-The ``deepspeed`` launcher is covered here too. The detection itself (``deepspeed._core.launch_env``) is checked on
-plain dictionaries; the end-to-end tests start two real processes with only a launcher's variables and check they
-come up as ranks 0 and 1 of one world and train a step equal to the single-process reference.
+The ``deepspeed`` launcher is covered here too. The detection itself (``deepspeed._foundation.launch_env``) is
+checked on plain dictionaries; the end-to-end tests start two real processes with only a launcher's variables and
+check they come up as ranks 0 and 1 of one world and train a step equal to the single-process reference.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed._core import launch_env
-from deepspeed._core.launch_env import LaunchEnvError, detect, expand_hostlist
+from deepspeed._foundation import launch_env
+from deepspeed._foundation.launch_env import LaunchEnvError, detect, expand_hostlist
 from tests.launcher._launch import TRAIN_STEP, assert_trained_world, clean_env, free_port, python_step, run_all
 
 

@@ -20,7 +20,7 @@ from deepspeed._core.params.leaf_policy import (
     select_leaf_modules,
     subtree_numel,
 )
-from deepspeed._core.params.manager import ZeroParamManager, is_z3_leaf
+from deepspeed._core.params.manager import ParamStorage, ZeroParamManager, is_z3_leaf
 from deepspeed._core.params.param import FullStorage, zero_state
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
@@ -405,7 +405,7 @@ def test_externals_registered_inside_a_block_are_fetched_with_it() -> None:
         WORLD1,
         Stage3Policy(param_persistence_threshold=0, leaf_module=NO_DEFAULTS),
         LeanPolicy(),
-        single_rank=FullStorage.SEPARATE,
+        storage=ParamStorage(single_rank=FullStorage.SEPARATE),
     )
     assert is_z3_leaf(model.blocks[0]) and not model.blocks[0].borrow._forward_pre_hooks
     gate_state = zero_state(model.gate.w)

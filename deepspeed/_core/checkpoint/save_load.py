@@ -29,13 +29,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from deepspeed import comm as dist
 from deepspeed._core.checkpoint import files as io
 from deepspeed._core.checkpoint.files import LoadTrust
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.moe import checkpoint as moe_ckpt
+from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils.logging import logger
 
 LATEST_FILE = "latest"
 ZERO_TO_FP32_SCRIPT = "zero_to_fp32.py"

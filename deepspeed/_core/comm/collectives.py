@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import StreamRole, StreamSet

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 
 
 @dataclass(frozen=True)

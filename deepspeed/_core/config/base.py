@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11

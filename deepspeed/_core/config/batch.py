@@ -43,7 +43,7 @@ def _comm_world_size(mesh_device: Any) -> int | None:
     # Imported lazily: deepspeed.comm imports config-adjacent modules, and this layer must work (on env
     # WORLD_SIZE) before or without an initialised process group.
     try:
-        from deepspeed import comm as dist
+        from deepspeed._core.comm import dist
     except ImportError:
         return None
     is_initialized = getattr(dist, "is_initialized", None)

@@ -34,7 +34,7 @@ from deepspeed._core.config.monitor import DeepSpeedMonitorConfig
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.config.precision import to_torch_dtype
 from deepspeed._core.config.schema import RootConfig
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
@@ -95,15 +95,38 @@ class DeepSpeedConfig:
     def plan(self) -> RunPlan:
         """The frozen run plan, built on first access and cached (rebuilt after a batch-size setter)."""
         if self._plan is None:
+            if None in (
+                self._batch.train_batch_size,
+                self._batch.micro_batch_per_gpu,
+                self._batch.gradient_accumulation_steps,
+            ):
+                self._configure_train_batch_size()
             check_batch(self._batch)
             self._plan = run_plan(self._model, self._batch)
         return self._plan
 
     # Batch triangle: settable because upstream's engine.set_train_batch_size() assigns these; the invariant is
     # re-checked when the plan is next built, since callers update two of them one after the other.
-    def _set_batch(self, **change: int) -> None:
-        self._batch = dataclasses.replace(self._batch, **change)
+    def _set_batch(self, **change: int | None) -> None:
+        # ``None`` leaves a corner for :meth:`_configure_train_batch_size` to derive (upstream callers assign it).
+        self._batch = dataclasses.replace(self._batch, **change)  # type: ignore[arg-type]
         self._plan = None
+
+    def _configure_train_batch_size(self) -> None:
+        """Derive the unset corners of the batch triangle from the current attributes (upstream's method).
+
+        Reads ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` (``None``
+        where unset) and ``world_size``, fills in what follows from them, and raises ``AssertionError`` naming the
+        values when they are inconsistent, as upstream does.
+        """
+        b = self._batch
+        triangle = (b.train_batch_size, b.micro_batch_per_gpu, b.gradient_accumulation_steps)
+        try:
+            resolved = resolve_batch(*triangle, self.world_size)
+            check_batch(resolved)
+        except DeepSpeedConfigError as err:
+            raise AssertionError(str(err)) from err
+        self._batch, self._plan = resolved, None
 
     @property
     def train_batch_size(self) -> int:
@@ -111,8 +134,8 @@ class DeepSpeedConfig:
         return self._batch.train_batch_size
 
     @train_batch_size.setter
-    def train_batch_size(self, value: int) -> None:
-        self._set_batch(train_batch_size=int(value))
+    def train_batch_size(self, value: int | None) -> None:
+        self._set_batch(train_batch_size=None if value is None else int(value))
 
     @property
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -120,8 +143,8 @@ class DeepSpeedConfig:
         return self._batch.micro_batch_per_gpu
 
     @train_micro_batch_size_per_gpu.setter
-    def train_micro_batch_size_per_gpu(self, value: int) -> None:
-        self._set_batch(micro_batch_per_gpu=int(value))
+    def train_micro_batch_size_per_gpu(self, value: int | None) -> None:
+        self._set_batch(micro_batch_per_gpu=None if value is None else int(value))
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -129,8 +152,8 @@ class DeepSpeedConfig:
         return self._batch.gradient_accumulation_steps
 
     @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, value: int) -> None:
-        self._set_batch(gradient_accumulation_steps=int(value))
+    def gradient_accumulation_steps(self, value: int | None) -> None:
+        self._set_batch(gradient_accumulation_steps=None if value is None else int(value))
 
     # Plain views of validated fields.
     steps_per_print = _ModelView("steps_per_print", "Progress-log interval (None = off, may be inf).")

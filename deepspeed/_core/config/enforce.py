@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from deepspeed._core.config.base import DeepSpeedConfigError, accepted_keys, model_keys, unknown_key_message
 from deepspeed._core.config.surface import RAW_BLOCKS, SURFACE, Verdict, judge
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 _warned: set[str] = set()
 """Keys already warned about in this process."""
@@ -117,7 +117,7 @@ def _first_rank() -> bool:
     # Imported lazily, as in batch.py: the config is read before (or without) an initialised process group, where
     # the launcher's RANK says which process this is.
     try:
-        from deepspeed import comm as dist
+        from deepspeed._core.comm import dist
     except ImportError:
         return os.environ.get("RANK", "0").strip() in ("", "0")
     is_initialized = getattr(dist, "is_initialized", None)

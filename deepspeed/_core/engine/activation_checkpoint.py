@@ -43,8 +43,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from deepspeed._core.comm.collectives import gather_rows
+from deepspeed._foundation.logging import log_dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils.logging import log_dist
 
 FACADE_MODULE = "deepspeed.runtime.activation_checkpointing.checkpointing"
 MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import max_over
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.engine.precision import MasterWeights, has_inf_or_nan

@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.config.plan import MemoryTimelinePolicy, RunPlan
+from deepspeed._foundation.logging import log_dist, logger
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils.logging import log_dist, logger
 
 _GIB = float(1 << 30)
 

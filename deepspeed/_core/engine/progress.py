@@ -6,8 +6,8 @@ import math
 import time
 from typing import Any
 
+from deepspeed._foundation.logging import log_dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils.logging import log_dist
 
 _GIB = float(1 << 30)
 

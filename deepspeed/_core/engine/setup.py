@@ -22,7 +22,7 @@ from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed._core.optim.stage12 import ZeroOptimizer
 from deepspeed._core.params.gather import ParamTarget
-from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.manager import ParamStorage, ShardAllocation, ZeroParamManager
 from deepspeed.accelerator import get_accelerator
 
 
@@ -128,16 +128,16 @@ def partition_parameters(
     Parameters not yet partitioned get their shard on ``device`` (``None``: where each lies) in the working dtype.
     """
     side = SideStreams.SEPARATE if plan.zero.buckets.overlap_comm else SideStreams.SHARED
+    # Shards the optimizer will not replace by master views stay for the run: one buffer holds them.
+    shards = ShardAllocation.PER_PARAMETER if plan.zero.shards_are_master_views else ShardAllocation.ARENA
     manager = ZeroParamManager(
         module,
         ShardGroup.resolve(dp_group),
         plan.zero.stage3,
         plan.zero.lean,
         StreamSet(side=side),
-        offload_param=plan.zero.offload_param,
+        storage=ParamStorage(plan.zero.offload_param, shards=shards),
         target=ParamTarget(device, plan.precision.param_dtype),
-        # Shards the optimizer will not replace by master views stay for the run: one buffer holds them.
-        shard_arena=not plan.zero.shards_are_master_views,
     )
     if device is not None and device.type != "cpu":
         # Partitioning frees whole parameters of many sizes; hand their cached blocks back once, here, so the

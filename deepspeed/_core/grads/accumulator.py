@@ -13,7 +13,7 @@ each chunk in place; a chunk no gradient reached is stepped as zeros, as a zero-
 peak (the host holds it at every step's end anyway) and reallocating costs: a fresh host tensor is
 page-faulted in by the kernel on first touch, every step. On the 2-core development CPU one backward's folds
 into 128M bf16 elements took 0.15 s into fresh chunks and 0.06-0.07 s into kept ones (``fill_fresh`` /
-``fill_kept`` of ``benchmarks/offload_step_cpu.py``, ``benchmarks/results/cpu/``). ``keep_storage`` therefore
+``fill_kept`` of ``benchmarks/offload_step_cpu.py``, ``benchmarks/results/cpu/``). Kept chunks therefore
 turns "released" into "stale": the storage stays, is zeroed when the next window first writes to it, and counts
 as allocated only while it holds this window's values.
 
@@ -24,8 +24,28 @@ ZeRO-1/2 hold their partition gradient and lean ZeRO-1's full-size accumulator i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class ChunkStorage:
+    """How a shard's chunks are held.
+
+    Attributes:
+        kept: keep each chunk's storage across windows ([Note: kept host chunks]).
+        pinned: allocate host chunks page-locked, so device copies can land in them directly.
+    """
+
+    kept: bool = False
+    pinned: bool = False
+
+
+FREED_CHUNKS = ChunkStorage()
+"""Chunks are freed at each window's end (the default, for shards on the device)."""
+KEPT_CHUNKS = ChunkStorage(kept=True)
+"""Chunks keep their storage across windows, pageable."""
 
 
 class ChunkedGradShard:
@@ -36,8 +56,7 @@ class ChunkedGradShard:
         chunk_numel: elements per chunk (the last one may be shorter).
         dtype: element type (``grad_accum_dtype``).
         device: where the chunks live (the master's device: the accelerator, or the host when offloaded).
-        keep_storage: keep each chunk's storage across windows ([Note: kept host chunks]).
-        pin_memory: allocate host chunks page-locked, so device copies can land in them directly.
+        storage: whether chunks are kept across windows and page-locked (:class:`ChunkStorage`).
     """
 
     def __init__(
@@ -46,8 +65,7 @@ class ChunkedGradShard:
         chunk_numel: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        keep_storage: bool = False,
-        pin_memory: bool = False,
+        storage: ChunkStorage = FREED_CHUNKS,
     ) -> None:
         if numel < 0 or chunk_numel <= 0:
             raise ValueError(f"ChunkedGradShard: numel must be >= 0 and chunk_numel > 0 (got {numel}, {chunk_numel})")
@@ -55,8 +73,8 @@ class ChunkedGradShard:
         self.chunk_numel = chunk_numel
         self.dtype = dtype
         self.device = torch.device(device)
-        self.keep_storage = keep_storage
-        self.pin_memory = pin_memory and self.device.type == "cpu"
+        self.keep_storage = storage.kept
+        self.pin_memory = storage.pinned and self.device.type == "cpu"
         # At least one chunk, so that a shard of one chunk (:meth:`whole`) exists even with no elements.
         self._chunks: list[torch.Tensor | None] = [None] * max(1, -(-numel // chunk_numel))
         self._live = [False] * len(self._chunks)  # holds this window's values (else zeros by definition)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, slot_bytes_for
-from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.grads.accumulator import FREED_CHUNKS, KEPT_CHUNKS, ChunkedGradShard
 from deepspeed._core.grads.reducer import (
     Bucket,
     GradReducer,
@@ -115,7 +115,8 @@ class GroupGrads:
         """``shard``, or a new one-chunk shard when there is none or it lives elsewhere and holds nothing."""
         if shard is not None and (shard.device == device or shard.allocated()):
             return shard
-        return ChunkedGradShard(numel, max(1, numel), self.accum_dtype, device, keep_storage=keep_storage)
+        storage = KEPT_CHUNKS if keep_storage else FREED_CHUNKS
+        return ChunkedGradShard(numel, max(1, numel), self.accum_dtype, device, storage)
 
     def release(self) -> None:
         """Drop this step's gradient buffers (a kept host partition gradient only turns stale)."""

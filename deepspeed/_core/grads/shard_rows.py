@@ -11,7 +11,7 @@ staging tensor, ``S = sum(s_i)``; row ``r`` holds, for each p_i, the ``r``-th ``
 zero-padded flattened gradient. ``reduce_scatter_tensor`` over the rows leaves rank ``r`` with row ``r``
 summed over ranks: exactly its shards of every p_i, back to back.
 
-With ``contiguous_folds`` (``lean_unit_grad_reduce``) the columns follow the order of the shards in the group's
+With ``FoldOrder.CONTIGUOUS`` (``lean_unit_grad_reduce``) the columns follow the order of the shards in the group's
 flat shard rather than arrival order (a backward hands a unit's gradients over roughly in reverse): a unit's
 parameters sit next to each other there, so their reduced pieces form one contiguous run, folded with one call
 (one add kernel per accumulator chunk it touches) instead of one per parameter.
@@ -44,6 +44,15 @@ class GradRelease(enum.Enum):
     ZEROED = "zeroed"
 
 
+class FoldOrder(enum.Enum):
+    """How a bucket's rows are laid out and folded: ``PER_ENTRY`` in bucket order, each gradient's piece folded on
+    its own; ``CONTIGUOUS`` in shard order, adjacent shards folded as one piece ([Note: zero3-grads]), only for a
+    ``fold`` that adds wherever it is given (not the per-region offload and parking paths)."""
+
+    PER_ENTRY = "per_entry"
+    CONTIGUOUS = "contiguous"
+
+
 @dataclass
 class RowEntry:
     """One gradient waiting in a bucket: the tensor, its parameter and where its shard sits in the group."""
@@ -69,9 +78,7 @@ class ShardRows:
         release: what happens to a staged full gradient.
         fold: where each reduced piece goes.
         group: the data-parallel process group.
-        contiguous_folds: lay the rows out in shard order and fold adjacent shards as one piece ([Note:
-            zero3-grads]); only for a ``fold`` that adds wherever it is given (not the per-region offload and
-            parking paths).
+        order: how the rows are laid out and folded (:class:`FoldOrder`).
     """
 
     def __init__(
@@ -82,7 +89,7 @@ class ShardRows:
         release: GradRelease,
         fold: FoldInto,
         group: Any,
-        contiguous_folds: bool = False,
+        order: FoldOrder = FoldOrder.PER_ENTRY,
     ) -> None:
         self.world_size = world_size
         self.comm_dtype = comm_dtype
@@ -90,7 +97,7 @@ class ShardRows:
         self.release = release
         self.fold = fold
         self.group = group
-        self.contiguous_folds = contiguous_folds
+        self.contiguous_folds = order is FoldOrder.CONTIGUOUS
 
     def wire(self, bucket: Bucket) -> torch.Tensor | None:
         """The bucket as ``(world, S)`` rows (``None`` with one rank: each gradient folded unreduced)."""

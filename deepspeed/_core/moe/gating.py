@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import max_over
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")

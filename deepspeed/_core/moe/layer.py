@@ -206,19 +206,8 @@ class MoECore(torch.nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
-        gate = TopKGate(
-            hidden_size,
-            num_experts,
-            k,
-            capacity_factor,
-            eval_capacity_factor,
-            min_capacity,
-            noisy_gate_policy,
-            drop_tokens,
-            use_rts,
-            None,
-            top2_2nd_expert_sampling,
-        )
+        sizes = (hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity)
+        gate = TopKGate(*sizes, noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
         self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts)
         if use_residual:
             self.mlp = expert

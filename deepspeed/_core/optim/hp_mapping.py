@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import sum_over
 
 GRAD_UNAVAILABLE = "Gradients are only available between a backward and the optimizer step (or zero_grad)"

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.config.plan import LossScalePolicy
-from deepspeed.utils.logging import log_dist
+from deepspeed._foundation.logging import log_dist
 
 # Pickles record this path; the façade module re-exports every class below under the same name.
 FACADE_MODULE = "deepspeed.runtime.fp16.loss_scaler"

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import gather_rows
 from deepspeed._core.comm.streams import record_current
 from deepspeed._core.layout.flat_buffer import FlatBuffer

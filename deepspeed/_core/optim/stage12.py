@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.grads.convert import Coef, scales
 from deepspeed._core.grads.partitions import GradPath, GroupGrads, PartitionConfig, PartitionGrads

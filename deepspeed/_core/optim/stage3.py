@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
 from deepspeed._core.config.plan import RunPlan
-from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.grads.accumulator import ChunkedGradShard, ChunkStorage
 from deepspeed._core.grads.convert import Coef
 from deepspeed._core.grads.parked import ParkedGrads, ParkedWindow
 from deepspeed._core.grads.reducer import GradReducer, ReduceMode, ReducerConfig
 from deepspeed._core.grads.scaling import ReduceScaling
-from deepspeed._core.grads.shard_rows import GradRelease, RowEntry, ShardRows
+from deepspeed._core.grads.shard_rows import FoldOrder, GradRelease, RowEntry, ShardRows
 from deepspeed._core.optim import stage3_state as stage3_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
@@ -68,8 +68,7 @@ class Stage3Group:
                 self.chunk_numel,
                 self.accum_dtype,
                 self.master.device,
-                keep_storage=self.keep_storage,
-                pin_memory=self.pin_memory,
+                ChunkStorage(kept=self.keep_storage, pinned=self.pin_memory),
             )
         return self.accumulator
 
@@ -109,39 +108,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.dp_group, self.manager = dp_group, manager
         self.world_size = dist.get_world_size(group=dp_group)
         self.rank = dist.get_rank(group=dp_group)
-        precision = plan.precision
-        # A step chunk is a fixed fraction of the largest master on the device, the minimum chunk for a master on
-        # the host ([Note: chunked step]; a host step is bound by its arithmetic, not by per-call overhead); the
-        # gradient shard is chunked the same way, so the step reads each of its chunks in place.
-        group_states = [self._group_states(g) for g in optimizer.param_groups]
-        sizes = [sum(s.layout.partition_numel for s in states) for states in group_states]
-        largest = 0 if plan.zero.offload_optimizer.enabled else max(sizes, default=0)
-        self._step_chunk_numel = step_chunk_numel(precision.master_dtype, largest)
-        zero = plan.zero
-        # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
-        self._from_master = zero.shards_are_master_views
-        self.groups = [
-            self._build_group(g, states) for g, states in zip(optimizer.param_groups, group_states, strict=True)
-        ]
-        if any(grp.master.data.device.type != "cpu" for grp in self.groups):
-            # Building the masters freed blocks of many sizes (the 16-bit shards a master view replaced, the
-            # conversion temporaries): hand them back once, so that training starts with reserved memory equal
-            # to what is allocated ([Note: zero3-init]).
-            get_accelerator().empty_cache()
+        bucket_bytes = self._build_groups()
         self.index = ShardIndex(self.groups)
         self.scaling = ReduceScaling.from_policy(plan.grads, self.world_size)
         # The host slots stage one reduced bucket's rows at a time, so they follow the reducer's bucket size.
-        comm_bytes = torch.empty((), dtype=precision.comm_dtype).element_size()
-        self.host = HostTransfers(slot_bytes_for(plan.zero.buckets.reduce_bucket_size * comm_bytes))
+        self.host = HostTransfers(slot_bytes_for(bucket_bytes))
         # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
         # waits for the step in its parameter's shard instead of in host chunks.
-        self.parked = ParkedGrads(
-            lambda g: self.groups[g].master.data,
-            lambda g: self.groups[g].ensure_accumulator(),
-            self.host.submit_direct,
-            self.host.drain,
-            precision.grad_accum_dtype,
-        )
+        self.parked = self._parked_grads()
         self._park = (
             plan.zero.lean.grads_in_param_shards
             and plan.zero.offload_optimizer.enabled
@@ -151,6 +125,61 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             self.parked.hold([s for grp in self.groups for s in grp.states])
         self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, made on first use
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
+        self._build_reduction()
+        self.check_overflow = plan.precision.fp16 or (plan.precision.bf16 and plan.precision.check_grad_overflow)
+        self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
+        if self.unit_grad_reduce:
+            self._subscriptions.append(manager.on_unit_backward_end(self.reducer.close_bucket))
+        self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
+        self._register_with_params()
+
+    def _register_with_params(self) -> None:
+        """Mark every managed parameter with this optimizer (``_z3_optimizer``, upstream's attribute), through which
+        ``safe_get_full_*`` find it."""
+        for grp in self.groups:
+            for state in grp.states:
+                if state.param is not None:
+                    state.param._z3_optimizer = self
+
+    def _build_groups(self) -> int:
+        """Build the per-group masters and gradient shards and the step chunk they are cut in; returns the bytes of
+        one reduce bucket on the wire."""
+        plan, optimizer = self.plan, self.optimizer
+        comm_bytes = torch.empty((), dtype=plan.precision.comm_dtype).element_size()
+        bucket_bytes = plan.zero.buckets.reduce_bucket_size * comm_bytes
+        # A step chunk is a fixed fraction of the largest master on the device, the minimum chunk for a master on
+        # the host ([Note: chunked step]; a host step is bound by its arithmetic, not by per-call overhead); the
+        # gradient shard is chunked the same way, so the step reads each of its chunks in place.
+        group_states = [self._group_states(g) for g in optimizer.param_groups]
+        sizes = [sum(s.layout.partition_numel for s in states) for states in group_states]
+        largest = 0 if plan.zero.offload_optimizer.enabled else max(sizes, default=0)
+        self._step_chunk_numel = step_chunk_numel(plan.precision.master_dtype, largest)
+        # [Note: zero3-master]: with the master on the compute device, the parameters' shards are views of it.
+        self._from_master = plan.zero.shards_are_master_views
+        self.groups = [
+            self._build_group(g, states) for g, states in zip(optimizer.param_groups, group_states, strict=True)
+        ]
+        if any(grp.master.data.device.type != "cpu" for grp in self.groups):
+            # Building the masters freed blocks of many sizes (the 16-bit shards a master view replaced, the
+            # conversion temporaries): hand them back once, so that training starts with reserved memory equal
+            # to what is allocated ([Note: zero3-init]).
+            get_accelerator().empty_cache()
+        return bucket_bytes
+
+    def _parked_grads(self) -> ParkedGrads:
+        """The parked-gradient store over this optimizer's groups and host transfers ([Note: parked grads])."""
+        return ParkedGrads(
+            lambda g: self.groups[g].master.data,
+            lambda g: self.groups[g].ensure_accumulator(),
+            self.host.submit_direct,
+            self.host.drain,
+            self.plan.precision.grad_accum_dtype,
+        )
+
+    def _build_reduction(self) -> None:
+        """Decide how full gradients are released and bucketed, and build the reducer: reduce-scatter buckets
+        whose rows fold into the group shards."""
+        plan, precision = self.plan, self.plan.precision
         self.eager_release = plan.zero.lean.eager_grad_release
         release = GradRelease.EAGER if self.eager_release else GradRelease.ZEROED
         # lean_unit_grad_reduce: one reduce-scatter per fetch unit, closed when the unit's backward is done; its
@@ -162,8 +191,10 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             self.scaling,
             release,
             self._fold,
-            dp_group,
-            contiguous_folds=self.unit_grad_reduce and not plan.zero.offload_optimizer.enabled,
+            self.dp_group,
+            FoldOrder.CONTIGUOUS
+            if self.unit_grad_reduce and not plan.zero.offload_optimizer.enabled
+            else FoldOrder.PER_ENTRY,
         )
         self.reducer = GradReducer(
             rows,
@@ -176,15 +207,6 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
                 unit_buckets=self.unit_grad_reduce,
             ),
         )
-        self.check_overflow = precision.fp16 or (precision.bf16 and precision.check_grad_overflow)
-        self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
-        if self.unit_grad_reduce:
-            self._subscriptions.append(manager.on_unit_backward_end(self.reducer.close_bucket))
-        self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
-        for grp in self.groups:  # safe_get_full_* find their optimizer through this (upstream attribute)
-            for state in grp.states:
-                if state.param is not None:
-                    state.param._z3_optimizer = self
 
     @staticmethod
     def _group_states(param_group: dict) -> list[ZeroParam]:

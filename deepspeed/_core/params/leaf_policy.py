@@ -49,7 +49,7 @@ from torch import nn
 
 from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES, LeafModulePolicy
 from deepspeed._core.params.param import zero_state
-from deepspeed.utils.logging import log_dist
+from deepspeed._foundation.logging import log_dist
 
 LEAF_MODULE_KEY = "zero_optimization.leaf_module"
 GRANULARITY_KEY = "zero_optimization.stage3_module_granularity_threshold"

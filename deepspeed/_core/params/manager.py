@@ -9,6 +9,7 @@ See [Note: zero3-manager] in ``docs/design/zero3.md`` for the optimizer seam.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import MethodType
@@ -177,6 +178,35 @@ class _CallbackHandle:
             self._on_change()
 
 
+class ShardAllocation(enum.Enum):
+    """How the manager allocates the shards of the parameters it partitions itself."""
+
+    PER_PARAMETER = "per_parameter"  # each shard is its own allocation
+    # One buffer per dtype and device, cut into the shards: for shards that stay for the whole run ([Note: shard
+    # arena] in ``placement.py``).
+    ARENA = "arena"
+
+
+@dataclass(frozen=True)
+class ParamStorage:
+    """Where the manager keeps shards and gathered parameters.
+
+    Attributes:
+        offload_param: ``zero_optimization.offload_param``: new shards in (pinned) host memory ([Note:
+            zero3-offload]).
+        single_rank: ``FullStorage.SEPARATE`` keeps separate gathered storage on one rank too (tests of the
+            release mechanics).
+        shards: how the shards of parameters not yet partitioned are allocated.
+    """
+
+    offload_param: OffloadPolicy = OffloadPolicy()
+    single_rank: FullStorage = FullStorage.SHARD
+    shards: ShardAllocation = ShardAllocation.PER_PARAMETER
+
+
+DEFAULT_STORAGE = ParamStorage()
+
+
 class ZeroParamManager:
     """Partition ``module``'s parameters over ``group`` and gather/release them around each use."""
 
@@ -188,18 +218,14 @@ class ZeroParamManager:
         lean: LeanPolicy,
         streams: StreamSet | None = None,
         codec: ShardCodec = IDENTITY_CODEC,
-        offload_param: OffloadPolicy | None = None,
-        single_rank: FullStorage = FullStorage.SHARD,
+        storage: ParamStorage = DEFAULT_STORAGE,
         target: ParamTarget = ParamTarget(),
-        shard_arena: bool = False,
     ) -> None:
         """Partition every parameter (adopting those ``zero.Init`` already partitioned) and install hooks.
 
-        ``offload_param`` places new shards in (pinned) host memory ([Note: zero3-offload]); ``single_rank``
-        ``SEPARATE`` keeps separate gathered storage on one rank too (tests of the release mechanics);
-        ``target`` is the compute device and working dtype of parameters not yet partitioned, which may still
-        lie in host memory ([Note: zero3-init]); ``shard_arena`` cuts their shards from one buffer per dtype and
-        device, for shards that stay for the whole run ([Note: shard arena] in ``placement.py``).
+        ``storage`` says where shards and gathered parameters are held (:class:`ParamStorage`); ``target`` is the
+        compute device and working dtype of parameters not yet partitioned, which may still lie in host memory
+        ([Note: zero3-init]).
         """
         # Leaves first: the hooks and units built below read the marks, and a bad policy fails here, before any
         # collective.
@@ -212,13 +238,23 @@ class ZeroParamManager:
             streams if streams is not None else StreamSet(),
             codec,
             release_mode_of(lean),
-            ShardPlacement.from_policy(offload_param or OffloadPolicy()),
-            single_rank,
+            ShardPlacement.from_policy(storage.offload_param),
+            storage.single_rank,
         )
         # Leaves are gathered whole: at several ranks the next one is prefetched even when the window is smaller
         # ([Note: zero3-prefetch]); one rank has no communication to overlap.
         whole = max((subtree_numel(m) for m in self.config_leaves), default=0) if group.world_size > 1 else 0
         self.trace = StepTrace(PrefetchBudget.from_policy(stage3, whole))
+        self._init_registries(module)
+        # [Note: routed grads]: only the lean gradient path routes uses; off, every gradient reaches param.grad.
+        self._route_grads = lean.eager_grad_release
+        self._adopt_parameters(module.parameters(), arena=storage.shards is ShardAllocation.ARENA)
+        self._mark_persistent()
+        self.hooks = ModuleHooks(self)
+        self.register_module(module)
+
+    def _init_registries(self, module: nn.Module) -> None:
+        """Empty registries of units, states and callbacks, and the per-step bookkeeping the hooks keep."""
         self.units: dict[int, FetchUnit] = {}
         self._unit_by_module: dict[int, FetchUnit] = {}
         self._unit_states: dict[int, tuple[tuple, list[ZeroParam]]] = {}
@@ -232,14 +268,8 @@ class ZeroParamManager:
         self.boundary_samples: list[GatheredCounts] | None = None
         self.in_backward = False
         self._forward_stack: list[nn.Module] = []
-        # [Note: routed grads]: only the lean gradient path routes uses; off, every gradient reaches param.grad.
-        self._route_grads = lean.eager_grad_release
         self._quiet_backward: set[int] = set()  # modules whose backward runs without fetching (all uses routed)
         self._parked_persistent: list[ZeroParam] = []  # persistent, partitioned while offload_states holds shards
-        self._adopt_parameters(module.parameters(), arena=shard_arena)
-        self._mark_persistent()
-        self.hooks = ModuleHooks(self)
-        self.register_module(module)
 
     # ---------------------------------------------------------------- setup
     def _adopt(self, param: nn.Parameter, shard: torch.Tensor | None = None) -> ZeroParam:

@@ -157,16 +157,7 @@ class ZeroParam:
         self.layout = Stage3ParamLayout(int(torch.Size(self.shape).numel()), group.world_size)
         self.group = group
         self.shard = shard
-        self.storage = (
-            storage
-            if (
-                storage is FullStorage.SHARD
-                and group.world_size == 1
-                and shard.device == device
-                and shard.numel() == self.layout.padded_numel
-            )
-            else FullStorage.SEPARATE
-        )
+        self.storage = self._honoured(storage, shard, device)
         if self.storage is FullStorage.SHARD:
             self.full = shard
         else:
@@ -183,6 +174,13 @@ class ZeroParam:
         self.shard_content = ShardContent.VALUES
         self.grad_holder: ShardGradHolder | None = None
         self.shard_is_master = False  # the shard is a view of the optimizer's fp32 master ([Note: zero3-master])
+
+    def _honoured(self, storage: FullStorage, shard: torch.Tensor, device: torch.device) -> FullStorage:
+        """``storage``, or ``SEPARATE`` where ``SHARD`` cannot hold (several ranks, the shard elsewhere, padding)."""
+        can_share = self.group.world_size == 1 and shard.device == device
+        if storage is FullStorage.SHARD and can_share and shard.numel() == self.layout.padded_numel:
+            return storage
+        return FullStorage.SEPARATE
 
     # ---------------------------------------------------------------- derived facts
     @property
@@ -398,6 +396,23 @@ class _CompletedGather:
 
     def wait(self) -> None:
         """Nothing to wait for."""
+
+
+class MultipleAllGatherHandles:
+    """Several gather handles waited on as one (upstream's name, ``partition_parameters.MultipleAllGatherHandles``).
+
+    Args:
+        handles: anything with ``wait()``: the handles ``param.all_gather(...)`` returns, or collective work.
+    """
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: Any = True) -> None:
+        """Wait on every handle in order (``handle_dependency``: accepted for upstream's signature; the order is
+        always kept)."""
+        for handle in self.handles:
+            handle.wait()
 
 
 def _states(param: ZeroParameter, param_list: Sequence[nn.Parameter] | None) -> list[ZeroParam]:

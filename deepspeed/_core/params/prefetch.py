@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepspeed._core.config.plan import Stage3Policy
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 
 class TraceMode(enum.Enum):

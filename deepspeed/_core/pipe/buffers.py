@@ -34,6 +34,17 @@ class ReleasePolicy(enum.Enum):
         """The policy for the config switch."""
         return ReleasePolicy.AFTER_BACKWARD if lean_pipeline_release else ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS
 
+    def for_stage(self, position: StagePosition) -> ReleasePolicy:
+        """The policy one stage follows: only the last stage (which computes the loss) retains outputs."""
+        return self if position is StagePosition.LAST else ReleasePolicy.AFTER_BACKWARD
+
+
+class StagePosition(enum.Enum):
+    """Whether a pipeline stage is the last one, which computes the loss."""
+
+    LAST = "last"
+    EARLIER = "earlier"
+
 
 @dataclass
 class Slot:
@@ -87,14 +98,12 @@ class StageBuffers:
 
     Args:
         num_buffers: the schedule's ``num_pipe_buffers()``.
-        policy: the release policy.
-        is_last_stage: whether this stage computes the loss (the retain policy only applies there).
+        policy: this stage's release policy (:meth:`ReleasePolicy.for_stage`).
     """
 
-    def __init__(self, num_buffers: int, policy: ReleasePolicy, is_last_stage: bool) -> None:
+    def __init__(self, num_buffers: int, policy: ReleasePolicy) -> None:
         self.slots = [Slot() for _ in range(num_buffers)]
         self.policy = policy
-        self.is_last_stage = is_last_stage
         self.retained: list[Any] = []  # upstream behaviour only: outputs kept until the step ends
         self.ledger = ActivationLedger()
 
@@ -119,7 +128,7 @@ class StageBuffers:
         first stage has no such send, so its slot is free at once.
         """
         slot = self.slots[buffer_id]
-        if self.is_last_stage and self.policy is ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS:
+        if self.policy is ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS:
             self.retained.append(slot.outputs)
         if not has_upstream:
             slot.clear()

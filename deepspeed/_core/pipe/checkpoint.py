@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
 from deepspeed._core.checkpoint import files as io
 from deepspeed._core.checkpoint.save_load import _agree_or_raise, compact_tensors
+from deepspeed._core.comm import dist
 
 LAYER_FILE_SUFFIX = "-model_states.pt"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import sum_over
 
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import broadcast_tensor, sum_over
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 from deepspeed._core.pipe import schedule as sched
-from deepspeed._core.pipe.buffers import ReleasePolicy, StageBuffers
+from deepspeed._core.pipe.buffers import ReleasePolicy, StageBuffers, StagePosition
 from deepspeed._core.pipe.data import DataFeed, agree_or_raise
 from deepspeed._core.pipe.p2p import StageLink, as_tensors
 
@@ -158,7 +158,8 @@ class PipeExecutor:
         feed = DataFeed(feed_iter, batch_fn, reads)
         # Before any point-to-point transfer: every rank fails together on bad data ([Note: pipeline data]).
         agree_or_raise(feed.prime(), self.link.comm_device)
-        buffers = StageBuffers(schedule.num_pipe_buffers(), self.policy, self.stage.is_last)
+        position = StagePosition.LAST if self.stage.is_last else StagePosition.EARLIER
+        buffers = StageBuffers(schedule.num_pipe_buffers(), self.policy.for_stage(position))
         run = _Run(mode, schedule.micro_batches, feed, buffers, steps, compute_loss, losses=[])
         self.last_run = run
         return run

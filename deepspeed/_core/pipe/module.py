@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import broadcast_tensor, sum_over
 from deepspeed._core.engine import activation_checkpoint as _ac
 from deepspeed._core.pipe import checkpoint as _ckpt
 from deepspeed._core.pipe.partition import PartitionError, parse_method, partition_layers
 from deepspeed._core.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
-from deepspeed.utils.logging import log_dist
+from deepspeed._foundation.logging import log_dist
 
 
 class LayerSpec:
@@ -147,6 +147,14 @@ def _resolve_topology(num_stages: int | None, topology: ProcessTopology | None, 
     return PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
 
 
+def _check_fill(num_layers: int, num_stages: int) -> None:
+    if num_layers < num_stages:
+        raise PartitionError(
+            f"PipelineModule: {num_layers} layers cannot fill {num_stages} "
+            f"pipeline stages (every stage needs at least one layer)"
+        )
+
+
 def _check_layers(layers: Sequence[Any]) -> list[Any]:
     layers = list(layers)
     if not layers:
@@ -200,11 +208,7 @@ class PipelineModule(nn.Module):
         self.num_stages = self._topo.get_dim("pipe")
         _validate_checkpointing(activation_checkpoint_interval, checkpointable_layers)
         parse_method(partition_method)
-        if self._num_layers < self.num_stages:
-            raise PartitionError(
-                f"PipelineModule: {self._num_layers} layers cannot fill {self.num_stages} "
-                f"pipeline stages (every stage needs at least one layer)"
-            )
+        _check_fill(self._num_layers, self.num_stages)
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.partition_method = partition_method
@@ -214,6 +218,11 @@ class PipelineModule(nn.Module):
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.local_rank = self.global_rank  # upstream attribute; the engine uses the launcher's LOCAL_RANK
+        self._build_local_stage()
+
+    # ------------------------------------------------------------------ construction
+    def _build_local_stage(self) -> None:
+        """Partition the layers over the stages, build this rank's, and tie the weights shared across stages."""
         self.parts = self._partition()
         self._grid = PipelineParallelGrid(topology=self._topo)
         self.stage_id = self._topo.get_coord(self.global_rank).pipe
@@ -227,7 +236,6 @@ class PipelineModule(nn.Module):
         self.tied_comms = self._index_tied_modules()
         self._synchronize_tied_weights()
 
-    # ------------------------------------------------------------------ construction
     def _partition(self) -> list[int]:
         kind, _ = parse_method(self.partition_method)
         counts = [_count_params(layer) for layer in self._layer_specs] if kind == "parameters" else None

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,

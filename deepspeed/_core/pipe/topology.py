@@ -16,7 +16,7 @@ import itertools
 from collections import namedtuple
 from typing import Any
 
-from deepspeed import comm as dist
+from deepspeed._core.comm import dist
 
 
 def _coord_type(axes: list[str]) -> Any:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from deepspeed._foundation.logging import logger
 from deepspeed.ops._optimizer_base import StatefulOptimizer, StepItem, group_items
 from deepspeed.ops._torch_optim import AdamMode, AdamStep, adam_update
-from deepspeed.utils.logging import logger
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ids = itertools.count()

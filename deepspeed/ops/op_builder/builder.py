@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 
 def csrc_root() -> Path:

@@ -17,7 +17,7 @@ from deepspeed._core.comm.streams import SideStreams, StreamSet
 from deepspeed._core.config.convert import offload_policy, stage3_policy
 from deepspeed._core.config.plan import LeanPolicy
 from deepspeed._core.config.zero import DeepSpeedZeroConfig
-from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.manager import ParamStorage, ZeroParamManager
 from deepspeed.runtime.zero.partitioned_param_coordinator import (
     PartitionedParameterCoordinator,
 )
@@ -85,7 +85,7 @@ class DeepSpeedZeRoOffload:
             stage3_policy(zero),
             _lean_policy(ds_config),
             streams,
-            offload_param=offload_policy(zero.offload_param),
+            storage=ParamStorage(offload_param=offload_policy(zero.offload_param)),
         )
         self.module = module
         self.dp_process_group = dp_process_group

@@ -23,6 +23,7 @@ from deepspeed._core.params.gathered import (
 )
 from deepspeed._core.params.init_context import InitPlan, ZeroInitContext, init_depth
 from deepspeed._core.params.param import (
+    MultipleAllGatherHandles,
     ShardGroup,
     ZeroParameter,
     ZeroParamStatus,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GatheredParameters",
+    "MultipleAllGatherHandles",
     "Init",
     "ZeroParamStatus",
     "ZeroParamType",

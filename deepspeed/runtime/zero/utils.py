@@ -8,7 +8,12 @@ import torch
 
 from deepspeed.utils.logging import logger
 
-__all__ = ["ZERO_SUPPORTED_OPTIMIZERS", "ZeRORuntimeException", "is_zero_supported_optimizer"]
+__all__ = [
+    "ZERO_SUPPORTED_OPTIMIZERS",
+    "ZeRORuntimeException",
+    "get_mapping_to_flat_buffer",
+    "is_zero_supported_optimizer",
+]
 
 
 class ZeRORuntimeException(ValueError):
@@ -45,3 +50,12 @@ def is_zero_supported_optimizer(optimizer: Any) -> bool:
     supported = type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
     logger.debug(f"checking ZeRO support for optimizer={type(optimizer).__name__}: {supported}")
     return supported
+
+
+def get_mapping_to_flat_buffer(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+    """``(tensor, offset, numel)`` of each tensor laid end to end in one flat buffer, in order."""
+    mapping, offset = [], 0
+    for tensor in tensors:
+        mapping.append((tensor, offset, tensor.numel()))
+        offset += tensor.numel()
+    return mapping

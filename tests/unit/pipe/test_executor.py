@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from deepspeed._core.pipe.buffers import ActivationLedger, ReleasePolicy, StageBuffers
+from deepspeed._core.pipe.buffers import ActivationLedger, ReleasePolicy, StageBuffers, StagePosition
 from deepspeed._core.pipe.data import DataFeed, check_item
 from deepspeed._core.pipe.p2p import Payload, TensorMeta, as_tensors
 
@@ -60,7 +60,7 @@ def _fill(buffers: StageBuffers, buffer_id: int, micro_batch: int) -> list:
     [(ReleasePolicy.AFTER_BACKWARD, [0, 0, 0]), (ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS, [1, 2, 3])],
 )
 def test_last_stage_release_policy(policy: ReleasePolicy, live_after: list[int]) -> None:
-    buffers = StageBuffers(1, policy, is_last_stage=True)
+    buffers = StageBuffers(1, policy.for_stage(StagePosition.LAST))
     seen = []
     for mb in range(3):
         _fill(buffers, 0, mb)
@@ -73,8 +73,20 @@ def test_last_stage_release_policy(policy: ReleasePolicy, live_after: list[int])
     assert buffers.ledger.live() == [] and buffers.held_micro_batches() == 0
 
 
+def test_only_the_last_stage_retains_outputs() -> None:
+    retain = ReleasePolicy.RETAIN_LAST_STAGE_OUTPUTS
+    assert retain.for_stage(StagePosition.LAST) is retain
+    assert retain.for_stage(StagePosition.EARLIER) is ReleasePolicy.AFTER_BACKWARD
+    buffers = StageBuffers(1, retain.for_stage(StagePosition.EARLIER))
+    _fill(buffers, 0, 0)
+    buffers.after_backward(0, has_upstream=True)
+    buffers.release(0)
+    gc.collect()
+    assert buffers.retained == [] and buffers.ledger.live() == []
+
+
 def test_inputs_stay_until_their_gradient_is_sent() -> None:
-    buffers = StageBuffers(2, ReleasePolicy.AFTER_BACKWARD, is_last_stage=False)
+    buffers = StageBuffers(2, ReleasePolicy.AFTER_BACKWARD.for_stage(StagePosition.EARLIER))
     _fill(buffers, 0, 0)
     buffers.after_backward(0, has_upstream=True)
     assert buffers[0].outputs is None and buffers[0].inputs is not None
@@ -87,7 +99,7 @@ def test_inputs_stay_until_their_gradient_is_sent() -> None:
 
 
 def test_reusing_a_busy_buffer_is_a_schedule_bug() -> None:
-    buffers = StageBuffers(1, ReleasePolicy.AFTER_BACKWARD, is_last_stage=False)
+    buffers = StageBuffers(1, ReleasePolicy.AFTER_BACKWARD.for_stage(StagePosition.EARLIER))
     _fill(buffers, 0, 0)
     with pytest.raises(RuntimeError, match="still holds micro-batch 0 when micro-batch 1 needs it"):
         buffers.start(0, 1)

@@ -22,7 +22,7 @@ from deepspeed._core.grads.reducer import (
     plan_static,
 )
 from deepspeed._core.grads.scaling import ReduceScaling
-from deepspeed._core.grads.shard_rows import GradRelease, RowEntry, ShardRows
+from deepspeed._core.grads.shard_rows import FoldOrder, GradRelease, RowEntry, ShardRows
 from deepspeed._core.layout.shards import Range, make_slots
 
 
@@ -212,7 +212,7 @@ def _rows(
         release,
         lambda g, off, piece: folds.append((g, off, piece.clone())),
         None,
-        contiguous_folds=contiguous,
+        FoldOrder.CONTIGUOUS if contiguous else FoldOrder.PER_ENTRY,
     )
     return io, folds
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
-from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.manager import ParamStorage, ZeroParamManager
 from deepspeed._core.params.param import FullStorage
 from deepspeed.accelerator import get_accelerator
 
@@ -41,7 +41,11 @@ def _run(lean: bool, prefetch_layers: int) -> dict:
     policy = Stage3Policy(prefetch_bucket_size=prefetch_layers * (WIDTH * WIDTH + WIDTH), param_persistence_threshold=0)
     # SEPARATE: one rank would otherwise gather into the shards themselves and no gathered memory would exist.
     manager = ZeroParamManager(
-        model, ShardGroup(None, 0, 1), policy, LeanPolicy(stream_ordered_release=lean), single_rank=FullStorage.SEPARATE
+        model,
+        ShardGroup(None, 0, 1),
+        policy,
+        LeanPolicy(stream_ordered_release=lean),
+        storage=ParamStorage(single_rank=FullStorage.SEPARATE),
     )
     burn = torch.randn(4096, 4096, device=device)
     held: list[int] = []
@@ -111,7 +115,7 @@ def test_offloaded_shards_stay_pinned_on_host_and_gather_to_the_device() -> None
         ShardGroup(None, 0, 1),
         Stage3Policy(param_persistence_threshold=0),
         LeanPolicy(),
-        offload_param=offload,
+        storage=ParamStorage(offload_param=offload),
     )
     for param in manager.module.parameters():
         assert param.ds_tensor.device.type == "cpu" and param.ds_tensor.is_pinned()

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from deepspeed._core.grads.accumulator import ChunkedGradShard
+from deepspeed._core.grads.accumulator import KEPT_CHUNKS, ChunkedGradShard
 
 
 @pytest.mark.parametrize("numel,chunk", [(1, 1), (10, 3), (16, 4), (17, 4), (100, 7), (5, 64)])
@@ -63,7 +63,7 @@ def test_release_frees_whole_chunks_inside_the_range() -> None:
 
 
 def test_kept_storage_is_reused_zeroed_and_not_counted_while_stale() -> None:
-    shard = ChunkedGradShard(10, 4, torch.float32, "cpu", keep_storage=True)
+    shard = ChunkedGradShard(10, 4, torch.float32, "cpu", KEPT_CHUNKS)
     shard.add_(0, torch.ones(10))
     ptrs = [c.data_ptr() for c in shard.allocated()]
     shard.release(0, 8)  # as the step does: chunks 0 and 1 stepped
@@ -81,7 +81,7 @@ def test_kept_storage_is_reused_zeroed_and_not_counted_while_stale() -> None:
 
 def test_kept_storage_matches_a_dense_tensor_over_several_windows() -> None:
     gen = torch.Generator().manual_seed(7)
-    shard = ChunkedGradShard(23, 5, torch.float32, "cpu", keep_storage=True)
+    shard = ChunkedGradShard(23, 5, torch.float32, "cpu", KEPT_CHUNKS)
     for _ in range(4):
         dense = torch.zeros(23)
         for _ in range(6):

@@ -8,7 +8,7 @@ from torch import nn
 
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
-from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.manager import ParamStorage, ZeroParamManager
 from deepspeed._core.params.param import FullStorage, ShardedState
 
 
@@ -20,7 +20,9 @@ def test_refresh_rewrites_gathered_persistent_parameters_in_place() -> None:
         ShardGroup(None, 0, 1),
         Stage3Policy(param_persistence_threshold=30),  # all but the last layer (200 and 40 elements)
         LeanPolicy(),
-        single_rank=FullStorage.SEPARATE,  # gathered storage apart from the shard, as at several ranks
+        storage=ParamStorage(
+            single_rank=FullStorage.SEPARATE
+        ),  # gathered storage apart from the shard, as at several ranks
     )
     persistent = [s for s in manager.states.values() if s.is_persistent]
     other = [s for s in manager.states.values() if not s.is_persistent]

@@ -13,7 +13,7 @@ from torch import nn
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.params.grad_route import backward_reads_no_params, routed_keys
-from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.manager import ParamStorage, ZeroParamManager
 from deepspeed._core.params.param import FullStorage
 
 WORLD1 = ShardGroup(None, 0, 1)
@@ -42,7 +42,7 @@ def _manager(model: nn.Module, lean: LeanPolicy | None = None) -> ZeroParamManag
         WORLD1,
         Stage3Policy(param_persistence_threshold=0),
         lean or LeanPolicy(),
-        single_rank=FullStorage.SEPARATE,
+        storage=ParamStorage(single_rank=FullStorage.SEPARATE),
     )
 
 

@@ -10,7 +10,7 @@ from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.config.plan import LeanPolicy, Stage3Policy
 from deepspeed._core.layout.flat_buffer import free_storage
 from deepspeed._core.params.gather import ParamTarget
-from deepspeed._core.params.manager import ZeroParamManager
+from deepspeed._core.params.manager import ParamStorage, ShardAllocation, ZeroParamManager
 from deepspeed._core.params.placement import SHARD_ALIGN_BYTES, arena_shards
 
 WORLD1 = ShardGroup(None, 0, 1)
@@ -61,7 +61,7 @@ def _grads_and_loss(arena: bool) -> tuple[int, float, dict[str, torch.Tensor]]:
         Stage3Policy(param_persistence_threshold=10),  # the norm's parameters stay gathered
         LeanPolicy(),
         target=ParamTarget(CPU, torch.float32),
-        shard_arena=arena,
+        storage=ParamStorage(shards=ShardAllocation.ARENA if arena else ShardAllocation.PER_PARAMETER),
     )
     grads: dict[str, torch.Tensor] = {}
 

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from deepspeed.utils.logging import logger
+from deepspeed._foundation.logging import logger
 
 # Fraction of the message each rank puts on the wire, per collective family, as a function of world size n.
 _BUS_FACTORS = {
