@@ -200,7 +200,7 @@ def ds_config(spec: dict) -> dict:
     if spec.get("dtype", "bf16") == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif spec["dtype"] == "fp16":
-        # Report 1's loss-scaler settings, with a lower initial power so random-weight steps are not skipped.
+        # S1's loss-scaler settings, with a lower initial power so random-weight steps are not skipped.
         cfg["fp16"] = {
             "enabled": True,
             "initial_scale_power": 12,
@@ -283,7 +283,7 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
-    """Report 1's Adam settings as torch AdamW (fused on CUDA); the same object type for every implementation."""
+    """S1's Adam settings as torch AdamW (fused on CUDA); the same object type for every implementation."""
     return torch.optim.AdamW(
         params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=torch.cuda.is_available()
     )

@@ -96,8 +96,8 @@ _MOE_SHAPES = {
 }
 # init_paths.py's configurations: ZeRO stage, training dtype, offload and where the model was built.
 _INIT_CONFIGS = {
-    "report3_bf16": {"stage": 3, "dtype": "bf16", "offload": True, "build": "host"},
-    "report3_fp32": {"stage": 3, "dtype": "fp32", "offload": True, "build": "host"},
+    "host_offload_s3": {"stage": 3, "dtype": "bf16", "offload": True, "build": "host"},
+    "host_offload_s3_fp32": {"stage": 3, "dtype": "fp32", "offload": True, "build": "host"},
     "host_s1": {"stage": 1, "dtype": "bf16", "build": "host"},
     "host_s2": {"stage": 2, "dtype": "bf16", "build": "host"},
     "host_s3": {"stage": 3, "dtype": "bf16", "build": "host"},

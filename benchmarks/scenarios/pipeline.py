@@ -1,4 +1,4 @@
-"""Pipeline parallelism, report 1's configuration: memory per stage against gradient accumulation, ours vs upstream.
+"""Pipeline parallelism, S1's model: memory per stage against gradient accumulation, ours vs upstream.
 
     python benchmarks/scenarios/pipeline.py --out DIR                 # GPU: ours and upstream, GAS 1, 2, 4, 8, 16
     python benchmarks/scenarios/pipeline.py --out DIR --smoke         # CPU, seconds: a tiny model, ours only
