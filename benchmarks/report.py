@@ -103,28 +103,27 @@ def _floor_of(engines: dict[str, dict]) -> float | None:
     return main.get("floor_gib")
 
 
+def _cells(name: str, row: dict[str, dict], engines: list[str]) -> dict[str, str]:
+    """Every column of one scenario row, by header."""
+    peak = {e: row[e]["peak_alloc_gib"] if e in row else None for e in engines}
+    floor, ours = _floor_of(row), peak.get("ours")
+    cells = {"row": f"`{name}`", "floor": _g(floor)}
+    cells.update({f"peak {ENGINE_LABEL[e]}": _g(peak[e]) for e in engines})
+    cells["ours ÷ upstream"] = _ratio(ours, peak.get("upstream"))
+    cells["ours ÷ FSDP2"] = _ratio(ours, peak.get("fsdp2"))
+    cells["ours ÷ floor"] = _ratio(ours, floor)
+    cells.update({f"step {ENGINE_LABEL[e]}": _g(row[e]["step_s"] if e in row else None, 3) for e in engines})
+    cells["measured on"] = _provenance(row)
+    return cells
+
+
 def family_table(scenarios: dict[str, dict[str, dict]], engines: list[str]) -> list[str]:
-    """One row per scenario: floor, peaks per engine, ratios, step times per engine, where and when measured."""
-    peaks = " | ".join(f"peak {ENGINE_LABEL[e]}" for e in engines)
-    steps = " | ".join(f"step {ENGINE_LABEL[e]}" for e in engines)
-    head = f"| row | floor | {peaks} | ours ÷ upstream | ours ÷ FSDP2 | ours ÷ floor | {steps} | measured on |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, row in scenarios.items():
-        peak = {e: row[e]["peak_alloc_gib"] if e in row else None for e in engines}
-        step = {e: row[e]["step_s"] if e in row else None for e in engines}
-        floor = _floor_of(row)
-        ours = peak.get("ours")
-        cells = [
-            f"`{name}`",
-            _g(floor),
-            *(_g(peak[e]) for e in engines),
-            _ratio(ours, peak.get("upstream")),
-            _ratio(ours, peak.get("fsdp2")),
-            _ratio(ours, floor),
-            *(_g(step[e], 3) for e in engines),
-            _provenance(row),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    """One row per scenario: floor, peaks per engine, ratios, step times per engine, where and when measured;
+    a column with no figure in any row is left out."""
+    rows = [_cells(name, row, engines) for name, row in scenarios.items()]
+    heads = [h for h in rows[0] if any(r[h] != "–" for r in rows)]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(r[h] for h in heads) + " |" for r in rows]
     return lines
 
 
