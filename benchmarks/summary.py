@@ -63,8 +63,8 @@ METHODS = {
     "s2": "GPT-shaped 2.6B decoder built on the device in bf16 (FSDP2: fp32); peak = allocator peak during "
     "deepspeed.initialize (FSDP2: fully_shard and the optimizer's creation); no step is timed.",
     "s3": "Qwen2-shaped decoder (3.09B or 7.62B), activation checkpointing in every layer, the ZeRO config HF "
-    "Trainer's 'auto' resolves to; two warm-up steps, then a measured step (its peak is the figure) and more timed "
-    "steps (step = median).",
+    "Trainer's 'auto' resolves to; warm-up steps (two, one when offloaded), then a measured step (its peak is the "
+    "figure) and more timed steps (step = median).",
     "throughput": "GPT-shaped 1.3B decoder, 2048 tokens per step, 2 warm-up and 5 timed steps; step = median, "
     "peak over the timed steps.",
     "init_paths": "Qwen2-shaped 3.09B decoder built outside deepspeed.initialize (on the host or the device); "
