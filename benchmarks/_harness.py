@@ -200,7 +200,7 @@ def ds_config(spec: dict) -> dict:
     if spec.get("dtype", "bf16") == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif spec["dtype"] == "fp16":
-        # Report 1's loss-scaler settings, with a lower initial power so random-weight steps are not skipped.
+        # S1's loss-scaler settings, with a lower initial power so random-weight steps are not skipped.
         cfg["fp16"] = {
             "enabled": True,
             "initial_scale_power": 12,
@@ -283,7 +283,7 @@ def hf_auto_config(spec: dict, hidden: int) -> dict:
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
-    """Report 1's Adam settings as torch AdamW (fused on CUDA); the same object type for every implementation."""
+    """S1's Adam settings as torch AdamW (fused on CUDA); the same object type for every implementation."""
     return torch.optim.AdamW(
         params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=torch.cuda.is_available()
     )
@@ -386,40 +386,18 @@ def default_checkpoint_reentrant(spec: dict) -> bool:
     return spec.get("impl") == "upstream" and spec.get("stage", 3) == 3
 
 
-def _before_gate() -> None:
-    """CPU-only start-up work a prelaunched worker does before it is released: torch.optim's first construction
-    imports torch._dynamo (seconds). Nothing here touches the GPU."""
-    with contextlib.suppress(Exception):  # only a head start: warm_up_deepspeed does the real thing after the gate
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-
-
-def _wait_for_gate(path: str) -> float:
-    """Block until ``path`` exists (run_all releases a prelaunched worker); exit if run_all is gone."""
-    parent = os.getppid()
-    t0 = time.perf_counter()
-    while not os.path.exists(path):
-        if os.getppid() != parent:
-            os._exit(4)
-        time.sleep(0.02)
-    return time.perf_counter() - t0
-
-
 def worker_main(scenario: str, body: Callable[[dict], dict]) -> None:
-    """Parse ``--spec``/``--result`` (and ``--gate``), run ``body(spec)``, and write its record (or the error) to the
-    result file. With ``--gate FILE`` the worker finishes its imports, then waits for FILE before anything else."""
+    """Parse ``--spec``/``--result``, run ``body(spec)``, and write its record (or the error) to the result file."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     ap.add_argument("--result", required=True)
-    ap.add_argument("--gate", default="")
     args = ap.parse_args()
     spec = json.loads(args.spec)
     record: dict[str, Any] = {"scenario": scenario, **spec}
-    _before_gate()
     with contextlib.suppress(Exception):  # informational only
         import psutil
 
         record["startup_s"] = round(time.time() - psutil.Process().create_time(), 2)  # process start to here
-    record["gate_wait_s"] = round(_wait_for_gate(args.gate), 2) if args.gate else None
     t0 = time.perf_counter()
     try:
         init_process_group(spec["impl"], int(spec.get("world_size", 1)))

@@ -9,7 +9,7 @@ switches); only rows that ran in both files are compared. Memory counters (peak,
 init peak) are allocator figures and deterministic, so any difference above ``--mem-tol-gib`` is reported as a
 mismatch. Step times and tokens/s move between runs; their ratio is reported, and flagged when it is worse than
 ``--time-tol`` — meaningful only when both files come from the same device call (the same warm machine, one run
-after the other), which is how ``benchmarks/compare_trees.sh`` produces them. Exit status 1 when any memory
+after the other). Exit status 1 when any memory
 figure differs.
 """
 
@@ -21,12 +21,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from report import config_key  # the suite's one notion of a configuration
-
-# The fields of report.config_key, in its order.
-KEY_FIELDS = ("scenario", "impl", "stage", "dtype", "gas", "world_size", "model", "offload", "offload_param")
+# The fields that tell one configuration from another (a run's ``tag`` names a variant).
+KEY_FIELDS = (
+    "scenario",
+    "impl",
+    "stage",
+    "dtype",
+    "gas",
+    "world_size",
+    "model",
+    "offload",
+    "offload_param",
+    "micro_batch",
+    "seq",
+    "tag",
+)
 MEMORY_FIELDS = (
     "peak_alloc_gib",
     "peak_reserved_gib",
@@ -38,6 +47,11 @@ MEMORY_FIELDS = (
 )
 TIME_FIELDS = ("step_time_s",)
 RATE_FIELDS = ("tokens_per_s",)
+
+
+def config_key(r: dict) -> tuple:
+    """The configuration of a record (offload switches absent = off)."""
+    return tuple(bool(r.get(f)) if f.startswith("offload") else r.get(f) for f in KEY_FIELDS)
 
 
 def load(path: Path) -> dict[tuple, dict[str, Any]]:

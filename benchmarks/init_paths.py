@@ -6,7 +6,7 @@ the peak counters, runs ``deepspeed.initialize`` and records the device peak dur
 right after, and the model's bytes in the working dtype; then one training step.
 
 Configurations (``CONFIGS``):
-* ``report3_bf16`` / ``report3_fp32``: the third user report's set-up as its script is written: a Qwen2-shaped
+* ``host_offload_s3`` / ``host_offload_s3_fp32``: a user's set-up as its script is written: a Qwen2-shaped
   3.1B decoder built outside ``zero.Init`` (on the host, fp32), ZeRO-3 with the optimizer offloaded to pinned host
   memory, bf16 or fp32. The client optimizer is torch's AdamW (``zero_force_ds_cpu_optimizer`` false) so that no
   op has to be compiled; where the optimizer state lives, not its class, decides the device memory here.
@@ -38,8 +38,8 @@ REPO = BENCH.parent
 GiB = float(1 << 30)
 
 CONFIGS: dict[str, dict] = {
-    "report3_bf16": {"stage": 3, "dtype": "bf16", "offload": True, "build": "host"},
-    "report3_fp32": {"stage": 3, "dtype": "fp32", "offload": True, "build": "host"},
+    "host_offload_s3": {"stage": 3, "dtype": "bf16", "offload": True, "build": "host"},
+    "host_offload_s3_fp32": {"stage": 3, "dtype": "fp32", "offload": True, "build": "host"},
     "host_s1": {"stage": 1, "dtype": "bf16", "build": "host"},
     "host_s2": {"stage": 2, "dtype": "bf16", "build": "host"},
     "host_s3": {"stage": 3, "dtype": "bf16", "build": "host"},
@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="workers at once (device counters are per process)")
     ap.add_argument(
         "--compare",
-        default="report3_bf16,report3_fp32,host_s3",
+        default="host_offload_s3,host_offload_s3_fp32,host_s3",
         help="configurations also run for the implementations other than ours",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, ours only")

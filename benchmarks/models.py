@@ -1,10 +1,10 @@
 """Decoders for the benchmarks, built from a config with random weights (no downloads, no transformers).
 
-GPT-style (:class:`GPTConfig`): ``gpt1.3b`` follows user report 1 (GPT-NeoX shapes: 24 layers, hidden 2048, 16
+GPT-style (:class:`GPTConfig`): ``gpt1.3b`` has GPT-NeoX shapes (24 layers, hidden 2048, 16
 heads, sequence 2048, rotary positions, untied output layer, GPT-NeoX vocabulary 50432); ``gpt2.6b`` is the 2-6 GB
 model of scenario S2; ``quick`` and ``quick-s2`` are tiny variants for CPU smoke tests.
 
-Qwen2-shaped (:class:`QwenConfig`, scenario S3, user report 3): RMSNorm, rotary positions (half-split rotation,
+Qwen2-shaped (:class:`QwenConfig`, scenario S3): RMSNorm, rotary positions (half-split rotation,
 base 1e6), grouped-query attention (``kv_heads`` key/value heads), q/k/v projections with bias, output projection
 without, SwiGLU MLP (gate/up/down, no bias), tied or untied embeddings. ``qwen2-3b`` (hidden 2048, 36 layers, 16
 heads, 2 kv heads, intermediate 11008, vocab 151936, tied: 3.09 B parameters) and ``qwen2.5-7b`` (hidden 3584,

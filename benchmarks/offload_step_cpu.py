@@ -8,8 +8,8 @@ bf16->fp32 conversion of every chunk into a fresh tensor per chunk (``convert_fr
 (``convert_reused``); and one backward's folds into a bf16 shard whose chunks are allocated afresh
 (``fill_fresh``, as each step did before [Note: kept host chunks]) vs kept from the previous step
 (``fill_kept``); and one chunk converted and scaled in one go (``convert_scale_whole``) vs block by block
-(``convert_scale_blocked``, what ``step_in_chunks`` does on the host); and the gradient norm over the bf16
-shard upcast into a fresh tensor per piece (``norm_fresh``) vs through one reused buffer (``norm_reused``,
+(``convert_scale_blocked``, ``convert_scaled``: what ``step_in_chunks`` does on the host); and the gradient norm
+over the bf16 shard upcast into a fresh tensor per piece (``norm_fresh``) vs through one reused buffer (``norm_reused``,
 ``local_sq_norm``); and a step's reads of gradients parked in host-resident parameter shards (``offload_param``,
 [Note: parked grads]): copied into a staging buffer and then converted (``parked_copy_convert``) vs converted
 straight from the shards (``parked_convert_into``). Each figure is the median of ``--reps`` runs after one
@@ -23,32 +23,41 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deepspeed._core.grads.accumulator import KEPT_CHUNKS, ChunkedGradShard
+from deepspeed._core.grads.convert import convert_scaled
+from deepspeed._core.grads.parked import Parked, ParkedWindow
 from deepspeed._core.optim.chunked_step import step_in_chunks
+from deepspeed._core.optim.clipping import NORM_CHUNK_NUMEL, local_sq_norm
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+Case = Callable[[], float]
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--numel", type=int, default=128 << 20)
-    ap.add_argument("--chunk", type=int, default=16 << 20)
-    ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
-    n, ch = args.numel, args.chunk
-    torch.manual_seed(0)
+
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _shard(n: int, ch: int) -> ChunkedGradShard:
+    """A bf16 gradient shard of ``n`` elements in chunks of ``ch``, filled with random values."""
+    acc = ChunkedGradShard(n, ch, torch.bfloat16, "cpu")
+    for s in range(0, n, ch):
+        acc.add_(s, torch.randn(min(ch, n - s)).bfloat16())
+    return acc
+
+
+def step_cases(n: int, ch: int) -> dict[str, Case]:
+    """A whole fp32 gradient handed to ``DeepSpeedCPUAdam`` against the chunked step over a bf16 shard."""
     master = torch.nn.Parameter(torch.randn(n), requires_grad=False)
     opt = DeepSpeedCPUAdam([master], lr=1e-3)
-
-    def shard() -> ChunkedGradShard:
-        acc = ChunkedGradShard(n, ch, torch.bfloat16, "cpu")
-        for s in range(0, n, ch):
-            acc.add_(s, torch.randn(min(ch, n - s)).bfloat16())
-        return acc
 
     def plain() -> float:
         g = torch.randn(n)
@@ -60,14 +69,18 @@ def main() -> None:
         return time.perf_counter() - t
 
     def chunked() -> float:
-        acc = shard()
-        t = time.perf_counter()
-        step_in_chunks(opt, 0, acc, ch, 0.5, consume=True)
-        return time.perf_counter() - t
+        acc = _shard(n, ch)
+        return _timed(lambda: step_in_chunks(opt, 0, acc, ch, 0.5, consume=True))
+
+    return {"plain": plain, "chunked": chunked}
+
+
+def convert_cases(n: int, ch: int) -> dict[str, Case]:
+    """Conversions of the bf16 chunks to fp32: fresh tensors against one reused buffer; one chunk scaled in one
+    pass against block by block; one backward's folds into fresh against kept chunks."""
 
     def convert(reuse: bool) -> float:
-        acc = shard()
-        buf = torch.empty(ch)
+        acc, buf = _shard(n, ch), torch.empty(ch)
         t = time.perf_counter()
         for s in range(0, n, ch):
             w = acc.window(s, min(s + ch, n))
@@ -76,87 +89,74 @@ def main() -> None:
         return time.perf_counter() - t
 
     kept = ChunkedGradShard(n, ch, torch.bfloat16, "cpu", KEPT_CHUNKS)
-    incoming = torch.randn(ch).bfloat16()
+    incoming, src, out = torch.randn(ch).bfloat16(), torch.randn(ch).bfloat16(), torch.empty(ch)
 
     def fill(shard: ChunkedGradShard) -> float:
-        """One backward's worth of folds into a bf16 shard, then the window ends."""
-        t = time.perf_counter()
-        for s in range(0, n, ch):
-            shard.add_(s, incoming[: min(ch, n - s)])
-        elapsed = time.perf_counter() - t
+        elapsed = _timed(lambda: [shard.add_(s, incoming[: min(ch, n - s)]) for s in range(0, n, ch)])
         shard.reset()
         return elapsed
 
-    from deepspeed._core.grads import convert as convert_mod
-
-    src_chunk, out_chunk = torch.randn(ch).bfloat16(), torch.empty(ch)
-
-    def convert_scale(block: int) -> float:
-        """One chunk converted to fp32 and scaled: whole (two memory passes) or block by block (cached)."""
-        saved, convert_mod.CONVERT_BLOCK_NUMEL = convert_mod.CONVERT_BLOCK_NUMEL, block
-        try:
-            t = time.perf_counter()
-            convert_mod.convert_scaled(out_chunk, src_chunk, 0.5)
-            return time.perf_counter() - t
-        finally:
-            convert_mod.CONVERT_BLOCK_NUMEL = saved
-
-    from deepspeed._core.optim.clipping import NORM_CHUNK_NUMEL, local_sq_norm
-
-    norm_shard = shard()
-
-    def norm(reused: bool) -> float:
-        """Sum of squares of the bf16 shard: ``local_sq_norm`` (one reused, cache-sized upcast buffer) vs a
-        fresh fp32 tensor per 8M-element piece (what it did before)."""
-        chunks = norm_shard.allocated()
-        t = time.perf_counter()
-        if reused:
-            local_sq_norm(chunks)
-        else:
-            total = torch.zeros(())
-            for c in chunks:
-                for start in range(0, c.numel(), NORM_CHUNK_NUMEL):
-                    piece = c[start : start + NORM_CHUNK_NUMEL].float()
-                    total += torch.dot(piece, piece)
-        return time.perf_counter() - t
-
-    from types import SimpleNamespace
-
-    from deepspeed._core.grads.parked import Parked, ParkedWindow
-
-    region_numel = 4 << 20  # about one 3B-model matrix per region
-    parked_regions = [
-        Parked(SimpleNamespace(shard=torch.randn(min(region_numel, n - o)).bfloat16(), ds_id=o), 0, o)
-        for o in range(0, n, region_numel)
-    ]
-    empty_acc = ChunkedGradShard(n, ch, torch.bfloat16, "cpu")
-    staging = [torch.empty(ch, dtype=torch.bfloat16) for _ in range(2)]
-
-    def parked(direct: bool) -> float:
-        window = ParkedWindow(empty_acc, parked_regions, staging, ch, n)
-        t = time.perf_counter()
-        for s in range(0, n, ch):
-            e = min(s + ch, n)
-            if direct:
-                window.convert_into(s, e, out_chunk[: e - s], 0.5)
-            else:
-                convert_mod.convert_scaled(out_chunk[: e - s], window.window(s, e), 0.5)
-        return time.perf_counter() - t
-
-    cases = {
-        "parked_copy_convert": lambda: parked(False),
-        "parked_convert_into": lambda: parked(True),
-        "plain": plain,
-        "chunked": chunked,
-        "norm_fresh": lambda: norm(False),
-        "norm_reused": lambda: norm(True),
-        "convert_scale_whole": lambda: convert_scale(1 << 62),
-        "convert_scale_blocked": lambda: convert_scale(convert_mod.CONVERT_BLOCK_NUMEL),
+    return {
+        "convert_scale_whole": lambda: _timed(lambda: out.copy_(src).mul_(0.5)),
+        "convert_scale_blocked": lambda: _timed(lambda: convert_scaled(out, src, 0.5)),
         "convert_fresh": lambda: convert(False),
         "convert_reused": lambda: convert(True),
         "fill_fresh": lambda: fill(ChunkedGradShard(n, ch, torch.bfloat16, "cpu")),
         "fill_kept": lambda: fill(kept),
     }
+
+
+def norm_cases(n: int, ch: int) -> dict[str, Case]:
+    """Sum of squares of the bf16 shard: ``local_sq_norm`` (one reused, cache-sized upcast buffer) against a
+    fresh fp32 tensor per 8M-element piece."""
+    chunks = _shard(n, ch).allocated()
+
+    def fresh() -> None:
+        total = torch.zeros(())
+        for c in chunks:
+            for start in range(0, c.numel(), NORM_CHUNK_NUMEL):
+                piece = c[start : start + NORM_CHUNK_NUMEL].float()
+                total += torch.dot(piece, piece)
+
+    return {"norm_fresh": lambda: _timed(fresh), "norm_reused": lambda: _timed(lambda: local_sq_norm(chunks))}
+
+
+def parked_cases(n: int, ch: int) -> dict[str, Case]:
+    """A step's reads of gradients parked in host-resident parameter shards: staged then converted, against
+    converted straight from the shards."""
+    region_numel = 4 << 20  # about one 3B-model matrix per region
+    regions = [
+        Parked(SimpleNamespace(shard=torch.randn(min(region_numel, n - o)).bfloat16(), ds_id=o), 0, o)
+        for o in range(0, n, region_numel)
+    ]
+    empty_acc = ChunkedGradShard(n, ch, torch.bfloat16, "cpu")
+    staging = [torch.empty(ch, dtype=torch.bfloat16) for _ in range(2)]
+    out = torch.empty(ch)
+
+    def parked(direct: bool) -> float:
+        window = ParkedWindow(empty_acc, regions, staging, ch, n)
+        t = time.perf_counter()
+        for s in range(0, n, ch):
+            e = min(s + ch, n)
+            if direct:
+                window.convert_into(s, e, out[: e - s], 0.5)
+            else:
+                convert_scaled(out[: e - s], window.window(s, e), 0.5)
+        return time.perf_counter() - t
+
+    return {"parked_copy_convert": lambda: parked(False), "parked_convert_into": lambda: parked(True)}
+
+
+def main() -> None:
+    """Time every case (see the module docstring) and print one JSON line."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=128 << 20)
+    ap.add_argument("--chunk", type=int, default=16 << 20)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    n, ch = args.numel, args.chunk
+    torch.manual_seed(0)
+    cases = {**parked_cases(n, ch), **step_cases(n, ch), **norm_cases(n, ch), **convert_cases(n, ch)}
     out = {"numel": n, "chunk": ch, "threads": torch.get_num_threads(), "torch": torch.__version__}
     for name, fn in cases.items():
         fn()

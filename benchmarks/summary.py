@@ -1,18 +1,18 @@
-"""One machine-readable summary of benchmark runs: raw JSON-lines records -> ``summary.json`` rows.
+"""The current record of the benchmarks: raw JSON-lines records -> ``results/summary.json``.
 
-    python benchmarks/summary.py benchmarks/results --out benchmarks/results/summary.json   # every committed run
-    python benchmarks/summary.py DIR/results.jsonl --run-name NAME --out DIR/summary.json     # one run
+    python benchmarks/summary.py                          # regenerate results/summary.json from results/*.jsonl
+    python benchmarks/summary.py --add OUT/results.jsonl  # fold a new run into the record, then regenerate
 
-Each row is ``{"scenario", "engine", "run", "step_s", "peak_alloc_gib", "peak_reserved_gib",
-"reserved_after_init_gib", "alloc_after_init_gib", "tokens_per_s"}`` (``ROW_KEYS``), figures null where the record
-did not measure them (or the configuration did not run). ``engine`` is ``ours`` (lean-off rows too: their scenario
-name ends in ``_leanoff``), ``fsdp2`` or ``upstream``; ``run`` is the results file it came from, relative to the
-results folder and without ``.jsonl`` (``gpu_run15``, ``s3_solo/gpu_run16_s3_solo``). The scenario name is a
-function of the record's configuration only (``scenario_name``; the table of parts is in benchmarks/README.md),
-so the engines measured on one configuration share it and a row can be matched across runs.
+``results/`` holds one raw file per scenario family (``s1.jsonl``, ``s3.jsonl``, ...) with the latest record of
+every configuration and engine; each record carries its provenance: ``measured_on`` (the card), ``measured_at``
+(the date) and ``command`` (the ``run_all.py`` command line that measures it again). ``--add`` replaces, per
+scenario row and engine, the stored record by the new one; older measurements live in the git history only.
 
-Within one file a later record of the same configuration replaces an earlier one (a re-run layered over a run,
-as ``report.py`` does); two different configurations that would get the same name are an error, never merged.
+``summary.json`` is ``{"methods": {family: what is measured}, "rows": [...]}``; a row is ``ROW_KEYS``: the scenario
+name (``scenario_name``: a function of the configuration only, so the engines measured on one configuration share
+it), the engine (``ours``, ``fsdp2``, ``upstream`` or ``plain``; this package's runs with its memory switches off
+are named ``..._leanoff``), the figures (null where the record does not measure one), the model-state floor of the
+configuration (``floors.py``), and the provenance of the record.
 """
 
 from __future__ import annotations
@@ -23,23 +23,27 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from floors import floor_gib
+
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
+SUMMARY = RESULTS / "summary.json"
+FIGURES = ("step_s", "peak_alloc_gib", "peak_reserved_gib", "reserved_after_init_gib", "alloc_after_init_gib")
 ROW_KEYS = (
     "scenario",
+    "family",
     "engine",
-    "run",
-    "step_s",
-    "peak_alloc_gib",
-    "peak_reserved_gib",
-    "reserved_after_init_gib",
-    "alloc_after_init_gib",
+    *FIGURES,
     "tokens_per_s",
+    "floor_gib",
+    "measured_on",
+    "measured_at",
+    "command",
 )
-ENGINES = ("ours", "fsdp2", "upstream")
+ENGINES = ("ours", "fsdp2", "upstream", "plain")
 # Implementation names of the records -> engine. ``before`` (init_paths.py: an older copy of this package, kept to
 # show what a change replaced) is history, not an engine to compare, and gets no row.
-_ENGINE_OF = {"ours": "ours", "ours_leanoff": "ours", "fsdp2": "fsdp2", "upstream": "upstream"}
+_ENGINE_OF = {"ours": "ours", "ours_leanoff": "ours", "fsdp2": "fsdp2", "upstream": "upstream", "plain": "plain"}
 # Record ``scenario`` (or, for init_paths.py, the presence of ``config``) -> name prefix.
 PREFIX = {
     "s1": "s1",
@@ -50,6 +54,27 @@ PREFIX = {
     "moe": "moe",
     "memory_options": "memopt",
     "init_paths": "init",
+}
+# What each family measures (summary.json's ``methods``; docs/benchmarks.md prints them).
+METHODS = {
+    "s1": "GPT-shaped 1.3B decoder built on the device; after a warm-up step, one measured optimizer step of GAS "
+    "micro-batches of 2048 tokens (forward and backward each); peak = allocator peak over that step; step = its "
+    "wall time.",
+    "s2": "GPT-shaped 2.6B decoder built on the device in bf16 (FSDP2: fp32); peak = allocator peak during "
+    "deepspeed.initialize (FSDP2: fully_shard and the optimizer's creation); no step is timed.",
+    "s3": "Qwen2-shaped decoder (3.09B or 7.62B), activation checkpointing in every layer, the ZeRO config HF "
+    "Trainer's 'auto' resolves to; warm-up steps (two, one when offloaded), then a measured step (its peak is the "
+    "figure) and more timed steps (step = median).",
+    "throughput": "GPT-shaped 1.3B decoder, 2048 tokens per step, 2 warm-up and 5 timed steps; step = median, "
+    "peak over the timed steps.",
+    "init_paths": "Qwen2-shaped 3.09B decoder built outside deepspeed.initialize (on the host or the device); "
+    "peak = allocator peak during initialize.",
+    "memory_options": "Memory options of ZeRO (16-bit optimizer states, torch.compile); median step and peak "
+    "over the timed steps.",
+    "moe": "Mixture-of-experts decoder (8 layers, hidden 1024, 8 experts, top-2 routing), ZeRO-2 with expert "
+    "parallelism; median step and peak over the timed steps.",
+    "pipeline": "Pipeline-parallel GPT-shaped decoder (24 layers, hidden 2048) on two stages, ZeRO-1; per stage: "
+    "peak and step over the timed steps.",
 }
 # ZeRO stage of scenarios whose records do not carry one (moe.py runs ZeRO-2, the pipeline ZeRO-1).
 _DEFAULT_STAGE = {"moe": 2, "pipeline": 1}
@@ -71,8 +96,8 @@ _MOE_SHAPES = {
 }
 # init_paths.py's configurations: ZeRO stage, training dtype, offload and where the model was built.
 _INIT_CONFIGS = {
-    "report3_bf16": {"stage": 3, "dtype": "bf16", "offload": True, "build": "host"},
-    "report3_fp32": {"stage": 3, "dtype": "fp32", "offload": True, "build": "host"},
+    "host_offload_s3": {"stage": 3, "dtype": "bf16", "offload": True, "build": "host"},
+    "host_offload_s3_fp32": {"stage": 3, "dtype": "fp32", "offload": True, "build": "host"},
     "host_s1": {"stage": 1, "dtype": "bf16", "build": "host"},
     "host_s2": {"stage": 2, "dtype": "bf16", "build": "host"},
     "host_s3": {"stage": 3, "dtype": "bf16", "build": "host"},
@@ -139,7 +164,7 @@ def _variant(r: dict, kind: str) -> list[str]:
         parts.append("compiled" if r.get("compiled") else "eager")
     if kind == "init_paths":
         parts.append(f"built{r.get('build')}")
-    if kind == "s3" and r.get("tag"):  # an A/B variant of single switches (spec "zero" + "tag")
+    if r.get("tag"):  # a named variant of the runner (``--variant NAME=...``)
         parts.append(str(r["tag"]))
     if kind in ("s3", "throughput") and bool(
         r.get("checkpoint_reentrant", _default_reentrant(r))
@@ -166,7 +191,7 @@ def scenario_name(record: dict) -> str | None:
         shape = r.get("model") if isinstance(r.get("model"), dict) else {}
         parallel = f"pp{shape.get('stages', 2)}_stage{r.get('stage')}"
     else:
-        stage = 3 if r.get("impl") == "fsdp2" else r.get("stage", _DEFAULT_STAGE.get(kind))
+        stage = 3 if r.get("impl") in ("fsdp2", "plain") else r.get("stage", _DEFAULT_STAGE.get(kind))
         parallel = f"zero{stage}"
     parts = [PREFIX[kind], model_part(model), parallel]
     if r.get("dtype") and r.get("dtype") != "bf16":
@@ -187,8 +212,19 @@ def scenario_name(record: dict) -> str | None:
     return "_".join(parts)
 
 
+def family(r: dict) -> str | None:
+    """The scenario family of a record (its raw file's name), or None when it is not an engine measurement."""
+    return _kind(r)
+
+
 def _num(x: object) -> float | None:
     return round(float(x), 6) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def every_step_skipped(r: dict) -> bool:
+    """A run whose every step was skipped (on the simulated group the collectives' outputs are uninitialised and
+    can trip an overflow check) never built optimizer state: its memory figures are not comparable."""
+    return bool(r.get("skipped_steps")) and r["skipped_steps"] >= int(r.get("warmup_steps") or 0) + 1
 
 
 def figures(record: dict) -> dict:
@@ -198,9 +234,9 @@ def figures(record: dict) -> dict:
     ``median_step_s``, pipeline ``step_s``; S2 and init_paths time no step. Peaks: the scenario's measured window
     (one optimizer step; S2 and init_paths: ``initialize``). tokens/s: the record's, else tokens per step / step.
     """
-    out = {k: None for k in ROW_KEYS[3:]}
+    out: dict = {k: None for k in (*FIGURES, "tokens_per_s", "floor_gib")}
     r, kind = _config(record), _kind(record)
-    if r.get("status") != "ok":
+    if r.get("status") != "ok" or every_step_skipped(r):
         return out
     mem = r.get("memory_gib") if isinstance(r.get("memory_gib"), dict) else {}
     step = next((r[k] for k in ("step_time_s", "median_step_s", "step_s") if _num(r.get(k)) is not None), None)
@@ -211,6 +247,7 @@ def figures(record: dict) -> dict:
     else:
         out["peak_alloc_gib"] = _num(r.get("peak_alloc_gib", mem.get("peak_alloc")))
         out["peak_reserved_gib"] = _num(r.get("peak_reserved_gib", mem.get("peak_reserved")))
+        out["floor_gib"] = _num(floor_gib(r)) if kind in ("s1", "s3", "throughput") else None
     out["reserved_after_init_gib"] = _num(r.get("reserved_after_init_gib"))
     out["alloc_after_init_gib"] = _num(r.get("alloc_after_init_gib"))
     tps = _num(r.get("tokens_per_s"))
@@ -220,52 +257,11 @@ def figures(record: dict) -> dict:
     return out
 
 
-def _identity(r: dict) -> str:
-    """Everything about a record's configuration that ``scenario_name`` may read, normalised as it reads it (same
-    identity: a re-run of one configuration, which replaces the earlier record)."""
-    c = _config(r)
-    keys = (
-        "scenario",
-        "config",
-        "impl",
-        "stage",
-        "dtype",
-        "gas",
-        "world_size",
-        "micro_batch",
-        "seq",
-        "group",
-        "bf16_states",
-        "compiled",
-        "build",
-        "tag",
-    )
-    ident: dict = {k: c.get(k) for k in keys}
-    ident["model"] = model_part(c.get("model_cfg") if _kind(c) == "moe" else c.get("model"))
-    ident["offload"], ident["offload_param"] = bool(c.get("offload")), bool(c.get("offload_param"))
-    ident["reentrant"] = bool(c.get("checkpoint_reentrant", _default_reentrant(c)))
-    ident["tokens"] = tokens_per_micro_step(c)
-    return json.dumps(ident, sort_keys=True, default=str)
-
-
-def rows_of(records: Iterable[dict], run: str) -> list[dict]:
-    """Summary rows of one run's records, sorted by scenario name (numbers by value) then engine (ours, fsdp2,
-    upstream)."""
-    by_identity: dict[str, tuple[str, dict]] = {}
-    for rec in records:
-        name = scenario_name(rec)
-        if name is not None:
-            by_identity[_identity(rec)] = (name, rec)  # later records of one configuration replace earlier ones
-    rows: dict[tuple[str, str], dict] = {}
-    for ident, (name, rec) in by_identity.items():
-        engine = _ENGINE_OF[rec["impl"]]
-        if (name, engine) in rows:
-            raise ValueError(
-                f"{run}: two configurations are both named {name!r} ({engine}); the naming in "
-                f"summary.scenario_name must tell them apart: {ident}"
-            )
-        rows[(name, engine)] = {"scenario": name, "engine": engine, "run": run, **figures(rec)}
-    return [rows[k] for k in sorted(rows, key=lambda k: (_natural(k[0]), ENGINES.index(k[1])))]
+def row_of(record: dict) -> dict:
+    """The summary row of one named record."""
+    provenance = {k: record.get(k) for k in ("measured_on", "measured_at", "command")}
+    name, kind = scenario_name(record), _kind(record)
+    return {"scenario": name, "family": kind, "engine": _ENGINE_OF[record["impl"]], **figures(record), **provenance}
 
 
 def _natural(name: str) -> list:
@@ -273,14 +269,22 @@ def _natural(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def run_name(path: Path, root: Path = RESULTS) -> str:
-    """``benchmarks/results/s3_solo/gpu_run16_s3_solo.jsonl`` -> ``s3_solo/gpu_run16_s3_solo``; a file outside
-    ``root``: its stem."""
-    path = Path(path).resolve()
-    try:
-        return path.relative_to(Path(root).resolve()).with_suffix("").as_posix()
-    except ValueError:
-        return path.stem
+def _key(row: dict) -> tuple:
+    return (_natural(row["scenario"]), ENGINES.index(row["engine"]))
+
+
+def latest(records: Iterable[dict]) -> dict[tuple[str, str], dict]:
+    """Per (scenario name, engine): the record measured last (a later one of equal date wins, so a file's order
+    decides among records of one day)."""
+    out: dict[tuple[str, str], dict] = {}
+    for rec in records:
+        name = scenario_name(rec)
+        if name is None:
+            continue
+        key = (name, _ENGINE_OF[rec["impl"]])
+        if key not in out or str(rec.get("measured_at", "")) >= str(out[key].get("measured_at", "")):
+            out[key] = rec
+    return out
 
 
 def read_records(path: Path) -> list[dict]:
@@ -288,60 +292,58 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def expand(paths: Iterable[Path]) -> list[Path]:
-    """Files as given; a folder stands for every ``*.jsonl`` under it, sorted by path."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        out += sorted(p.rglob("*.jsonl"), key=lambda f: f.relative_to(p).as_posix()) if p.is_dir() else [p]
-    return out
+def stored(results: Path = RESULTS) -> list[dict]:
+    """Every record of the committed raw files, in file-name order."""
+    return [r for p in sorted(Path(results).glob("*.jsonl")) for r in read_records(p)]
 
 
-def summarize(paths: Iterable[Path], root: Path = RESULTS, runs: Iterable[str] | None = None) -> list[dict]:
-    """Rows of every file (a folder: its ``*.jsonl`` files), in the order given; ``runs`` names them (default:
-    ``run_name``)."""
-    paths = expand(paths)
-    names = list(runs) if runs is not None else [run_name(p, root) for p in paths]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two results files have the same run name: {names}")
-    return [row for p, name in zip(paths, names, strict=True) for row in rows_of(read_records(p), name)]
+def rows(records: Iterable[dict]) -> list[dict]:
+    """The summary rows of ``records`` (latest per row), sorted by scenario name then engine."""
+    return sorted((row_of(r) for r in latest(records).values()), key=_key)
 
 
-def dumps(rows: list[dict]) -> str:
-    """summary.json's text: a JSON list, one row per line (diffs stay readable)."""
-    return "[\n" + ",\n".join(json.dumps({k: row[k] for k in ROW_KEYS}) for row in rows) + "\n]\n"
+def dumps(summary_rows: list[dict]) -> str:
+    """summary.json's text: the methods, then one row per line (diffs stay readable)."""
+    used = sorted({r["family"] for r in summary_rows})
+    methods = ",\n".join(f"  {json.dumps(k)}: {json.dumps(METHODS[k])}" for k in used)
+    body = ",\n".join("  " + json.dumps({k: row[k] for k in ROW_KEYS}) for row in summary_rows)
+    return '{\n"methods": {\n' + methods + '\n},\n"rows": [\n' + body + "\n]\n}\n"
 
 
-def write(rows: list[dict], out: Path) -> None:
-    """Write ``rows`` to ``out`` as ``dumps`` formats them."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(dumps(rows))
+def add(records: list[dict], results: Path = RESULTS) -> int:
+    """Fold new records into the raw files: each named record replaces the stored one of its row and engine.
+    Returns how many records were stored."""
+    new = latest(r for r in records if r.get("status") == "ok" and not every_step_skipped(r))
+    by_family: dict[str, list[dict]] = {}
+    for rec in stored(results):
+        by_family.setdefault(str(_kind(rec)), []).append(rec)
+    for key, rec in new.items():
+        kind = str(_kind(rec))
+        kept = [r for r in by_family.get(kind, []) if (scenario_name(r), _ENGINE_OF.get(r.get("impl", ""))) != key]
+        by_family[kind] = [*kept, rec]
+    for kind, recs in by_family.items():
+        (Path(results) / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return len(new)
 
 
-def write_run(records: list[dict], out: Path, run: str) -> Path | None:
-    """``run_all.py``'s hook: the rows of one run's records to ``out``; None (and a line on stdout) when two of its
-    configurations clash (the records are on disk already: a naming problem must not cost the run's report)."""
-    try:
-        write(rows_of(records, run), out)
-    except ValueError as exc:
-        print(f"{out.name} not written: {exc}", flush=True)
-        return None
+def write(results: Path = RESULTS) -> Path:
+    """Regenerate ``summary.json`` from the raw files in ``results``."""
+    out = Path(results) / "summary.json"
+    out.write_text(dumps(rows(stored(results))))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("jsonl", nargs="+", type=Path, help="results files, or folders (every *.jsonl under them)")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--root", type=Path, default=RESULTS, help="run names are file paths relative to this folder")
-    ap.add_argument("--run-name", default="", help="name of the run (one input file only; default: from its path)")
+    ap.add_argument("--add", nargs="*", type=Path, default=[], help="results.jsonl files of new runs to fold in")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the folder of the record")
     a = ap.parse_args(argv)
-    files = expand(a.jsonl)
-    if a.run_name and len(files) != 1:
-        ap.error("--run-name takes exactly one input file")
-    rows = summarize(files, a.root, [a.run_name] if a.run_name else None)
-    write(rows, a.out)
-    print(f"{a.out}: {len(rows)} rows from {len(files)} file(s)")
+    if a.add:
+        count = add([r for p in a.add for r in read_records(p)], a.results)
+        print(f"{count} records folded into {a.results}")
+    out = write(a.results)
+    print(f"{out}: {len(json.loads(out.read_text())['rows'])} rows")
     return 0
 
 

@@ -2,13 +2,11 @@
 # Client checks on one CUDA GPU, results into $OUT: the CUDA-context check after `import deepspeed`, then
 # Lightning's Trainer with strategy="deepspeed_stage_2" and "deepspeed_stage_3" (the image must ship lightning).
 #   OUT=results/clients bash benchmarks/clients/run_gpu.sh [--smoke]
-# On a machine without a package index, install the wheels listed in benchmarks/carried_wheels.sh first (it does so
-# when .whl_upstream/ is present).
+# On a machine without a package index: bash benchmarks/device_run.sh benchmarks/clients/run_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/clients_out}
 mkdir -p "$OUT"
-if [ -d .whl_upstream ]; then source benchmarks/carried_wheels.sh; install_site_wheels . > "$OUT/wheels.txt" 2>&1; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}${BENCH_EXTRA_SITE:+:$BENCH_EXTRA_SITE}" PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 python3 benchmarks/clients/cuda_import_check.py --out "$OUT" "$@" > "$OUT/cuda_import_check.txt" 2>&1

@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# Device call on several GPUs of one host (kinds nvidia-h200-x2/-x4/-x8, carry .whl_upstream): parity of ZeRO
+# On several GPUs of one host (through benchmarks/device_run.sh, which installs the carried wheels): parity of ZeRO
 # stages 0-3 over NCCL through our launcher at every world size in 2, 4, 8 that the machine has, then the
 # GPU-marked tests (real streams: release under a lagging compute stream, the CUDA kernels, offload transfers).
 # Results under $OUT (parity_nccl_ws<W>.jsonl, parity_log_ws<W>.txt, gpu_tests.txt, env.txt).
-#   bash benchmarks/multigpu/run_multi.sh [MAX_GPUS]      (default: every visible GPU)
+#   bash benchmarks/device_run.sh benchmarks/multigpu/run_multi.sh [MAX_GPUS]      (default: every visible GPU)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/multi_out}
 mkdir -p "$OUT"
-source benchmarks/carried_wheels.sh
-install_site_wheels . || exit 1
-# NVLink multicast stays off (device README); the launcher passes the environment to every rank.
+# NVLink multicast stays off; the launcher passes the environment to every rank.
 export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     TORCH_EXTENSIONS_DIR=/tmp/torch_ext PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -3,7 +3,7 @@
 Three groups (``--only bf16,offload,compile``; all by default), every configuration in its own worker process run
 alone on the GPU (so step times are solo timings), for ``ours`` and ``upstream``:
 
-* ``bf16``: S1's model (``gpt1.3b``, ZeRO-2, bf16, GAS 1, checkpointing per block, report 1's config and client
+* ``bf16``: S1's model (``gpt1.3b``, ZeRO-2, bf16, GAS 1, checkpointing per block, S1's config and client
   AdamW) with fp32 master weights and optimizer states, then with ``bf16.bf16_master_weights_and_grads`` +
   ``bf16.bf16_optimizer_states``: peak allocated / reserved over one optimizer step after a warm-up step, and the
   step time (median of 3). Target: the bf16-state peak <= 0.65x the fp32-state peak at equal or better step time.

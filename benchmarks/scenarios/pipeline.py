@@ -1,4 +1,4 @@
-"""Pipeline parallelism, report 1's configuration: memory per stage against gradient accumulation, ours vs upstream.
+"""Pipeline parallelism, S1's model: memory per stage against gradient accumulation, ours vs upstream.
 
     python benchmarks/scenarios/pipeline.py --out DIR                 # GPU: ours and upstream, GAS 1, 2, 4, 8, 16
     python benchmarks/scenarios/pipeline.py --out DIR --smoke         # CPU, seconds: a tiny model, ours only
@@ -26,8 +26,8 @@ an implementation's share of it, and whatever finished is written.
 
 Outputs in ``--out`` (five files): ``pipeline.jsonl`` (one record per stage, implementation and G; failures and
 ``not_run`` included), ``pipeline_summary.json`` and ``pipeline_summary.md`` (the targets below, per
-implementation), ``pipeline_workers_log.txt`` (every worker's log tail); ``device_pipeline.sh`` adds ``env.txt``
-and ``stdout.txt``.
+implementation), ``pipeline_workers_log.txt`` (every worker's log tail); ``device_run.sh --scenario pipeline`` adds
+``env.txt`` and ``stdout.txt``.
 
 Targets (see docs/pipeline.md): last stage ``peak(G) - peak(1)`` within one reduce bucket (5e8 fp16 elements);
 first stage ``peak(G) - peak(1) <= (min(P, G) - 1) x`` one micro-batch's activations (analytic: the checkpointed

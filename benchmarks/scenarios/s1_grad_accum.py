@@ -1,4 +1,4 @@
-"""S1, user report 1: does peak memory grow with gradient accumulation?
+"""S1: does peak memory grow with gradient accumulation?
 
 One worker = one (implementation, ZeRO stage, dtype, GAS, world size). Protocol:
 1. build the model on the GPU in its working dtype, wrap it (``deepspeed.initialize`` / ``fully_shard``);

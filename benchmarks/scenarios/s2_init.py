@@ -1,10 +1,10 @@
-"""S2, user report 2: what does initialisation cost in device memory, reserved memory, host memory and time?
+"""S2: what does initialisation cost in device memory, reserved memory, host memory and time?
 
 One worker = one (implementation, ZeRO stage, world size). The model (a 2-6 GB bf16 decoder) is built directly
 on the GPU in bf16 before the clock starts (FSDP2: in fp32, its parameter dtype); then we reset the peak
 counters and time ``deepspeed.initialize`` (or ``fully_shard`` + optimizer construction) while a thread samples
 the process's resident set size. Recorded: device peak during initialise, allocated and reserved right after,
-reserved − allocated (the memory the allocator keeps but nobody uses: report 2's doubled reservation), host RSS
+reserved − allocated (the memory the allocator keeps but nobody uses), host RSS
 growth (end and peak), wall time. Then one training step shows where the first step starts from.
 """
 

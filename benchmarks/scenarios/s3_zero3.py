@@ -1,4 +1,4 @@
-"""S3, user report 3: ZeRO-3 memory: peak, gathered layers alive at once, deferred frees, host memory, step time.
+"""S3: ZeRO-3 memory: peak, gathered layers alive at once, deferred frees, host memory, step time.
 
 One worker = one (implementation, model, world size, offload). Model: a Qwen2-shaped decoder with random weights
 (``models.py``: ``qwen2-3b`` 3.09 B, ``qwen2.5-7b`` 7.62 B, ``quick-qwen`` for CPU), sequence 512, micro-batch 1,
@@ -9,9 +9,8 @@ DeepSpeed config: what HF Trainer's ``"auto"`` resolves
 to (``_harness.hf_auto_config``), optimizer offloaded to pinned CPU memory with ``spec["offload"]`` (parameters
 too with ``spec["offload_param"]``, ours only); ``spec["stage"] = 2`` is the ZeRO-2 comparison row. FSDP2:
 ``fully_shard`` per decoder layer and on the root (``baselines/fsdp2.py``), ``CPUOffloadPolicy(pin_memory=True)``
-when offloaded. A/B switches of ours (each needs a ``tag``): ``spec["host_step"]`` decides every step on the host
-(the behaviour before the device-decided step); ``spec["bucket_sized_step_chunks"]`` sizes the optimizer's step
-chunks from the reduce bucket alone (the behaviour before they grew with the master). ``impl`` ``"plain"`` is the
+when offloaded. ``spec["zero"]`` merges config keys into ``zero_optimization`` (an A/B of a documented switch, with
+``spec["tag"]`` naming the variant: ``run_all.py --variant``). ``impl`` ``"plain"`` is the
 speed floor of ``baselines/plain.py`` (the bare bf16 model under torch AdamW, one rank). At N > 1 (PyTorch's fake
 group, rank 0 of N) the DeepSpeed models are built inside ``deepspeed.zero.Init`` and FSDP2's on the meta device, so
 the full model never exists on the rank.
@@ -59,6 +58,7 @@ from _harness import (
     sync,
     worker_main,
 )
+from floors import bytes_per_param
 from models import MODELS, build_model, decoder_layers, random_batch, with_seq
 
 REPO = Path(__file__).resolve().parents[2]
@@ -345,22 +345,11 @@ def _traced_step(step: Any, spec: dict, unit_bytes: int, module: torch.nn.Module
 
 # ----------------------------------------------------------------------------------------------- floors
 def floors(spec: dict, params: int, hidden: int, layer_params: int) -> dict:
-    """Per-rank model-state floors (memory_targets.md) in GiB, and the working-set figures."""
+    """Per-rank model-state floors (``floors.py``) in GiB, and the working-set figures."""
     n = int(spec.get("world_size", 1))
-    stage = _stage(spec)
+    stage = None if spec["impl"] in ("fsdp2", "plain") else _stage(spec)
     offload, offload_param = bool(spec.get("offload")), bool(spec.get("offload_param"))
-    if spec["impl"] == "fsdp2":
-        dev_b, host_b = (0.0, 16.0 / n) if offload else (16.0 / n, 0.0)
-    elif spec["impl"] == "plain":
-        dev_b, host_b = 8.0, 0.0  # bf16 weights, gradients and both AdamW moments (torch keeps them in bf16)
-    elif stage == 2:
-        dev_b, host_b = (2.0 + 2.0 / n, 12.0 / n) if offload else (2.0 + 14.0 / n, 0.0)
-    elif offload_param:
-        dev_b, host_b = 2.0 / n, 14.0 / n
-    elif offload:
-        dev_b, host_b = 4.0 / n, 12.0 / n
-    else:
-        dev_b, host_b = 16.0 / n, 0.0
+    dev_b, host_b = bytes_per_param(spec["impl"], stage, n, offload, offload_param)
     return {
         "floor_bytes_per_param": dev_b,
         "floor_gib": dev_b * params / GiB,
@@ -483,18 +472,6 @@ def run(spec: dict) -> dict:
     reentrant = default_checkpoint_reentrant(spec)
     models.CHECKPOINT_USE_REENTRANT = reentrant
     cfg = MODELS[_model(spec)]
-    if spec.get("host_step"):  # A/B of the device-decided step: ours decides every step on the host instead
-        if spec["impl"] != "ours" or not spec.get("tag"):
-            raise ValueError("'host_step' is an A/B of this package's runs and needs a 'tag' naming the variant")
-        from deepspeed._core.optim.sharded import ShardedOptimizer
-
-        ShardedOptimizer._device_step = lambda self, *args: None  # type: ignore[method-assign]
-    if spec.get("bucket_sized_step_chunks"):  # A/B of the master-relative step chunk: the bucket alone sizes it
-        if not spec["impl"].startswith("ours") or not spec.get("tag"):
-            raise ValueError("'bucket_sized_step_chunks' is an A/B of this package's runs and needs a 'tag'")
-        from deepspeed._core.optim import chunked_step
-
-        chunked_step.STEP_CHUNKS_PER_MASTER = 1 << 62  # a master's share never exceeds the minimum
     with RssSampler() as init_rss:
         trainer, module, n_params = _build(spec)
         sync()

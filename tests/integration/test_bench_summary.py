@@ -1,16 +1,15 @@
-"""CPU tests of the benchmark summary (``benchmarks/summary.py``) and of the page generated from it.
+"""CPU tests of the benchmark record (``benchmarks/summary.py``), its page (``benchmarks/report.py``) and the floors.
 
 The committed ``benchmarks/results/summary.json`` must be what ``summary.py`` makes of the committed raw records,
-its rows must carry exactly the documented keys with one row per (scenario, engine, run), the scenario names must
-follow the table in ``benchmarks/README.md``, and ``docs/benchmarks.md`` must be what the report command in
-``benchmarks/results/COMMANDS.txt`` writes from those files, so editing one without regenerating the other fails.
+``docs/benchmarks.md`` what ``report.py`` makes of the summary, every row must say where and when it was measured
+and carry a runner command that reproduces its record's configuration, and the page must speak without internal
+labels.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -23,51 +22,66 @@ RESULTS = BENCH / "results"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import report  # noqa: E402 - importable once BENCH is on sys.path
+import floors  # noqa: E402 - importable once BENCH is on sys.path
+import report  # noqa: E402
+import run_all  # noqa: E402
 import summary  # noqa: E402
 
-KEYS = [
-    "scenario",
-    "engine",
-    "run",
-    "step_s",
-    "peak_alloc_gib",
-    "peak_reserved_gib",
-    "reserved_after_init_gib",
-    "alloc_after_init_gib",
-    "tokens_per_s",
-]
 
-
-def _committed() -> list[dict]:
+def _committed() -> dict:
     return json.loads((RESULTS / "summary.json").read_text())
 
 
-def test_rows_have_exactly_the_keys() -> None:
-    rows = _committed()
-    assert rows, "summary.json is empty"
-    for row in rows:
-        assert list(row) == KEYS, row
-        assert row["engine"] in ("ours", "fsdp2", "upstream"), row
-        assert all(row[k] is None or isinstance(row[k], (int, float)) for k in KEYS[3:]), row
-
-
-def test_scenario_names_unique_per_engine_and_run() -> None:
-    rows = _committed()
-    keys = [(r["scenario"], r["engine"], r["run"]) for r in rows]
-    assert len(set(keys)) == len(keys), [k for k in keys if keys.count(k) > 1]
+def test_rows_have_exactly_the_keys_and_provenance() -> None:
+    data = _committed()
+    assert data["rows"] and set(data["methods"]) == {r["family"] for r in data["rows"]}
+    for row in data["rows"]:
+        assert tuple(row) == summary.ROW_KEYS, row
+        assert row["engine"] in summary.ENGINES, row
+        assert all(row[k] is None or isinstance(row[k], float) for k in summary.FIGURES), row
+        assert row["measured_on"] and re.fullmatch(r"\d{4}-\d\d-\d\d", row["measured_at"]), row
+        assert row["command"].startswith("python benchmarks/run_all.py --scenario "), row
+    keys = [(r["scenario"], r["engine"]) for r in data["rows"]]
+    assert len(set(keys)) == len(keys)
 
 
 def test_committed_summary_is_regenerated_from_the_raw_records() -> None:
-    """summary.json == ``python benchmarks/summary.py benchmarks/results`` (COMMANDS.txt), and every run it names
-    is a results file that is still there."""
-    assert (RESULTS / "summary.json").read_text() == summary.dumps(summary.summarize([RESULTS]))
-    for run in {r["run"] for r in _committed()}:
-        assert (RESULTS / f"{run}.jsonl").exists(), run
-    assert (
-        "python benchmarks/summary.py benchmarks/results --out benchmarks/results/summary.json"
-        in (RESULTS / "COMMANDS.txt").read_text()
-    )
+    assert (RESULTS / "summary.json").read_text() == summary.dumps(summary.rows(summary.stored()))
+    stored = summary.stored()
+    assert len(stored) == len(_committed()["rows"])  # one record per row: the rest is history
+
+
+def test_docs_page_is_up_to_date_and_follows_the_summary() -> None:
+    docs = (REPO / "docs" / "benchmarks.md").read_text()
+    data = _committed()
+    assert report.render(data) == docs, "docs/benchmarks.md is stale: run python benchmarks/report.py"
+    assert docs.count("<!-- figures:begin -->") == 1 and docs.count("<!-- figures:end -->") == 1
+    rows = data["rows"]
+    edited = {**data, "rows": [dict(rows[0], peak_alloc_gib=(rows[0]["peak_alloc_gib"] or 0) + 1.0), *rows[1:]]}
+    assert report.render(edited) != docs
+
+
+def test_docs_page_uses_no_internal_labels() -> None:
+    docs = (REPO / "docs" / "benchmarks.md").read_text()
+    for label in (r"\breport \d", r"\bcalls? \d", r"acceptance", r"\bparked\b", r"fake N=", r"gpu_run", r"diag/"):
+        assert not re.search(label, docs, flags=re.IGNORECASE), label
+    for term in ("Model-state floor", "Simulated world size", "DeepSpeed 0.19.8", "FSDP2"):
+        assert term in docs, term
+
+
+@pytest.mark.parametrize("family", ["s1", "s2", "s3", "throughput"])
+def test_commands_reproduce_the_records(family: str) -> None:
+    """Each stored worker record's command, parsed by the runner, yields a spec with the record's configuration."""
+    for record in summary.read_records(RESULTS / f"{family}.jsonl"):
+        argv = shlex.split(record["command"])[2:]
+        args = run_all.parse_args([a if a != "OUT" else "/tmp/unused" for a in argv])
+        (spec,) = run_all.specs(args)
+        for key in (*run_all.SPEC_KEYS, "impl", "tag"):
+            if key in record and not (key == "trace" and not isinstance(record[key], bool)):
+                want = record[key]
+                if key == "checkpoint_reentrant" and key not in spec:
+                    spec[key] = summary._default_reentrant(spec)
+                assert spec.get(key, want if want in (None, False) else "missing") == want, (key, record["command"])
 
 
 def _s3(impl: str, **extra: object) -> dict:
@@ -80,8 +94,7 @@ def _s3(impl: str, **extra: object) -> dict:
         "gas": 1,
         "world_size": 1,
         "model": "qwen2-3b",
-        "offload": False,
-        "offload_param": False,
+        "params": 3_000_000_000,
         "micro_batch": 4,
         "checkpoint_reentrant": impl == "upstream",
         "status": "ok",
@@ -92,161 +105,73 @@ def _s3(impl: str, **extra: object) -> dict:
         "peak_reserved_gib": 52.0,
         "alloc_after_init_gib": 17.0,
         "reserved_after_init_gib": 18.0,
+        "measured_on": "NVIDIA H200",
+        "measured_at": "2026-12-01",
+        "command": "python benchmarks/run_all.py --scenario s3 --impl x --out OUT",
     }
     return {**rec, **extra}
 
 
 def test_synthetic_records_map_to_the_documented_names() -> None:
-    """The README's examples: the engines of one configuration share its name; each switch adds its part."""
-    for impl in ("ours", "fsdp2", "upstream"):
-        assert summary.scenario_name(_s3(impl)) == "s3_3b_zero3_8192tok", impl
-    assert summary.scenario_name(_s3("ours_leanoff")) == "s3_3b_zero3_8192tok_leanoff"
-    assert summary.scenario_name(_s3("ours", checkpoint_reentrant=True)) == "s3_3b_zero3_8192tok_reentrant"
-    # A configuration that never ran records its spec only: the same name from the spec.
-    spec_only = {
-        k: v
-        for k, v in _s3("ours").items()
-        if k in ("scenario", "impl", "stage", "dtype", "gas", "world_size", "model", "offload", "micro_batch")
-    }
-    assert (
-        summary.scenario_name(
-            dict(spec_only, model="qwen2.5-7b", micro_batch=1, world_size=8, offload=True, status="not_run")
+    for impl in ("ours", "fsdp2", "upstream", "plain"):
+        assert (
+            summary.scenario_name(_s3(impl, stage=None if impl in ("fsdp2", "plain") else 3)) == "s3_3b_zero3_8192tok"
         )
-        == "s3_7b_zero3_512tok_n8_offload"
-    )
+    assert summary.scenario_name(_s3("ours_leanoff")) == "s3_3b_zero3_8192tok_leanoff"
+    assert summary.scenario_name(_s3("ours", tag="blocksoff")) == "s3_3b_zero3_8192tok_blocksoff"
+    assert summary.scenario_name(_s3("ours", checkpoint_reentrant=True)) == "s3_3b_zero3_8192tok_reentrant"
     assert summary.scenario_name(_s3("ours", offload=True, offload_param=True)) == "s3_3b_zero3_8192tok_offload_param"
-    s1 = {
-        "scenario": "s1",
-        "impl": "ours_leanoff",
-        "stage": 2,
-        "dtype": "fp16",
-        "gas": 16,
-        "world_size": 1,
-        "model": "gpt1.3b",
-        "tokens_per_step": 16 * 2048,
-        "status": "ok",
-    }
-    assert summary.scenario_name(s1) == "s1_1.3b_zero2_fp16_2048tok_gas16_leanoff"
-    tp = {
-        "scenario": "throughput",
-        "impl": "upstream",
-        "stage": 3,
-        "dtype": "bf16",
-        "gas": 1,
-        "world_size": 1,
-        "model": "gpt1.3b",
-        "checkpoint_reentrant": True,
-        "model_cfg": {"seq": 2048},
-    }
-    fsdp2 = dict(tp, impl="fsdp2", stage=None, checkpoint_reentrant=False)
-    assert summary.scenario_name(tp) == summary.scenario_name(fsdp2) == "tp_1.3b_zero3_2048tok"
-    assert (
-        summary.scenario_name({"config": "report3_fp32", "impl": "ours", "model": "qwen2-3b"})
-        == "init_3b_zero3_fp32_512tok_offload_builthost"
+    s1 = {"scenario": "s1", "impl": "ours_leanoff", "stage": 2, "dtype": "fp16", "gas": 16, "world_size": 1}
+    assert summary.scenario_name({**s1, "model": "gpt1.3b", "tokens_per_step": 16 * 2048}) == (
+        "s1_1.3b_zero2_fp16_2048tok_gas16_leanoff"
     )
-    assert summary.scenario_name({"config": "report3_fp32", "impl": "before", "model": "qwen2-3b"}) is None
+    assert summary.scenario_name({"config": "host_s3", "impl": "before", "model": "qwen2-3b"}) is None
     assert summary.scenario_name({"backend": "nccl", "stage": 3, "ok": True}) is None  # a parity check
 
 
-def test_distinct_configurations_get_distinct_names() -> None:
-    base = _s3("ours")
-    variants = [
-        base,
-        _s3("ours_leanoff"),
-        _s3("ours", stage=2),
-        _s3("ours", dtype="fp16"),
-        _s3("ours", gas=4, tokens_per_step=4 * 8192),
-        _s3("ours", world_size=8),
-        _s3("ours", offload=True),
-        _s3("ours", offload=True, offload_param=True),
-        _s3("ours", model="qwen2.5-7b"),
-        _s3("ours", micro_batch=1, tokens_per_step=2048),
-        _s3("ours", scenario="s1"),
+def test_figures_floor_and_latest() -> None:
+    """Figures of a record, its floor from floors.py, and the later of two records of one row wins."""
+    row = summary.row_of(_s3("ours"))
+    assert row["step_s"] == 0.5 and row["peak_alloc_gib"] == 50.0 and row["tokens_per_s"] == 16384.0
+    assert row["floor_gib"] == round(16 * 3_000_000_000 / floors.GiB, 6)
+    assert summary.row_of(_s3("ours", status="error"))["peak_alloc_gib"] is None
+    skipped = _s3("ours", skipped_steps=3, warmup_steps=2)
+    assert summary.every_step_skipped(skipped) and summary.row_of(skipped)["peak_alloc_gib"] is None
+    older, newer = _s3("ours", peak_alloc_gib=40.0), _s3("ours", measured_at="2026-12-03")
+    rows = summary.rows([newer, older, _s3("fsdp2")])
+    assert [(r["engine"], r["peak_alloc_gib"], r["measured_at"]) for r in rows] == [
+        ("ours", 50.0, "2026-12-03"),
+        ("fsdp2", 50.0, "2026-12-01"),
     ]
-    names = [summary.scenario_name(v) for v in variants]
-    assert len(set(names)) == len(names), names
 
 
-def test_figures_rerun_and_clash() -> None:
-    """Figures per scenario; a later record of one configuration replaces the earlier one; two configurations
-    that would share a name raise instead of being merged."""
-    rows = summary.rows_of([_s3("ours", status="error"), _s3("ours"), _s3("upstream")], "synthetic")
-    assert [(r["scenario"], r["engine"]) for r in rows] == [
-        ("s3_3b_zero3_8192tok", "ours"),
-        ("s3_3b_zero3_8192tok", "upstream"),
-    ]
-    assert rows[0] == {
-        "scenario": "s3_3b_zero3_8192tok",
-        "engine": "ours",
-        "run": "synthetic",
-        "step_s": 0.5,
-        "peak_alloc_gib": 50.0,
-        "peak_reserved_gib": 52.0,
-        "reserved_after_init_gib": 18.0,
-        "alloc_after_init_gib": 17.0,
-        "tokens_per_s": 16384.0,
-    }
-    failed = summary.rows_of([_s3("ours", status="not_run")], "synthetic")[0]
-    assert all(failed[k] is None for k in KEYS[3:])
-    s2 = {
-        "scenario": "s2",
-        "impl": "upstream",
-        "stage": 1,
-        "dtype": "bf16",
-        "world_size": 1,
-        "model": "gpt2.6b",
-        "status": "ok",
-        "init_peak_alloc_gib": 24.4,
-        "init_peak_reserved_gib": 44.0,
-        "alloc_after_init_gib": 24.4,
-        "reserved_after_init_gib": 44.0,
-        "first_step_peak_alloc_gib": 43.9,
-    }
-    row = summary.rows_of([s2], "synthetic")[0]
-    assert row["scenario"] == "s2_2.6b_zero1_2048tok" and row["peak_alloc_gib"] == 24.4 and row["step_s"] is None
-    # Same tokens from another shape: a different configuration the name cannot tell apart -> an error.
-    with pytest.raises(ValueError, match="s3_3b_zero3_8192tok"):
-        summary.rows_of([_s3("ours"), _s3("ours", micro_batch=2, seq=4096)], "synthetic")
-
-
-def test_run_all_writes_the_summary_of_its_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite's hook: DIR/summary.json holds the rows of DIR/results.jsonl, run named after the folder."""
-    import run_all
-
-    records = [_s3("ours"), _s3("fsdp2"), _s3("upstream", status="not_run")]
-    monkeypatch.setattr(run_all, "run_jobs", lambda jobs, args, log: [dict(r) for r in records])
-    out = tmp_path / "gpu_run99"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert run_all.main(["--out", str(out), "--quick", "--only", "s3", "--world-sizes", "1"]) == 0
-    rows = json.loads((out / "summary.json").read_text())
-    assert rows == summary.rows_of(records, "gpu_run99")
-    assert {r["run"] for r in rows} == {"gpu_run99"} and len(rows) == 3
-    assert "### `gpu_run99`" in (out / "benchmarks.md").read_text()
-
-
-def _report_argv(md: Path) -> list[str]:
-    """COMMANDS.txt's report.py command, writing to ``md`` and linking the committed plots without redrawing."""
-    line = next(
-        ln for ln in (RESULTS / "COMMANDS.txt").read_text().splitlines() if ln.startswith("python benchmarks/report.py")
+def test_add_replaces_the_row_and_keeps_the_rest(tmp_path: Path) -> None:
+    (tmp_path / "s3.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in (_s3("ours", peak_alloc_gib=40.0), _s3("fsdp2")))
     )
-    argv = shlex.split(line)[2:]
-    i = argv.index("--plots-dir")
-    del argv[i : i + 2]
-    argv[argv.index("--md") + 1] = str(md)
-    return argv
+    new = [_s3("ours", measured_at="2026-12-05"), _s3("upstream", status="error")]
+    assert summary.add(new, tmp_path) == 1
+    stored = summary.read_records(tmp_path / "s3.jsonl")
+    assert [(r["impl"], r["peak_alloc_gib"]) for r in stored] == [("fsdp2", 50.0), ("ours", 50.0)]
+    data = json.loads(summary.write(tmp_path).read_text())
+    assert [r["engine"] for r in data["rows"]] == ["ours", "fsdp2"] and set(data["methods"]) == {"s3"}
 
 
-def test_docs_page_is_up_to_date(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/benchmarks.md is exactly what the committed command writes from the committed records, NOTES.md and
-    summary.json; its last section changes when a row of summary.json does (the check is not vacuous)."""
-    monkeypatch.chdir(REPO)
-    md = tmp_path / "benchmarks.md"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert report.main(_report_argv(md)) == 0
-    docs = (REPO / "docs" / "benchmarks.md").read_text()
-    assert md.read_text() == docs, "docs/benchmarks.md is stale: run the report command in COMMANDS.txt"
-    rows = _committed()
-    section = "\n".join(report.summary_section(rows)).rstrip()
-    assert docs.rstrip().endswith(section)
-    edited = [dict(rows[0], peak_alloc_gib=(rows[0]["peak_alloc_gib"] or 0) + 1.0), *rows[1:]]
-    assert "\n".join(report.summary_section(edited)).rstrip() not in docs
+@pytest.mark.parametrize(
+    "mode, n, expected",
+    [
+        (("ours", 0, False, False), 8, (16.0, 0.0)),
+        (("ours", 1, False, False), 4, (7.0, 0.0)),
+        (("ours", 2, False, False), 7, (4.0, 0.0)),
+        (("ours", 2, True, False), 2, (3.0, 6.0)),
+        (("ours", 3, False, False), 8, (2.0, 0.0)),
+        (("ours", 3, True, False), 4, (1.0, 3.0)),
+        (("ours", 3, True, True), 2, (1.0, 7.0)),
+        (("fsdp2", None, False, False), 4, (4.0, 0.0)),
+        (("fsdp2", None, True, False), 4, (0.0, 4.0)),
+        (("plain", None, False, False), 1, (8.0, 0.0)),
+    ],
+)
+def test_floor_formulas(mode: tuple, n: int, expected: tuple) -> None:
+    impl, stage, offload, offload_param = mode
+    assert floors.bytes_per_param(impl, stage, n, offload, offload_param) == expected

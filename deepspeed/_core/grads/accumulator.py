@@ -3,7 +3,7 @@
 [Note: lazy grad shard] ZeRO-3 reduces gradients layer by layer, last layer first. A shard allocated whole at
 the first reduction sits there as zeros from the start of the backward pass, which is exactly when the
 logits, their gradient, the loss's fp32 temporaries and a tied embedding's full gradient are alive: on the
-H200 that is where the Qwen2-3B step peak was (``benchmarks/results``), with the whole shard counted in it.
+H200 that is where the Qwen2-3B step peak was (docs/benchmarks.md), with the whole shard counted in it.
 Allocating chunk by chunk as reductions reach them moves most of the shard to the end of the backward, by
 which point those activations are gone. FSDP2 gets the same effect by creating each sharded gradient at its
 reduce-scatter. Chunks are as large as one optimizer step chunk ([Note: chunked step]), so the step reads
@@ -13,7 +13,7 @@ each chunk in place; a chunk no gradient reached is stepped as zeros, as a zero-
 peak (the host holds it at every step's end anyway) and reallocating costs: a fresh host tensor is
 page-faulted in by the kernel on first touch, every step. On the 2-core development CPU one backward's folds
 into 128M bf16 elements took 0.15 s into fresh chunks and 0.06-0.07 s into kept ones (``fill_fresh`` /
-``fill_kept`` of ``benchmarks/offload_step_cpu.py``, ``benchmarks/results/cpu/``). Kept chunks therefore
+``fill_kept`` of ``benchmarks/offload_step_cpu.py``). Kept chunks therefore
 turns "released" into "stale": the storage stays, is zeroed when the next window first writes to it, and counts
 as allocated only while it holds this window's values.
 

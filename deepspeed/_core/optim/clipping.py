@@ -38,9 +38,9 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     fp32 gradients are reduced with a dot product, which needs no temporary. Narrower ones are upcast
     at most :data:`NORM_CHUNK_NUMEL` elements at a time, so the norm's transient stays a few
     tens of MiB whatever the partition size (an upcast of a whole bucket cost 2x its fp32 size at the
-    step peak on the H200: benchmarks/results/diag). Gradients on several devices (ZeRO-3 gradients parked in
+    step peak on the H200: docs/benchmarks.md). Gradients on several devices (ZeRO-3 gradients parked in
     device shards beside host ones) are reduced where each lives and only the partial sums move: one upcast
-    buffer on the first device made the offloaded 3B step 1.8 s slower on the H200 (benchmarks/results/parked).
+    buffer on the first device made the offloaded 3B step 1.8 s slower on the H200 (S3 scenario).
     """
     grads = [g for g in grads if g is not None and g.numel()]
     if not grads:

@@ -10,7 +10,7 @@ this design needs.
 [Note: shard arena] A model partitioned at ``initialize`` needs one shard per parameter. Allocated one by one,
 each is rounded up by the caching allocator (to 2 MiB above 1 MiB, into 20 MiB segments between 1 and 10 MiB): for
 the 3B model's ~250 bf16 shards that left reserved 2.4 % above allocated after ``initialize`` on the H200, and none
-with one buffer (``benchmarks/results/diag/README.md``). When the shards stay for the whole run (the optimizer
+with one buffer (docs/benchmarks.md). When the shards stay for the whole run (the optimizer
 keeps its master elsewhere) one buffer holds them all, laid out from the sizes before anything is allocated. Where
 the shards are replaced by views of the device master later, or live in page-locked host memory (whose allocator
 rounds every block up to a power of two), each keeps its own allocation. A shard cut from an arena is never freed
