@@ -13,6 +13,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed._core.engine import setup
+from deepspeed._core.engine.activation_checkpoint import cpu_checkpointing_problem
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
 from deepspeed._core.moe.params import configure_moe_param_groups, moe_layers
@@ -93,6 +94,10 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
                 f"the config sets 'pipeline' but the model is a {type(self.module).__name__}, not a PipelineModule: "
                 "pipeline settings only apply to deepspeed.pipe.PipelineModule models; remove the 'pipeline' block"
             )
+        if config_class.activation_checkpointing_config.cpu_checkpointing:
+            problem = cpu_checkpointing_problem(self.module)
+            if problem is not None:
+                raise DeepSpeedConfigError(problem)
 
     def _apply_process_group(self, dist_init_required: bool | None) -> None:
         if not dist.is_initialized():

@@ -130,7 +130,11 @@ def test_trl_reference_model_beside_zero3_policy() -> None:
     finally:
         logger.removeHandler(handler)
     dotted = [r.getMessage() for r in records if "zero_optimization.reduce_bucket_size" in r.getMessage()]
-    assert dotted, "the dotted top-level keys must be named in a warning, not dropped silently"
+    # The unknown-key warning is printed once per run, by rank 0.
+    if dist.get_rank() == 0:
+        assert dotted, "the dotted top-level keys must be named in a warning, not dropped silently"
+    else:
+        assert not dotted, "only rank 0 names unknown top-level keys"
     # Upstream does not read dotted top-level keys: the block's values stay in force.
     assert ref_zero3.config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
     assert ref_zero3.zero_optimization_stage() == 3

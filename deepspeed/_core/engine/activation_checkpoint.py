@@ -8,8 +8,10 @@ What a checkpointed call keeps between forward and backward:
 * its positional inputs, one entry per argument. Non-tensors are kept as they are. With partitioning on and a
   model-parallel group of size ``mp > 1``, each floating-point tensor is flattened, padded to a multiple of ``mp``
   and only this rank's ``ceil(numel / mp)`` elements are cloned and kept: the full tensor is referenced by nobody
-  once forward returns, which is the whole point. With CPU checkpointing the kept tensor (the partition, or the
-  whole input) is a host copy.
+  once forward returns, which is the whole point. With CPU checkpointing a partition is kept on
+  the host; without partitioning, each floating-point input that requires grad goes to the activation offloader
+  ([Note: activation offload] in :mod:`deepspeed._core.engine.activation_offload`), which copies it to a pooled
+  host buffer asynchronously and brings it back ahead of the recomputation.
 * a snapshot of the RNG streams (CPU generator, device generator, every tracker stream) taken before the forward
   ran, so the recomputation draws the same dropout masks.
 
@@ -43,11 +45,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from deepspeed._core.comm.collectives import gather_rows
-from deepspeed._foundation.logging import log_dist
+from deepspeed._core.engine.activation_offload import ActivationOffloader, OffloadHandle, PinnedHostPool
+from deepspeed._foundation.logging import log_dist, logger
 from deepspeed.accelerator import get_accelerator
 
 FACADE_MODULE = "deepspeed.runtime.activation_checkpointing.checkpointing"
 MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+# Host buffers the activation offloader may hold: enough for the inputs of every layer of deep models; beyond it
+# inputs simply stay on the device.
+OFFLOAD_POOL_BUFFERS = 64
 # Offset between the data-parallel seed and the model-parallel stream seed. It is a compatibility fact, not a
 # tuning knob: the same seed must give the same dropout masks as upstream-trained runs.
 TP_SEED_OFFSET = 2718
@@ -213,7 +219,7 @@ class SlotKind(enum.Enum):
 
     CONST = "const"  # a non-tensor, kept as is
     WHOLE = "whole"  # the caller's tensor itself, through save_for_backward (so in-place edits are caught)
-    HOST_COPY = "host_copy"  # a private host copy of the tensor
+    HOST_COPY = "host_copy"  # the tensor handed to the activation offloader (an OffloadHandle)
     PARTITION = "partition"  # a private copy of this rank's padded share of the flattened tensor
 
 
@@ -298,6 +304,7 @@ class ActivationCheckpointState:
         self.observers: list[Callable[[torch.Tensor], None]] = []
         self.timings: dict[str, float] = {}
         self._view: ModelParallelView | None = None
+        self._offloader: ActivationOffloader | None = None
 
     def apply(self, policy: CheckpointPolicy, mpu: Any) -> None:
         """Install a validated policy and model-parallel unit; drops buffers built for the previous settings."""
@@ -305,11 +312,22 @@ class ActivationCheckpointState:
         self.policy, self.mpu, self.configured = policy, mpu, True
         self._view = None
         self.release_buffers()
+        if self._offloader is not None:
+            self._offloader.pool.release()
+            self._offloader = None
 
     def release_buffers(self) -> None:
-        """Free the contiguous arena and forget pending checkpoints (upstream ``reset()``)."""
+        """Free the contiguous arena, drain the offloader and forget pending checkpoints (upstream ``reset()``)."""
         self.arena.release()
         self.pending_backwards = 0
+        if self._offloader is not None:
+            self._offloader.drain()
+
+    def offloader(self) -> ActivationOffloader:
+        """The activation offloader of CPU checkpointing (created on first use, shared by every checkpoint)."""
+        if self._offloader is None:
+            self._offloader = ActivationOffloader(PinnedHostPool(OFFLOAD_POOL_BUFFERS))
+        return self._offloader
 
     def view(self) -> ModelParallelView:
         """The model-parallel view, read from the mpu on first use (its groups may not exist at configure time)."""
@@ -360,9 +378,9 @@ class ActivationCheckpointState:
                 arena = self.arena if use_arena else None
                 part = self._observe(self._partition(slot, arg, view, arena))
                 layout.append(SavedSlot(kind=SlotKind.PARTITION, value=part, **meta))
-            elif self.policy.checkpoint_in_cpu and arg.device.type != "cpu":
-                host = self._observe(arg.detach().to("cpu", copy=True))
-                layout.append(SavedSlot(kind=SlotKind.HOST_COPY, value=host, **meta))
+            elif self.policy.checkpoint_in_cpu and _offloadable(arg):
+                handle = self.offloader().stash(arg.detach())
+                layout.append(SavedSlot(kind=SlotKind.HOST_COPY, value=handle, **meta))
             else:
                 layout.append(SavedSlot(kind=SlotKind.WHOLE, **meta))
                 tensors.append(arg)
@@ -398,13 +416,20 @@ class ActivationCheckpointState:
             if slot.kind is SlotKind.PARTITION:
                 full = _gather(slot.value, slot, view)
             elif slot.kind is SlotKind.HOST_COPY:
-                full = slot.value.to(slot.device)
+                assert isinstance(slot.value, OffloadHandle)
+                full = self.offloader().fetch(slot.value)
             else:
                 full = next(pending)
             full = full.detach()
             full.requires_grad_(slot.requires_grad)
             inputs.append(full)
         return inputs
+
+
+def _offloadable(arg: torch.Tensor) -> bool:
+    # The hidden states: floating point, on the accelerator, part of the graph. Masks and position tables need no
+    # gradient and are usually one tensor shared by every layer; copying it out once per layer would free nothing.
+    return arg.is_floating_point() and arg.requires_grad and get_accelerator().on_accelerator(arg)
 
 
 def _gather(part: torch.Tensor, slot: SavedSlot, view: ModelParallelView) -> torch.Tensor:
@@ -644,3 +669,35 @@ def reseed_tensor_parallel(state: ActivationCheckpointState, seed: int) -> None:
     """Re-seed only the model-parallel stream (the default generator keeps its position)."""
     with state.tracker.fork():
         get_accelerator().manual_seed(model_parallel_seed(seed, state.view().rank))
+
+
+# ---------------------------------------------------------------------- configuration check
+CPU_CHECKPOINTING_KEY = "activation_checkpointing.cpu_checkpointing"
+
+
+def cpu_checkpointing_problem(model: torch.nn.Module) -> str | None:
+    """Why ``cpu_checkpointing`` cannot apply to ``model`` (``None`` when it can); warns where it applies elsewhere.
+
+    The offload acts on ``deepspeed.checkpointing`` (configured, or used by a pipeline model). A model that only
+    uses its own gradient checkpointing (Hugging Face ``gradient_checkpointing_enable``) is offloaded by the
+    hidden-states context manager instead, which the warning names.
+    """
+    pipeline = int(getattr(model, "activation_checkpoint_interval", 0) or 0) > 0
+    if current_state().configured or pipeline:
+        return None
+    own = bool(getattr(model, "is_gradient_checkpointing", False)) or any(
+        getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+    )
+    if own:
+        logger.warning(
+            f"{CPU_CHECKPOINTING_KEY}=true applies to deepspeed.checkpointing; this model's own gradient "
+            "checkpointing is offloaded inside deepspeed.runtime.activation_checkpointing.offload_activations."
+            "get_checkpoint_hidden_states_offloading_ctx_manager() (wrap each step's forward and backward in it)"
+        )
+        return None
+    return (
+        f"{CPU_CHECKPOINTING_KEY}=true, but activation checkpointing is not in use, so nothing would be offloaded: "
+        "call deepspeed.checkpointing.configure(mpu, deepspeed_config=...) and checkpoint layers with "
+        "deepspeed.checkpointing.checkpoint, enable the model's gradient checkpointing, or set "
+        f"{CPU_CHECKPOINTING_KEY} to false"
+    )

@@ -201,6 +201,8 @@ class PartitionGrads:
         self.reducer.begin(ReducePhase.REDUCE if reducing else ReducePhase.SKIP)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not getattr(param, "ds_grad_is_ready", True):
+            return  # a tile of a tiled function: the gradient is still accumulating ([Note: ds_grad_is_ready])
         bucket_index, g, s = self._where[id(param)]
         bucket, grads = self.reducer.buckets[bucket_index], self.groups[g]
         path = self._path

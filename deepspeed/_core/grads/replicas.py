@@ -52,6 +52,8 @@ class ReplicaGrads:
         self.reducer.begin(ReducePhase.REDUCE)
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not getattr(param, "ds_grad_is_ready", True):
+            return  # a tile of a tiled function: the gradient is still accumulating ([Note: ds_grad_is_ready])
         self.reducer.mark_ready(*self._where[id(param)])
 
     def finish(self) -> None:

@@ -558,6 +558,8 @@ class ZeroParamManager:
 
     def grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: forward ``param.grad`` to the optimizer's subscribers."""
+        if not getattr(param, "ds_grad_is_ready", True):
+            return  # a tile of a tiled function: the gradient is still accumulating ([Note: ds_grad_is_ready])
         grad = param.grad  # read once: a subscriber may set param.grad = None
         if grad is None:
             return  # every use was routed: autograd ran the hook on nothing

@@ -1,0 +1,1 @@
+"""Long sequences: tiled compute along the sequence and sequence parallelism."""

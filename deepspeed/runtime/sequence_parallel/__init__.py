@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.sequence_parallel``: long-sequence training for Hugging Face models."""
