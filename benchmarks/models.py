@@ -80,6 +80,8 @@ class QwenConfig:
     norm_eps: float = 1e-6
     checkpoint_layers: bool = True
     family: str = "qwen2"
+    tile_mlp: int = 0  # > 0: every MLP runs under ``TiledMLP`` with this many row tiles
+    tile_loss: int = 0  # > 0: head + cross-entropy run under ``TiledFusedLogitsLoss`` with this many tiles
 
     @property
     def head_dim(self) -> int:
@@ -269,8 +271,18 @@ class QwenMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, **kw)
         self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, **kw)
 
+        self.tiles = cfg.tile_mlp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP output."""
+        """The MLP output (tile by tile along the sequence when ``tile_mlp`` is set)."""
+        if self.tiles and torch.is_grad_enabled():
+            # Imported here so that whichever ``deepspeed`` is on the path (ours or upstream) provides it.
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+            return TiledMLP.apply(QwenMLP._dense, self, x, self.tiles, list(self.parameters()))
+        return self._dense(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -326,7 +338,18 @@ class QwenLM(nn.Module):
         cos, sin = qwen_rotary(ids.shape[1], self.cfg.head_dim, self.cfg.rope_base, ids.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+        hidden = self.norm(x)
+        if self.cfg.tile_loss and torch.is_grad_enabled():
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+            params = list(self.lm_head.parameters())
+            return TiledFusedLogitsLoss.apply(
+                QwenLM._head_loss, self, hidden, labels, None, self.cfg.tile_loss, params, "mean"
+            )
+        return self._head_loss(hidden, labels)
+
+    def _head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
@@ -337,6 +360,16 @@ def with_seq(name: str, seq: int | str | None = None) -> str:
         return name
     derived = f"{name}@seq{int(seq)}"
     MODELS[derived] = dataclasses.replace(MODELS[name], seq=int(seq))
+    return derived
+
+
+def with_tiles(name: str, tile_mlp: int = 0, tile_loss: int = 0) -> str:
+    """The model key for ``name`` with tiled MLP / tiled logits+loss (``0`` = untiled), registered like
+    :func:`with_seq`."""
+    if not (tile_mlp or tile_loss):
+        return name
+    derived = f"{name}@mlp{int(tile_mlp)}loss{int(tile_loss)}"
+    MODELS[derived] = dataclasses.replace(MODELS[name], tile_mlp=int(tile_mlp), tile_loss=int(tile_loss))
     return derived
 
 

@@ -96,6 +96,8 @@ SPEC_KEYS = (
     "model",
     "micro_batch",
     "seq",
+    "tile_mlp",
+    "tile_loss",
     "offload",
     "offload_param",
     "warmup",

@@ -10,10 +10,12 @@ to (``_harness.hf_auto_config``), optimizer offloaded to pinned CPU memory with 
 too with ``spec["offload_param"]``, ours only); ``spec["stage"] = 2`` is the ZeRO-2 comparison row. FSDP2:
 ``fully_shard`` per decoder layer and on the root (``baselines/fsdp2.py``), ``CPUOffloadPolicy(pin_memory=True)``
 when offloaded. ``spec["zero"]`` merges config keys into ``zero_optimization`` (an A/B of a documented switch, with
-``spec["tag"]`` naming the variant: ``run_all.py --variant``). ``impl`` ``"plain"`` is the
-speed floor of ``baselines/plain.py`` (the bare bf16 model under torch AdamW, one rank). At N > 1 (PyTorch's fake
-group, rank 0 of N) the DeepSpeed models are built inside ``deepspeed.zero.Init`` and FSDP2's on the meta device, so
-the full model never exists on the rank.
+``spec["tag"]`` naming the variant: ``run_all.py --variant``). ``spec["tile_mlp"]`` / ``spec["tile_loss"]``
+(tile counts) run every MLP under ``TiledMLP`` and the head with its cross-entropy under ``TiledFusedLogitsLoss``,
+imported from whichever ``deepspeed`` the worker runs (the long-sequence rows, with ``spec["seq"]``).
+``impl`` ``"plain"`` is the speed floor of ``baselines/plain.py`` (the bare bf16 model under torch AdamW, one rank). At
+N > 1 (PyTorch's fake group, rank 0 of N) the DeepSpeed models are built inside ``deepspeed.zero.Init`` and FSDP2's on
+the meta device, so the full model never exists on the rank.
 
 Protocol: build + wrap (host RSS sampled) → ``warmup`` steps (2: the first creates the Adam state, upstream
 records its prefetch trace in the first and replays it from the second) → the **measured step** (peak counters
@@ -59,7 +61,7 @@ from _harness import (
     worker_main,
 )
 from floors import bytes_per_param
-from models import MODELS, build_model, decoder_layers, random_batch, with_seq
+from models import MODELS, build_model, decoder_layers, random_batch, with_seq, with_tiles
 
 REPO = Path(__file__).resolve().parents[2]
 TIMELINE_DIR = Path(MEMORY_TIMELINE_DIR)
@@ -74,7 +76,8 @@ def _stage(spec: dict) -> int:
 
 def _model(spec: dict) -> str:
     """The model key of ``spec`` (``spec["seq"]`` overrides the shape's sequence length)."""
-    return with_seq(spec["model"], spec.get("seq"))
+    name = with_seq(spec["model"], spec.get("seq"))
+    return with_tiles(name, int(spec.get("tile_mlp") or 0), int(spec.get("tile_loss") or 0))
 
 
 def _build(spec: dict) -> tuple[Any, torch.nn.Module, int]:
