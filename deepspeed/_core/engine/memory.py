@@ -91,13 +91,23 @@ class MemoryReporter:
             "floor_gib": self.floor.device / _GIB,
         }
         self.records.append(record)
-        log_dist(
-            f"memory {phase}: allocated {record['allocated_gib']:.3f} GiB, reserved {record['reserved_gib']:.3f} GiB, "
-            f"peak {record['peak_gib']:.3f} GiB; model-state floor {record['floor_gib']:.3f} GiB on device"
-            + (f", {self.floor.host / _GIB:.3f} GiB on host" if self.floor.host else ""),
-            ranks=[0],
-        )
+        log_dist(f"memory {phase}: {self._measured(acc, record)}; {self._floor_text(record)}", ranks=[0])
         return record
+
+    @staticmethod
+    def _measured(acc: Any, record: dict[str, float | str]) -> str:
+        if acc.device_name() == "cpu":
+            # No device allocator on a CPU: the accelerator answers with the process's resident memory, which
+            # includes the Python runtime and libraries, so it is named as such rather than as "allocated".
+            return f"process resident memory {record['allocated_gib']:.3f} GiB (peak {record['peak_gib']:.3f} GiB)"
+        return (
+            f"allocated {record['allocated_gib']:.3f} GiB, reserved {record['reserved_gib']:.3f} GiB, "
+            f"peak {record['peak_gib']:.3f} GiB"
+        )
+
+    def _floor_text(self, record: dict[str, float | str]) -> str:
+        host = f", {self.floor.host / _GIB:.3f} GiB on host" if self.floor.host else ""
+        return f"model-state floor {record['floor_gib']:.3f} GiB on device{host}"
 
 
 class SnapshotReport(Protocol):
