@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "torch==${DS_CI_TORCH_VERSION:-2.13.0}"
 fi
-if ! "$PY" -c "import deepspeed, hjson, pytest, pytest_timeout, psutil, cpuinfo, ninja, transformers, accelerate, matplotlib, ruff, mypy" >/dev/null 2>&1 \
+if ! "$PY" -c "import deepspeed, hjson, pytest, pytest_timeout, psutil, cpuinfo, ninja, transformers, accelerate, matplotlib, tensorboard, ruff, mypy" >/dev/null 2>&1 \
    || [ "$("$PY" -c 'import deepspeed,os;print(os.path.dirname(deepspeed.__file__))' 2>/dev/null)" != "$PWD/deepspeed" ]; then
   "$PY" -m pip install -q -e ".[test]"
 fi

@@ -201,6 +201,11 @@ class DeepSpeedAccelerator(abc.ABC):
             f"{type(self).__name__} has no allocator snapshot; memory_timeline needs a CUDA device"
         )
 
+    # Not abstract: a device whose peak is unknown answers None, and the FLOPs profiler then omits its MFU line.
+    def peak_flops(self, dtype: torch.dtype, device_index: int | None = None) -> float | None:
+        """Dense peak matrix-multiply FLOPS of one device in ``dtype`` (vendor datasheet), or ``None`` if unknown."""
+        return None
+
     # ------------------------------------------------------------------ dtypes
     @abc.abstractmethod
     def is_bf16_supported(self) -> bool:

@@ -23,6 +23,17 @@ def cuda_is_available() -> bool:
     return torch.cuda.is_available()
 
 
+# (substrings of torch.cuda.get_device_name(), dense fp16/bf16 FLOPS, fp32 FLOPS), most specific first.
+_PEAK_FLOPS: tuple[tuple[tuple[str, ...], float, float], ...] = (
+    (("H100", "PCIe"), 756e12, 51.2e12),
+    (("H100", "NVL"), 835e12, 60e12),
+    (("H100",), 989.4e12, 66.9e12),
+    (("H200",), 989.4e12, 66.9e12),
+    (("A100",), 312e12, 19.5e12),
+    (("V100",), 125e12, 15.7e12),
+)
+
+
 class CUDA_Accelerator(DeepSpeedAccelerator):
     """Accelerator implementation over ``torch.cuda`` (communication backend: nccl)."""
 
@@ -176,6 +187,19 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         """Capacity of the device in bytes."""
         index = torch.cuda.current_device() if device_index is None else device_index
         return torch.cuda.get_device_properties(index).total_memory
+
+    def peak_flops(self, dtype: torch.dtype, device_index: int | None = None) -> float | None:
+        """Dense peak FLOPS of the known data-centre GPUs (datasheet figures, no sparsity); ``None`` otherwise.
+
+        fp32 is the plain (non-TF32) rate, as PyTorch runs fp32 matrix products unless TF32 is allowed.
+        """
+        name = torch.cuda.get_device_name(device_index)
+        for marker, half, single in _PEAK_FLOPS:
+            if all(part in name for part in marker):
+                if dtype in (torch.float16, torch.bfloat16):
+                    return half
+                return single if dtype == torch.float32 else None
+        return None
 
     def available_memory(self, device_index: int | None = None) -> int:
         """Free bytes as reported by the driver (other processes' use included)."""

@@ -17,6 +17,8 @@ from deepspeed._core.engine.activation_checkpoint import cpu_checkpointing_probl
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
 from deepspeed._core.moe.params import configure_moe_param_groups, moe_layers
+from deepspeed._core.observe.flops import FlopsProfiler
+from deepspeed._core.observe.preflight import check_outputs
 from deepspeed._core.optim.base import EngineOptimizer
 from deepspeed._core.optim.loss_scaling import from_policy as loss_scaler_from_policy
 from deepspeed._core.optim.stage3 import Stage3Optimizer
@@ -70,6 +72,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._loop = TrainingLoop(
             self.module, self._stepped_optimizer, self.lr_scheduler, self.plan, TimelineAnalyser()
         )
+        self._apply_flops_profiler()
         self.training_dataloader = self._build_dataloader(training_data, collate_fn) if training_data else None
         self._loop.memory.report("after initialize")
         log_dist(
@@ -98,6 +101,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             problem = cpu_checkpointing_problem(self.module)
             if problem is not None:
                 raise DeepSpeedConfigError(problem)
+        check_outputs(self.plan)  # every rank, before the first collective: a bad monitor path fails everywhere
 
     def _apply_process_group(self, dist_init_required: bool | None) -> None:
         if not dist.is_initialized():
@@ -184,6 +188,17 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
 
     def _apply_scheduler(self, client_scheduler: Any) -> None:
         self.lr_scheduler = build_lr_scheduler(client_scheduler, self.basic_optimizer, self._config)
+
+    def _apply_flops_profiler(self) -> None:
+        # Upstream profiles on global rank 0 only; the other ranks keep None.
+        profile = self.plan.flops_profiler
+        if profile.enabled and self.global_rank == 0:
+            self.flops_profiler = FlopsProfiler(
+                self.module, ds_engine=self, recompute_fwd_factor=profile.recompute_fwd_factor
+            )
+            self._loop.observer.profiler = self.flops_profiler
+        else:
+            self.flops_profiler = None
 
     def _build_dataloader(self, dataset: Any, collate_fn: Any) -> DeepSpeedDataLoader:
         return DeepSpeedDataLoader(
@@ -304,12 +319,29 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             self.training_dataloader.post_process_func = post_process_func
 
     def get_wall_clock_timers(self) -> dict:
-        """Per-phase timers (empty: wall-clock breakdowns are not collected by this engine yet)."""
-        return {}
+        """Milliseconds accumulated so far by each phase timer, by upstream's timer names (empty without
+        ``wall_clock_breakdown``)."""
+        return {name: timer.elapsed(reset=False) for name, timer in self.timers.get_timers().items()}
 
     def print_forward_breakdown(self, fwd_time: float = 0.0) -> None:
         """Log the forward time given by the caller (no finer breakdown is collected)."""
         log_dist(f"forward time {fwd_time:.2f} ms", ranks=[0])
+
+    # --- observing (config wall_clock_breakdown, timers, the monitors, flops_profiler) -------------------
+    @property
+    def timers(self) -> Any:
+        """The phase timers (``SynchronizedWallClockTimer``; a ``NoopTimer`` without ``wall_clock_breakdown``)."""
+        return self._loop.observer.timers
+
+    @property
+    def tput_timer(self) -> Any:
+        """The ``ThroughputTimer`` (config ``timers.throughput``)."""
+        return self._loop.observer.tput_timer
+
+    @property
+    def monitor(self) -> Any:
+        """The ``MonitorMaster`` of the config's monitor blocks."""
+        return self._loop.observer.monitor
 
     def offload_states(
         self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False

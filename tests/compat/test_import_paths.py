@@ -220,6 +220,24 @@ THIRD_PARTY_DEEP_PATHS = [
     "deepspeed.git_version_info.torch_info",
     "deepspeed.env_report.main",
     "deepspeed.launcher.runner.main",
+    # Timers, monitors and the FLOPs profiler (Megatron-DeepSpeed, GPT-NeoX, training loops, LLaMA-Factory).
+    "deepspeed.utils.timer.ThroughputTimer",
+    "deepspeed.utils.timer.SynchronizedWallClockTimer",
+    "deepspeed.utils.timer.NoopTimer",
+    "deepspeed.utils.timer.FORWARD_GLOBAL_TIMER",
+    "deepspeed.utils.timer.STEP_GLOBAL_TIMER",
+    "deepspeed.utils.config.get_timers_config",
+    "deepspeed.monitor.monitor.MonitorMaster",
+    "deepspeed.monitor.monitor.Monitor",
+    "deepspeed.monitor.tensorboard.TensorBoardMonitor",
+    "deepspeed.monitor.wandb.WandbMonitor",
+    "deepspeed.monitor.csv_monitor.csvMonitor",
+    "deepspeed.monitor.comet.CometMonitor",
+    "deepspeed.monitor.config.get_monitor_config",
+    "deepspeed.profiling.flops_profiler.FlopsProfiler",
+    "deepspeed.profiling.flops_profiler.get_model_profile",
+    "deepspeed.profiling.flops_profiler.profiler.FlopsProfiler",
+    "deepspeed.runtime.engine.DeepSpeedEngine.get_wall_clock_timers",
 ]
 
 ALL_PATHS = sorted(set(ACCELERATE + TRANSFORMERS + TRL + UTILITIES + MOE + TOP_LEVEL + THIRD_PARTY_DEEP_PATHS))

@@ -364,12 +364,8 @@ NO_EFFECT_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "vocabulary_size": (50257, {}),
     "log_level": ("info", {}),
     "bf16.immediate_grad_update": (True, _BF16),
-    "flops_profiler.output_file": ("flops.txt", {}),
-    "comet.mode": ("get", {}),
-    "comet.online": (True, {}),
     "autotuning": ({"enabled": True}, {}),
     "compile": ({"free_activation": True}, {}),
-    "timers": ({"throughput": {"enabled": True}}, {}),
     "tensor_parallel": ({"tp_grain_size": 64}, {}),
     "data_parallel_size": (1, {}),
 }

@@ -1,4 +1,8 @@
-"""Monitor config blocks: top-level ``tensorboard``, ``wandb``, ``csv_monitor`` and ``comet`` (upstream keys)."""
+"""Monitor config blocks: top-level ``tensorboard``, ``wandb``, ``csv_monitor`` and ``comet``, and the ``timers``
+block (upstream keys).
+
+Re-exported by ``deepspeed.monitor.config`` and ``deepspeed.utils.config`` (the timers block).
+"""
 
 from __future__ import annotations
 
@@ -119,3 +123,29 @@ class DeepSpeedMonitorConfig(DeepSpeedConfigModel):
 def get_monitor_config(param_dict: dict) -> DeepSpeedMonitorConfig:
     """Build the monitor config from the four top-level monitor blocks of a DeepSpeed config dict."""
     return DeepSpeedMonitorConfig(**{key: param_dict.get(key, {}) for key in MONITOR_BLOCKS})
+
+
+class DeepSpeedThroughputTimerConfig(DeepSpeedConfigModel):
+    """``timers.throughput``: the engine's samples-per-second timer."""
+
+    config_block: ClassVar[str] = "timers.throughput"
+
+    enabled: bool = True
+    """Time the steps and log samples per second every ``steps_per_print`` optimizer steps."""
+
+    synchronized: bool = True
+    """Wait for the device before reading the clock (exact, but each timed step waits for its kernels)."""
+
+
+class TimersConfig(DeepSpeedConfigModel):
+    """``timers``: the engine's timers."""
+
+    config_block: ClassVar[str] = "timers"
+
+    throughput: DeepSpeedThroughputTimerConfig = Field(default_factory=DeepSpeedThroughputTimerConfig)
+    """The throughput timer."""
+
+
+def get_timers_config(param_dict: dict) -> DeepSpeedThroughputTimerConfig:
+    """The ``timers.throughput`` settings of a DeepSpeed config dict (defaults when absent)."""
+    return TimersConfig(**param_dict.get("timers", {})).throughput

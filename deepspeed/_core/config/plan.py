@@ -278,6 +278,68 @@ class MemoryTimelinePolicy:
 
 
 @dataclass(frozen=True)
+class FileMonitorPolicy:
+    """A monitor that writes files under ``<output_path>/<job_name>/`` (config ``tensorboard``, ``csv_monitor``)."""
+
+    enabled: bool = key("enabled", False)
+    output_path: str = key("output_path", "")
+    job_name: str = key("job_name", "DeepSpeedJobName")
+
+
+@dataclass(frozen=True)
+class WandbPolicy:
+    """The Weights & Biases monitor (config ``wandb``)."""
+
+    enabled: bool = key("enabled", False)
+    group: str | None = key("group", None)
+    team: str | None = key("team", None)
+    project: str = key("project", "deepspeed")
+
+
+@dataclass(frozen=True)
+class CometPolicy:
+    """The Comet monitor (config ``comet``); ``None`` leaves a setting to Comet's own configuration."""
+
+    enabled: bool = key("enabled", False)
+    samples_log_interval: int = key("samples_log_interval", 100)
+    project: str | None = key("project", None)
+    workspace: str | None = key("workspace", None)
+    api_key: str | None = key("api_key", None)
+    experiment_name: str | None = key("experiment_name", None)
+    experiment_key: str | None = key("experiment_key", None)
+    online: bool | None = key("online", None)
+    mode: str | None = key("mode", None)
+
+
+@dataclass(frozen=True)
+class FlopsProfilerPolicy:
+    """The FLOPs profile of one training step (config ``flops_profiler``)."""
+
+    enabled: bool = key("enabled", False)
+    recompute_fwd_factor: float = key("recompute_fwd_factor", 0.0)
+    profile_step: int = key("profile_step", 1)
+    module_depth: int = key("module_depth", -1)
+    top_modules: int = key("top_modules", 1)
+    detailed: bool = key("detailed", True)
+    output_file: str | None = key("output_file", None)
+
+
+@dataclass(frozen=True)
+class ThroughputTimerPolicy:
+    """The samples-per-second timer (config ``timers.throughput``)."""
+
+    enabled: bool = key("enabled", True)
+    synchronized: bool = key("synchronized", True)
+
+
+@dataclass(frozen=True)
+class TimersPolicy:
+    """The engine's timers (config ``timers``)."""
+
+    throughput: ThroughputTimerPolicy = nested("throughput", ThroughputTimerPolicy)
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The whole validated run configuration, as the engine consumes it.
 
@@ -295,3 +357,9 @@ class RunPlan:
     zero_force_ds_cpu_optimizer: bool = key("zero_force_ds_cpu_optimizer", True)
     dataloader_drop_last: bool = key("dataloader_drop_last", False)
     memory_timeline: MemoryTimelinePolicy = nested("memory_timeline", MemoryTimelinePolicy)
+    tensorboard: FileMonitorPolicy = nested("tensorboard", FileMonitorPolicy)
+    csv_monitor: FileMonitorPolicy = nested("csv_monitor", FileMonitorPolicy)
+    wandb: WandbPolicy = nested("wandb", WandbPolicy)
+    comet: CometPolicy = nested("comet", CometPolicy)
+    flops_profiler: FlopsProfilerPolicy = nested("flops_profiler", FlopsProfilerPolicy)
+    timers: TimersPolicy = nested("timers", TimersPolicy)

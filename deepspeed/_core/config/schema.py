@@ -23,7 +23,7 @@ from deepspeed._core.config.blocks import (
     SchedulerBlockConfig,
 )
 from deepspeed._core.config.comms import CommsLoggerConfig
-from deepspeed._core.config.monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+from deepspeed._core.config.monitor import CometConfig, CSVConfig, TensorBoardConfig, TimersConfig, WandbConfig
 from deepspeed._core.config.plan import ReduceOp
 from deepspeed._core.config.precision import (
     DataTypesConfig,
@@ -52,7 +52,6 @@ TOLERATED_TOP_LEVEL_KEYS = frozenset(
         "progressive_layer_drop",
         "sparse_attention",
         "compile",
-        "timers",
         "nebula",
         "weight_quantization",
         "hybrid_engine",
@@ -155,6 +154,8 @@ class RootConfig(DeepSpeedLenientConfigModel):
     """The ``csv_monitor`` monitor block."""
     comet: CometConfig = Field(default_factory=CometConfig)
     """The ``comet`` monitor block."""
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    """The ``timers`` block (the throughput timer)."""
     memory_timeline: MemoryTimelineConfig = Field(default_factory=MemoryTimelineConfig)
     """The ``memory_timeline`` block (allocator history of one step, by category)."""
 

@@ -119,7 +119,6 @@ def _refused(note: str, supported: str, refuse_when: Predicate = _truthy) -> Key
 
 
 _NVME_ONLY = "NVMe swapping only; NVMe offload is refused"
-_NO_MONITOR = "no monitor backend is implemented; nothing is written"
 
 _TOP_LEVEL: dict[str, KeyRule] = {
     "train_batch_size": _impl(),
@@ -277,9 +276,9 @@ _OTHER_BLOCKS: dict[str, KeyRule] = {
             "profile",
         )
     },
-    "flops_profiler.enabled": _noop("no FLOPs profiler; only turns on wall_clock_breakdown"),
+    "flops_profiler.enabled": _impl("also turns on wall_clock_breakdown"),
     **{
-        f"flops_profiler.{k}": _noop("no FLOPs profiler")
+        f"flops_profiler.{k}": _impl()
         for k in ("recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed", "output_file")
     },
     **{
@@ -287,11 +286,12 @@ _OTHER_BLOCKS: dict[str, KeyRule] = {
         for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
     },
     **{f"comms_logger.{k}": _impl() for k in ("enabled", "prof_all", "prof_ops", "verbose", "debug")},
-    **{f"tensorboard.{k}": _noop(_NO_MONITOR) for k in ("enabled", "output_path", "job_name")},
-    **{f"wandb.{k}": _noop(_NO_MONITOR) for k in ("enabled", "group", "team", "project")},
-    **{f"csv_monitor.{k}": _noop(_NO_MONITOR) for k in ("enabled", "output_path", "job_name")},
+    **{f"tensorboard.{k}": _impl() for k in ("enabled", "output_path", "job_name")},
+    **{f"wandb.{k}": _impl() for k in ("enabled", "group", "team", "project")},
+    **{f"csv_monitor.{k}": _impl() for k in ("enabled", "output_path", "job_name")},
+    **{f"timers.throughput.{k}": _impl() for k in ("enabled", "synchronized")},
     **{
-        f"comet.{k}": _noop(_NO_MONITOR)
+        f"comet.{k}": _impl()
         for k in (
             "enabled",
             "samples_log_interval",
@@ -324,7 +324,6 @@ _RAW_BLOCKS: dict[str, KeyRule] = {
     "compile": _noop("DeepCompile options; only compile.deepcompile is checked"),
     "compile.deepcompile": _refused("DeepCompile is not implemented; use engine.compile()", "false"),
     "deepcompile": _refused("DeepCompile is not implemented; use engine.compile()", "false", _given),
-    "timers": _noop("throughput timers are not configurable"),
     "nebula": _refused("Nebula checkpointing is not implemented", "enabled: false", _enabled),
     "weight_quantization": _refused("weight quantization is not implemented", "no weight_quantization block", _given),
     "hybrid_engine": _refused("the hybrid (RLHF) engine is not implemented", "enabled: false", _enabled),

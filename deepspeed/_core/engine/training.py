@@ -17,6 +17,17 @@ from deepspeed._core.engine.accumulation import AccumulationState
 from deepspeed._core.engine.memory import MemoryReporter, SnapshotAnalyser
 from deepspeed._core.engine.precision import cast_inputs
 from deepspeed._core.engine.progress import ProgressReporter
+from deepspeed._core.observe.step_observer import StepObserver
+from deepspeed._core.observe.timers import (
+    BACKWARD_GLOBAL_TIMER,
+    BACKWARD_INNER_GLOBAL_TIMER,
+    BACKWARD_INNER_MICRO_TIMER,
+    BACKWARD_MICRO_TIMER,
+    BACKWARD_REDUCE_GLOBAL_TIMER,
+    BACKWARD_REDUCE_MICRO_TIMER,
+    STEP_GLOBAL_TIMER,
+    STEP_MICRO_TIMER,
+)
 from deepspeed._core.optim.base import EngineOptimizer, MicroStepKind
 
 
@@ -47,6 +58,7 @@ class TrainingLoop:
         self.progress = ProgressReporter(plan.steps_per_print, plan.batch.train_batch_size)
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
         self.memory = MemoryReporter(plan, n_params, plan.batch.dp_world_size, analyser)
+        self.observer = StepObserver(plan, self.memory.floor.device)
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -61,9 +73,17 @@ class TrainingLoop:
             inputs = cast_inputs(inputs, self.plan.precision.param_dtype)
             kwargs = cast_inputs(kwargs, self.plan.precision.param_dtype)
         self.memory.timeline.begin(self.global_steps)
-        out = self.module(*inputs, **kwargs)
-        self.memory.report("after forward")
+        self.observer.forward_begin(self.global_steps, inputs, kwargs)
+        try:
+            out = self.module(*inputs, **kwargs)
+        finally:
+            self.observer.forward_end()
+        self._phase("after forward")
         return out
+
+    def _phase(self, name: str) -> None:
+        self.memory.report(name)
+        self.observer.phase(name)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of one micro-batch's loss; returns the (GAS-scaled) loss for logging."""
@@ -72,13 +92,17 @@ class TrainingLoop:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward() expects a scalar loss tensor, got {type(loss).__name__}")
         self.memory.timeline.begin(self.global_steps)
-        self.accumulation.on_backward()
-        if scale_wrt_gas and self.accumulation.gas > 1:
-            loss = loss / self.accumulation.gas
-        self.optimizer.prepare_backward(self._micro_step_kind())
-        self.optimizer.backward(loss, retain_graph=retain_graph)
-        self.optimizer.finish_backward()
-        self.memory.report("after backward")
+        self.observer.note_loss(loss)
+        with self.observer.timed(BACKWARD_MICRO_TIMER, BACKWARD_GLOBAL_TIMER):
+            self.accumulation.on_backward()
+            if scale_wrt_gas and self.accumulation.gas > 1:
+                loss = loss / self.accumulation.gas
+            self.optimizer.prepare_backward(self._micro_step_kind())
+            with self.observer.timed(BACKWARD_INNER_MICRO_TIMER, BACKWARD_INNER_GLOBAL_TIMER):
+                self.optimizer.backward(loss, retain_graph=retain_graph)
+            with self.observer.timed(BACKWARD_REDUCE_MICRO_TIMER, BACKWARD_REDUCE_GLOBAL_TIMER):
+                self.optimizer.finish_backward()
+        self._phase("after backward")
         return loss
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -86,6 +110,7 @@ class TrainingLoop:
         if self.optimizer is None:
             raise RuntimeError("scale() needs an optimizer")
         self.memory.timeline.begin(self.global_steps)
+        self.observer.note_loss(loss)
         self.accumulation.on_backward()
         loss = loss / self.accumulation.gas if self.accumulation.gas > 1 else loss
         self.optimizer.prepare_backward(self._micro_step_kind())
@@ -103,14 +128,17 @@ class TrainingLoop:
         """Advance one micro-step; at the boundary apply the optimizer and the scheduler."""
         if self._sync_disabled:
             raise RuntimeError("step() was called inside no_sync(); leave the no_sync() context first")
-        if self._backward_pending and self.optimizer is not None:
-            self.optimizer.finish_backward()
-            self._backward_pending = False
-        self.step_applied = False
-        if self.accumulation.is_boundary() and self.optimizer is not None:
-            self._take_model_step(self.optimizer, lr_kwargs)
-            self.memory.report("after step")
-            self.memory.timeline.finish(self.global_steps, self.module, self.optimizer)
+        boundary = self.accumulation.is_boundary()
+        with self.observer.timed(STEP_MICRO_TIMER, STEP_GLOBAL_TIMER):
+            if self._backward_pending and self.optimizer is not None:
+                self.optimizer.finish_backward()
+                self._backward_pending = False
+            self.step_applied = False
+            if boundary and self.optimizer is not None:
+                self._take_model_step(self.optimizer, lr_kwargs)
+                self._phase("after step")
+                self.memory.timeline.finish(self.global_steps, self.module, self.optimizer)
+        self.observer.step_end(boundary and self.optimizer is not None, self)
         self.accumulation.on_step()
 
     def _take_model_step(self, optimizer: EngineOptimizer, lr_kwargs: dict | None) -> None:

@@ -146,6 +146,16 @@ OVERRIDES: dict[str, tuple[Any, dict[str, Any]]] = {
     "zero_optimization.leaf_module.name_suffixes": ([".fc1"], {}),
     "steps_per_print": (5, {}),
     "memory_timeline.path": ("elsewhere", {}),
+    **{
+        f"{block}.{k}": ("elsewhere", {})
+        for block in ("tensorboard", "csv_monitor")
+        for k in ("output_path", "job_name")
+    },
+    **{f"wandb.{k}": ("elsewhere", {}) for k in ("group", "team", "project")},
+    **{f"comet.{k}": ("x", {}) for k in ("project", "workspace", "api_key", "experiment_name", "experiment_key")},
+    "comet.online": (False, {}),
+    "comet.mode": ("get", {}),
+    "flops_profiler.output_file": ("flops.txt", {}),
 }
 
 

@@ -1,0 +1,1 @@
+"""Observing a run: monitors (TensorBoard, W&B, CSV, Comet), step timers and the FLOPs profiler."""

@@ -1,0 +1,1 @@
+"""Profilers with upstream's import paths (``deepspeed.profiling.flops_profiler``)."""
