@@ -11,7 +11,6 @@ flag does here are described in ``docs/checkpoints.md``; the implementation is
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from deepspeed._core.checkpoint.universal import (
@@ -19,6 +18,7 @@ from deepspeed._core.checkpoint.universal import (
     UnsupportedCheckpointError,
     convert_to_universal,
 )
+from deepspeed._foundation.logging import logger
 
 __all__ = ["ConvertOptions", "UnsupportedCheckpointError", "main", "parse_arguments"]
 
@@ -27,9 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input_folder", type=str, required=True, help="ZeRO checkpoint folder (<save_dir>/<tag>)")
     parser.add_argument("--output_folder", type=str, required=True, help="universal checkpoint folder to write")
-    parser.add_argument(
-        "--num_extract_workers", default=4, type=int, help="threads writing the per-parameter files"
-    )
+    parser.add_argument("--num_extract_workers", default=4, type=int, help="threads writing the per-parameter files")
     parser.add_argument(
         "--num_merge_workers",
         default=2,
@@ -61,7 +59,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main(args: Any) -> str:
     """Run the conversion described by ``args`` (a namespace with the flags' names); returns the output folder."""
     if getattr(args, "num_merge_workers", 2) != 2:
-        print("ds_to_universal: --num_merge_workers has no effect here (no merge pass)", file=sys.stderr)
+        logger.warning("ds_to_universal: --num_merge_workers has no effect here (there is no merge pass)")
     options = ConvertOptions(
         keep_temp_folder=bool(getattr(args, "keep_temp_folder", False)),
         strict=bool(getattr(args, "strict", True)),

@@ -43,6 +43,7 @@ from deepspeed._core.checkpoint import files as io
 from deepspeed._core.checkpoint.files import LoadTrust
 from deepspeed._core.config.zero import ZeroStageEnum
 from deepspeed._core.optim.stage12_state import fragment_address
+from deepspeed._foundation.logging import logger
 
 # Classes that ZeRO optimizer files pickle (ours and upstream's), for readers that do not import the engine.
 io.register_safe_globals([ZeroStageEnum, fragment_address])
@@ -352,7 +353,7 @@ def _write_params(src: _Source, writer: _Writer, strict: bool) -> set[str]:
     """Every trainable parameter's files; returns the names written."""
     params = _stage12_params(src, strict) if src.stage <= 2 else _stage3_params(src, strict)
     written = set()
-    for name, shape, values, step in params:
+    for name, _shape, values, step in params:
         for key, value in values.items():
             obj = {PARAM: value, CAT_DIM: 0} if src.stage <= 2 else value.reshape(-1)
             writer.save(obj, ZERO_FOLDER, name, f"{key}.pt")
@@ -415,7 +416,7 @@ def _write_model_states(src: _Source, staging: str) -> None:
 
 # --- entry point ----------------------------------------------------------------------------------------------
 def convert_to_universal(
-    input_folder: str, output_folder: str, options: ConvertOptions = ConvertOptions(), log: Callable = print
+    input_folder: str, output_folder: str, options: ConvertOptions = ConvertOptions(), log: Callable | None = None
 ) -> str:
     """Write the universal form of the checkpoint ``input_folder`` (``<save_dir>/<tag>``) to ``output_folder``.
 
@@ -425,6 +426,7 @@ def convert_to_universal(
         CheckpointError: a source file is missing, damaged or refused by safe loading (the message names it),
             or the layout is unsupported (:class:`UnsupportedCheckpointError`).
     """
+    log = log or logger.info
     output_folder = os.path.abspath(os.fspath(output_folder))
     src = read_source(os.fspath(input_folder), LoadTrust.from_env())
     log(f"converting the ZeRO-{src.stage} checkpoint '{src.folder}' ({len(src.optim)} data-parallel ranks) ...")

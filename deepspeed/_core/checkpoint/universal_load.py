@@ -157,7 +157,8 @@ def _read_all(subject: ckpt.CheckpointSubject, request: ckpt.LoadRequest, ckpt_d
     error: BaseException | None = None
     try:
         if not os.path.isdir(ckpt_dir):
-            raise io.CheckpointFileMissingError(f"universal checkpoint folder '{ckpt_dir}' does not exist", ckpt_dir, rank)
+            msg = f"universal checkpoint folder '{ckpt_dir}' does not exist"
+            raise io.CheckpointFileMissingError(msg, ckpt_dir, rank)
         state = _model_states(subject, request, ckpt_dir, rank)
         folder = UniversalFolder(os.path.join(ckpt_dir, ZERO_FOLDER), rank, request.trust)
         global_state = folder.optimizer_state()
