@@ -20,6 +20,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed._core.checkpoint import files as checkpoint_io
 from deepspeed._core.checkpoint import save_load as ckpt
+from deepspeed._core.checkpoint import universal_load
 from deepspeed._core.config.plan import RunPlan
 from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 from deepspeed.git_version_info import version as _DS_VERSION
@@ -63,6 +64,10 @@ class EngineCheckpointMixin:
         module_state_dict: Callable[..., dict]
 
     # --- upstream-named helpers ------------------------------------------------------------------
+    def load_universal_checkpoint(self) -> bool:
+        """``checkpoint.load_universal``: ``load_checkpoint`` reads universal checkpoints."""
+        return bool(self.plan.load_universal)
+
     def _checkpoint_topology(self) -> ckpt.CheckpointTopology:
         mp_rank = self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
         return ckpt.CheckpointTopology(
@@ -166,6 +171,10 @@ class EngineCheckpointMixin:
         the optimizer state incl. fp32 masters and loss scaler, the scheduler and the step counters.
         ``load_module_only`` restores the module alone and rebuilds fp32 masters from it.
 
+        With ``checkpoint.load_universal`` the folder is a universal checkpoint (written by
+        ``python -m deepspeed.checkpoint.ds_to_universal``; tag from ``latest_universal``), loadable at any
+        data-parallel size and ZeRO stage 1-3.
+
         Returns:
             ``(load_path, client_state)``; ``(None, None)`` when no tag is given and ``latest`` is missing.
 
@@ -183,7 +192,10 @@ class EngineCheckpointMixin:
             custom_load_fn=custom_load_fn,
             trust=checkpoint_io.LoadTrust.from_env(),
         )
-        outcome = ckpt.load_checkpoint(self._checkpoint_subject(), request)
+        if self.load_universal_checkpoint():
+            outcome = universal_load.load_universal_checkpoint(self._checkpoint_subject(), request)
+        else:
+            outcome = ckpt.load_checkpoint(self._checkpoint_subject(), request)
         if outcome is None:
             return None, None
         if not load_module_only:

@@ -142,6 +142,7 @@ def load_file(
     rank: int | None,
     trust: LoadTrust = LoadTrust.SAFE,
     map_location: Any = "cpu",
+    mmap: bool = False,
 ) -> Any:
     """Load a checkpoint file, raising a :class:`CheckpointError` that names ``path`` and ``rank``.
 
@@ -150,14 +151,16 @@ def load_file(
         rank: the global rank reading it (for error messages), or ``None`` outside a process group.
         trust: :attr:`LoadTrust.SAFE` (weights-only with the allow-list) or :attr:`LoadTrust.TRUSTED`.
         map_location: forwarded to ``torch.load``.
+        mmap: map the file instead of reading it (tensors are paged in when touched), for readers that need
+            only slices of large files.
     """
     if not os.path.isfile(path):
         raise CheckpointFileMissingError(f"checkpoint file {where(path, rank)} does not exist", path, rank)
     try:
         if trust is LoadTrust.TRUSTED:
-            return torch.load(path, map_location=map_location, weights_only=False)
+            return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
         with _allowed_globals():
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises many types for one cause; classified below
         raise _classify_load_error(err, path, rank) from err
 

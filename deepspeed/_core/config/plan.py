@@ -356,6 +356,7 @@ class RunPlan:
     zero_allow_untested_optimizer: bool = key("zero_allow_untested_optimizer", False)
     zero_force_ds_cpu_optimizer: bool = key("zero_force_ds_cpu_optimizer", True)
     dataloader_drop_last: bool = key("dataloader_drop_last", False)
+    load_universal: bool = key("checkpoint.load_universal", False)
     memory_timeline: MemoryTimelinePolicy = nested("memory_timeline", MemoryTimelinePolicy)
     tensorboard: FileMonitorPolicy = nested("tensorboard", FileMonitorPolicy)
     csv_monitor: FileMonitorPolicy = nested("csv_monitor", FileMonitorPolicy)

@@ -106,6 +106,11 @@ def _stage0_accum_differs(value: Any, effective: Mapping[str, Any]) -> bool:
     return _DTYPE_CANON.get(str(value).lower()) != working
 
 
+def _universal_without_zero(value: Any, effective: Mapping[str, Any]) -> bool:
+    # A universal checkpoint is read into the ZeRO optimizer's flat masters; stage 0 has none.
+    return bool(value) and int(effective.get("zero_optimization.stage", 0)) == 0
+
+
 def _impl(note: str = "", refuse_when: Predicate | None = None, supported: str = "") -> KeyRule:
     return KeyRule(Status.IMPLEMENTED, note, refuse_when, supported)
 
@@ -261,7 +266,11 @@ _PRECISION: dict[str, KeyRule] = {
 
 _OTHER_BLOCKS: dict[str, KeyRule] = {
     "checkpoint.tag_validation": _impl(),
-    "checkpoint.load_universal": _refused("loading universal checkpoints is not implemented", "false"),
+    "checkpoint.load_universal": _impl(
+        "load_checkpoint reads a universal checkpoint (ds_to_universal) at any data-parallel size, ZeRO stage 1-3",
+        _universal_without_zero,
+        "true with zero_optimization.stage 1, 2 or 3",
+    ),
     "checkpoint.use_node_local_storage": _impl(),
     "checkpoint.parallel_write.pipeline_stage": KeyRule(Status.PIPELINE, "read by the pipeline engine"),
     "checkpoint.checkpoint_serialization": _noop("checkpoints are always written with torch.save"),

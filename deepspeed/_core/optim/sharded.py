@@ -104,7 +104,8 @@ class ShardedOptimizer(EngineOptimizer):
     """Base of the ZeRO optimizers whose ranks hold disjoint gradient shards (stages 1-3).
 
     Subclasses set ``checkpoint_format``: a module with ``shard_state_dict(opt, version)`` and
-    ``load_shards(opt, shards, load_optimizer_states, load_from_fp32_weights)``.
+    ``load_shards(opt, shards, load_optimizer_states, load_from_fp32_weights)``, plus ``universal_targets(opt)``
+    and ``load_universal(opt, states, global_state)`` for universal checkpoints (``universal_state.py``).
     """
 
     checkpoint_format: ModuleType
@@ -212,3 +213,11 @@ class ShardedOptimizer(EngineOptimizer):
         if isinstance(state_dict_list, dict):
             state_dict_list = [state_dict_list]
         self.checkpoint_format.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def universal_targets(self) -> list:
+        """Per flat group, the parameter pieces this rank's master holds (``UniversalTarget`` list)."""
+        return self.checkpoint_format.universal_targets(self)
+
+    def load_universal_state(self, states: list, global_state: dict) -> None:
+        """Install values read from a universal checkpoint for :meth:`universal_targets` and publish the weights."""
+        self.checkpoint_format.load_universal(self, states, global_state)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.layout.shards import GroupLayout
+from deepspeed._core.optim.universal_state import UniversalGroupState, UniversalSlice, UniversalTarget, install
 
 
 @dataclass
@@ -157,3 +158,19 @@ def _load_inner_state(opt: Any, shards: list[dict]) -> None:
                 entry[key] = value  # scalars such as Adam's step count are identical on every rank
         state[g] = entry
     opt.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def universal_targets(opt: Any) -> list[UniversalTarget]:
+    """Per flat group: the parameter pieces in this rank's partition ([Note: universal load])."""
+    targets = []
+    for group in opt.groups:
+        frags = group.flat.layout.params_in_partition(group.rank)
+        pieces = tuple(UniversalSlice(group.params[f.slot.index], f.param_range, f.partition_range) for f in frags)
+        targets.append(UniversalTarget(group.master.param.numel(), pieces))
+    return targets
+
+
+def load_universal(opt: Any, states: list[UniversalGroupState], global_state: dict) -> None:
+    """Install universal values read for :func:`universal_targets`, then all-gather the new weights."""
+    install(opt, [g.master.param.data for g in opt.groups], states, global_state)
+    opt.publish_weights()

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from deepspeed._core.layout.shards import Stage3ParamLayout
+from deepspeed._core.layout.shards import Range, Stage3ParamLayout
 from deepspeed._core.optim.stage12_state import restore_scaler_state
+from deepspeed._core.optim.universal_state import UniversalGroupState, UniversalSlice, UniversalTarget, install
 
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 
@@ -80,3 +81,21 @@ def _load_inner_state(opt: Any, shards: list[dict]) -> None:
                 entry[key] = value
         state[g] = entry
     opt.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def universal_targets(opt: Any) -> list[UniversalTarget]:
+    """Per group: each parameter's shard of this rank, back to back in the flat master."""
+    targets = []
+    for grp in opt.groups:
+        pieces = []
+        for state, offset in zip(grp.states, grp.offsets, strict=True):
+            valid = state.layout.valid_range(opt.rank)
+            pieces.append(UniversalSlice(state.param, valid, Range(offset, offset + valid.size)))
+        targets.append(UniversalTarget(grp.master.param.numel(), tuple(pieces)))
+    return targets
+
+
+def load_universal(opt: Any, states: list[UniversalGroupState], global_state: dict) -> None:
+    """Install universal values read for :func:`universal_targets`, then write the masters into the shards."""
+    install(opt, [grp.master.param.data for grp in opt.groups], states, global_state)
+    opt.write_back()

@@ -136,6 +136,7 @@ OVERRIDES: dict[str, tuple[Any, dict[str, Any]]] = {
     "fp16.consecutive_hysteresis": (True, {"fp16.enabled": True}),
     "fp16.min_loss_scale": (4, {"fp16.enabled": True}),
     "gradient_allreduce_op": ("sum", {}),
+    "checkpoint.load_universal": (True, {"zero_optimization.stage": 2}),
     "zero_optimization.stage": (2, {}),
     "zero_optimization.overlap_comm": (True, {}),
     "zero_optimization.allgather_bucket_size": (1000, {}),
