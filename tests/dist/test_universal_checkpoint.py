@@ -85,10 +85,16 @@ def _reference(steps: int) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _assert_matches(got: dict, ref: dict) -> None:
+def _assert_matches(got: dict, ref: dict, atol: float = 1e-6) -> None:
     assert sorted(got) == sorted(ref)
     for k, v in ref.items():
-        torch.testing.assert_close(got[k].float(), v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(got[k].float(), v, rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# Upstream's step 3 ran at 2 ranks; here one rank accumulates the same two micro-batches, so the gradient sums
+# round differently (measured up to 1.8e-6, the same with a regular, non-universal load of the same files);
+# a lost moment or step count moves parameters by about the learning rate (1e-2).
+UPSTREAM_ATOL = 5e-6
 
 
 def test_world2_stage2_to_world1_stage3(tmp_path: object) -> None:
@@ -164,4 +170,15 @@ def test_upstream_checkpoint_through_our_converter(tmp_path: object, case: str, 
     _convert(os.path.join(UPSTREAM, case, "global_step2"), out)
     got = run_distributed(_load_upstream_universal, 1, os.path.dirname(out), stage)[0]
     expected = torch.load(os.path.join(UPSTREAM, case, "expected_step3_fp32.pt"), weights_only=True)
-    _assert_matches(got, expected)
+    _assert_matches(got, expected, UPSTREAM_ATOL)
+
+
+UPSTREAM_UNIVERSAL = os.path.join(os.path.dirname(UPSTREAM), "upstream_universal")
+
+
+@pytest.mark.parametrize("case,stage", [("zero2_fp32_ws2", 3), ("zero3_fp32_ws2", 2)])
+def test_upstream_universal_folder_loads(case: str, stage: int) -> None:
+    """Folders written by upstream's own converter (``tests/fixtures/upstream_universal/README.md``) load here."""
+    got = run_distributed(_load_upstream_universal, 1, os.path.join(UPSTREAM_UNIVERSAL, case), stage)[0]
+    expected = torch.load(os.path.join(UPSTREAM, case, "expected_step3_fp32.pt"), weights_only=True)
+    _assert_matches(got, expected, UPSTREAM_ATOL)
