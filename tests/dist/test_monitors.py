@@ -243,3 +243,28 @@ def test_wandb_offline_run_logs_what_the_script_saw(tmp_path: Path) -> None:
     assert [row["_step"] for row in rows] == [s["samples"] for s in seen]
     assert [row["Train/Samples/train_loss"] for row in rows] == pytest.approx([s["loss"] for s in seen], rel=1e-6)
     assert [row["Train/Samples/lr"] for row in rows] == pytest.approx([s["lr"] for s in seen])
+
+
+def _pipe_train(out: str, steps: int) -> list[dict]:
+    import deepspeed
+    from deepspeed.runtime.pipe.module import PipelineModule
+    from tests.dist._pipe_engine_models import data_iter, layer_specs, loss_fn, pipe_config
+
+    module = PipelineModule(layer_specs(), num_stages=2, loss_fn=loss_fn, base_seed=1234, partition_method="uniform")
+    cfg = pipe_config(2, csv_monitor={"enabled": True, "output_path": out, "job_name": "pipe"})
+    engine, *_ = deepspeed.initialize(model=module, config=cfg)
+    it = data_iter(steps, 2, 1, 0)
+    seen = [{"loss": float(engine.train_batch(it)), "samples": engine.global_samples} for _ in range(steps)]
+    eval_loss = float(engine.eval_batch(data_iter(1, 2, 1, 0, start=steps)))
+    seen.append({"eval": eval_loss, "samples": engine.global_samples})
+    engine.destroy()
+    return seen
+
+
+def test_pipeline_engine_writes_train_and_eval_loss(tmp_path: Path) -> None:
+    seen = run_distributed(_pipe_train, 2, str(tmp_path), 2)[0]
+    folder = tmp_path / "pipe"
+    _, rows = _read_csv(folder / "Train_Samples_train_loss.csv")
+    assert rows == [(s["samples"], pytest.approx(s["loss"], rel=1e-6)) for s in seen[:-1]]
+    _, rows = _read_csv(folder / "Train_Samples_eval_loss.csv")
+    assert rows == [(seen[-1]["samples"], pytest.approx(seen[-1]["eval"], rel=1e-6))]
