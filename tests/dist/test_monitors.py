@@ -76,6 +76,10 @@ def test_csv_holds_the_losses_and_lr_the_script_saw(tmp_path: Path) -> None:
     assert {"Train_Samples_samples_per_sec.csv", "Train_Samples_tokens_per_sec.csv"} <= names
     assert {"Train_Samples_mem_allocated_after_forward_GiB.csv", "Train_Samples_mem_floor_GiB.csv"} <= names
     assert "Train_Samples_loss_scale.csv" not in names  # fp32: no loss scale
+    _, samples_per_sec = _read_csv(folder / "Train_Samples_samples_per_sec.csv")
+    _, tokens_per_sec = _read_csv(folder / "Train_Samples_tokens_per_sec.csv")
+    seq = micro_batch(0, 0)[0].shape[1]  # every sample is one sequence of `seq` tokens, on both ranks
+    assert [t for _, t in tokens_per_sec] == pytest.approx([seq * s for _, s in samples_per_sec])
     _, floor = _read_csv(folder / "Train_Samples_mem_floor_GiB.csv")
     n = sum(p.numel() for p in make_model(0).parameters())
     assert floor[0][1] == pytest.approx((4 + 4 + 8) * n / 2**30)  # fp32 stage 0: params, grads, Adam moments
@@ -243,3 +247,68 @@ def test_wandb_offline_run_logs_what_the_script_saw(tmp_path: Path) -> None:
     assert [row["_step"] for row in rows] == [s["samples"] for s in seen]
     assert [row["Train/Samples/train_loss"] for row in rows] == pytest.approx([s["loss"] for s in seen], rel=1e-6)
     assert [row["Train/Samples/lr"] for row in rows] == pytest.approx([s["lr"] for s in seen])
+
+
+def _pipe_train(out: str, steps: int) -> list[dict]:
+    import deepspeed
+    from deepspeed.runtime.pipe.module import PipelineModule
+    from tests.dist._pipe_engine_models import data_iter, layer_specs, loss_fn, pipe_config
+
+    module = PipelineModule(layer_specs(), num_stages=2, loss_fn=loss_fn, base_seed=1234, partition_method="uniform")
+    cfg = pipe_config(2, csv_monitor={"enabled": True, "output_path": out, "job_name": "pipe"})
+    engine, *_ = deepspeed.initialize(model=module, config=cfg)
+    it = data_iter(steps, 2, 1, 0)
+    seen = [{"loss": float(engine.train_batch(it)), "samples": engine.global_samples} for _ in range(steps)]
+    eval_loss = float(engine.eval_batch(data_iter(1, 2, 1, 0, start=steps)))
+    seen.append({"eval": eval_loss, "samples": engine.global_samples})
+    engine.destroy()
+    return seen
+
+
+def test_pipeline_engine_writes_train_and_eval_loss(tmp_path: Path) -> None:
+    seen = run_distributed(_pipe_train, 2, str(tmp_path), 2)[0]
+    folder = tmp_path / "pipe"
+    _, rows = _read_csv(folder / "Train_Samples_train_loss.csv")
+    assert rows == [(s["samples"], pytest.approx(s["loss"], rel=1e-6)) for s in seen[:-1]]
+    _, rows = _read_csv(folder / "Train_Samples_eval_loss.csv")
+    assert rows == [(seen[-1]["samples"], pytest.approx(seen[-1]["eval"], rel=1e-6))]
+
+
+class _FakeExperiment:
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.logged: list[tuple[str, float, int]] = []
+
+    def set_name(self, name: str) -> None:
+        self.name = name
+
+    def log_metric(self, name: str, value: float, step: int) -> None:
+        self.logged.append((name, value, step))
+
+
+def test_comet_starts_an_experiment_and_logs_on_the_sample_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from deepspeed._core.config.plan import CometPolicy
+    from deepspeed.monitor.comet import CometMonitor
+
+    experiment, started = _FakeExperiment(), {}
+    fake = types.ModuleType("comet_ml")
+    fake.start = lambda **kwargs: started.update(kwargs) or experiment  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "comet_ml", fake)
+    policy = CometPolicy(enabled=True, samples_log_interval=10, project="p", experiment_name="run", online=False)
+    monitor = CometMonitor(policy)
+    assert started == {
+        "api_key": None,
+        "project": "p",
+        "workspace": None,
+        "experiment_key": None,
+        "mode": None,
+        "online": False,
+    }
+    assert experiment.name == "run" and monitor.experiment is experiment and monitor.samples_log_interval == 10
+    monitor.write_events([("a", 1.0, 4), ("b", 2.0, 4)])
+    monitor.write_events([("a", 3.0, 8)])  # 4 samples after the last logged "a": not yet
+    monitor.write_events([("a", 5.0, 14), ("b", 6.0, 12)])
+    assert experiment.logged == [("a", 1.0, 4), ("b", 2.0, 4), ("a", 5.0, 14)]

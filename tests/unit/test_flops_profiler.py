@@ -62,6 +62,24 @@ def test_input_shape_builds_the_input_and_strings_follow_upstream() -> None:
     assert macs_to_string(0) == "0 MACs"
 
 
+class _KeywordModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.proj = nn.Linear(8, 50, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.proj(self.embed(input_ids))
+
+
+def test_keyword_inputs_are_passed_as_given() -> None:
+    ids = torch.randint(0, 50, (2, 7))
+    flops, macs, params = get_model_profile(
+        _KeywordModel(), kwargs={"input_ids": ids, "attention_mask": None}, print_profile=False, as_string=False
+    )
+    assert (flops, macs, params) == (2 * 2 * 7 * 8 * 50, 2 * 7 * 8 * 50, 50 * 8 + 8 * 50)
+
+
 def test_counts_are_attributed_to_the_module_that_ran_them() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
     prof = FlopsProfiler(model)

@@ -81,9 +81,12 @@ def test_timers_block_turns_the_throughput_timer_off() -> None:
     assert (off["tput_steps"], off["tput_micro"]) == (0, 0)
 
 
-def test_bad_timers_key_is_named() -> None:
+def test_timers_block_is_read_and_a_bad_key_is_named() -> None:
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
+    cfg = DeepSpeedConfig({"train_batch_size": 1, "timers": {"throughput": {"synchronized": False}}})
+    assert (cfg.timers_config.enabled, cfg.timers_config.synchronized) == (True, False)
+    assert cfg.plan.timers.throughput.synchronized is False
     with pytest.raises(DeepSpeedConfigError, match="synchronised"):
         DeepSpeedConfig({"train_batch_size": 1, "timers": {"throughput": {"synchronised": False}}})
     with pytest.raises(DeepSpeedConfigError, match="timers.throughput.enabled"):

@@ -190,6 +190,7 @@ class DeepSpeedConfig:
     grad_accum_dtype = _ModelView("data_types.grad_accum_dtype", "Gradient-accumulation dtype name, or None.")
     activation_checkpointing_config = _ModelView("activation_checkpointing", "The activation_checkpointing block.")
     flops_profiler_config = _ModelView("flops_profiler", "The flops_profiler block.")
+    timers_config = _ModelView("timers.throughput", "The timers.throughput block (the throughput timer).")
     checkpoint_config = _ModelView("checkpoint", "The checkpoint block.")
     load_universal_checkpoint = _ModelView("checkpoint.load_universal", "Load a universal checkpoint.")
     use_node_local_storage = _ModelView("checkpoint.use_node_local_storage", "Per-node checkpoint writers.")

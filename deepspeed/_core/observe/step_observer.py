@@ -203,6 +203,12 @@ class StepObserver:
             events.append(("Train/Samples/tokens_per_sec", tokens / seconds, samples))
         return events
 
+    def write_scalar(self, tag: str, value: Any, samples: int) -> None:
+        """Write one scalar (a tensor's mean) while a monitor writes; the pipeline engine's losses come this way."""
+        if self.writes and value is not None:
+            mean = value.float().mean().item() if isinstance(value, torch.Tensor) else float(value)
+            self.write_events([(tag, mean, samples)])
+
     def write_events(self, events: list[Event]) -> None:
         """Send ``events`` to the monitors (rank 0 only) and keep them as :attr:`last_events`."""
         if self.writes and events:

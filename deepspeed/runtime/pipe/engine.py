@@ -147,6 +147,7 @@ class PipelineEngine(DeepSpeedEngine):
             self.set_dataiterator(data_iter)
         schedule = TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
         self.agg_train_loss = self._executor.train(schedule, self.data_iterator, self._batch_fn)
+        self._loop.observer.write_scalar("Train/Samples/train_loss", self.agg_train_loss, self.global_samples)
         return self.agg_train_loss
 
     def eval_batch(
@@ -172,6 +173,8 @@ class PipelineEngine(DeepSpeedEngine):
         output, logits = self._executor.evaluate(
             schedule, data, self._batch_fn, compute_loss, reduce_output, bcast_loss
         )
+        if isinstance(output, torch.Tensor):
+            self._loop.observer.write_scalar("Train/Samples/eval_loss", output, self.global_samples)
         return (output, logits) if return_logits else output
 
     def set_dataiterator(self, iterator: Any) -> None:
