@@ -400,8 +400,8 @@ class Resident:
                 for key, value in state.items():
                     if _per_element(value, numel):
                         opt.swapper.write_full(g, key, value)
-            for key in [k for k, v in state.items() if _per_element(v, numel)]:
-                del state[key]
+            # A new dict, not deletions: a state_dict() taken inside holds this very dict (torch packs it unchanged).
+            opt.optimizer.state[grp.master.param] = {k: v for k, v in state.items() if not _per_element(v, numel)}
             grp.master.param.data = _placeholder(numel, grp.master.dtype)
         opt.resident = False
 
