@@ -210,6 +210,7 @@ def _full_disk(world: int, cfg: dict, limit: int) -> str:
 
     import deepspeed
 
+    AsyncIOBuilder().load()  # built (or found in the cache) before the limit: a compiler writes large files
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     try:
