@@ -23,6 +23,7 @@ full copy of this rank's master and moments, freed afterwards), a load writes it
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 from collections.abc import Iterator
@@ -370,14 +371,19 @@ def build_swapper(opt: Any) -> NvmeSwapper:
     return swapper
 
 
+class ResidentUse(enum.Enum):
+    """What a :class:`Resident` block does with the state: only read it, or change it (written back after)."""
+
+    READ = "read"
+    UPDATE = "update"
+
+
 class Resident:
-    """Context: every group's master and states in host memory (checkpoints, module loads), swapped out after.
+    """Context: every group's master and states in host memory (checkpoints, module loads), swapped out after;
+    with ``ResidentUse.UPDATE`` written back to the files first."""
 
-    ``write`` False skips writing back (the state was only read).
-    """
-
-    def __init__(self, opt: Any, write: bool = True) -> None:
-        self.opt, self.write = opt, write
+    def __init__(self, opt: Any, use: ResidentUse = ResidentUse.UPDATE) -> None:
+        self.opt, self.write = opt, use is ResidentUse.UPDATE
 
     def __enter__(self) -> None:
         opt = self.opt
@@ -413,7 +419,7 @@ class NvmeCheckpointFormat:
     @staticmethod
     def shard_state_dict(opt: Any, version: str) -> dict:
         """This rank's shard (as :func:`stage3_state.shard_state_dict`), read from the swap files."""
-        with Resident(opt, write=False):
+        with Resident(opt, ResidentUse.READ):
             return stage3_state.shard_state_dict(opt, version)
 
     @staticmethod
@@ -456,7 +462,7 @@ class NvmeStage3Optimizer(Stage3Optimizer):
         if self.resident:
             super().write_back()
             return
-        with Resident(self, write=False):
+        with Resident(self, ResidentUse.READ):
             super().write_back()
 
     def refresh_fp32_params(self) -> None:
