@@ -88,9 +88,9 @@ def test_nvme_steps_bit_equal_to_host_offload(world: int, tmp_path: Path) -> Non
 
 
 def test_unpipelined_and_single_buffer_match(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
     a = run_distributed(_train, 1, 1, _config(str(tmp_path / "a"), buffer_count=1))
     b = run_distributed(_train, 1, 1, _config(None))
-    (tmp_path / "a").mkdir(exist_ok=True)
     for k in b[0]["weights"]:
         assert torch.equal(a[0]["weights"][k], b[0]["weights"][k]), k
 
