@@ -82,6 +82,8 @@ def op_rows() -> list[tuple[str, str, str, str]]:
                 runs += f"; CPU part only, CUDA tensors fall back to torch ({'; '.join(cuda_missing)})"
         else:
             runs = "falling back: " + "; ".join(status.reasons)
+        if hasattr(builder, "backend") and status.compatible:
+            runs += f"; backend: {builder.backend()}"
         rows.append((name, GREEN_YES if status.compatible else RED_NO, GREEN_YES if status.built else RED_NO, runs))
     return rows
 
@@ -93,15 +95,24 @@ def _print_table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> No
         sys.stdout.write(" | ".join([*cells, str(row[-1])]) + "\n")
 
 
+def _op_warnings() -> list[str]:
+    """Warnings of the ops that have any (async_io without libaio)."""
+    from deepspeed.ops.op_builder import ALL_OPS
+
+    return [line for builder in ALL_OPS.values() if hasattr(builder, "warnings") for line in builder.warnings()]
+
+
 def main(hide_operator_status: bool = False, hide_errors_and_warnings: bool = False) -> None:
-    """Print the report (upstream signature); ``hide_errors_and_warnings`` is accepted for compatibility."""
-    del hide_errors_and_warnings
+    """Print the report (upstream signature); ``hide_errors_and_warnings`` drops the ops' warning lines."""
     sys.stdout.write("-" * 60 + "\nDeepSpeed general environment info:\n")
     for label, value in environment_rows():
         sys.stdout.write(f"{label:.<22} {value}\n")
     if not hide_operator_status:
         sys.stdout.write("-" * 60 + "\nDeepSpeed op report (JIT builds cache in TORCH_EXTENSIONS_DIR):\n")
         _print_table(op_rows(), ("op name", "compatible", "built", "runs"))
+    if not hide_errors_and_warnings:
+        for line in _op_warnings():
+            sys.stdout.write(f" [WARNING] {line}\n")
     sys.stdout.write("-" * 60 + "\n")
 
 
@@ -109,7 +120,7 @@ def cli_main() -> None:
     """Entry point of the ``ds_report`` / ``dsr`` console scripts."""
     parser = argparse.ArgumentParser(prog="ds_report", description="DeepSpeed environment and op report")
     parser.add_argument("--hide_operator_status", action="store_true", help="do not list the ops")
-    parser.add_argument("--hide_errors_and_warnings", action="store_true", help="accepted for compatibility")
+    parser.add_argument("--hide_errors_and_warnings", action="store_true", help="do not print the ops' warnings")
     args = parser.parse_args()
     main(hide_operator_status=args.hide_operator_status, hide_errors_and_warnings=args.hide_errors_and_warnings)
 

@@ -1,4 +1,5 @@
-"""Native ops and the optimizers built on them (``deepspeed.ops.adam``, ``.adagrad``, ``.lion``, ``.op_builder``).
+"""Native ops and the optimizers built on them (``deepspeed.ops.adam``, ``.adagrad``, ``.lion``, ``.op_builder``) and
+the asynchronous file I/O op (``deepspeed.ops.aio``).
 
 Submodules are imported on access so ``import deepspeed.ops`` stays cheap.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["adagrad", "adam", "flatten", "lion", "op_builder"]
+__all__ = ["adagrad", "adam", "aio", "flatten", "lion", "op_builder"]
 
 
 def __getattr__(name: str) -> ModuleType:

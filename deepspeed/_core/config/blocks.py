@@ -1,6 +1,6 @@
 """The small top-level blocks upstream reads key by key, and the optimizer-name and tag-validation constants.
 
-``flops_profiler``, ``checkpoint``, ``aio``, ``optimizer``, ``scheduler`` are lenient (unknown keys warn);
+``flops_profiler``, ``checkpoint``, ``optimizer``, ``scheduler`` are lenient (unknown keys warn);
 ``memory_timeline`` is a deepspeed-lean block and strict. The root model (``schema.py``) holds one field per block.
 """
 
@@ -107,26 +107,6 @@ class CheckpointConfig(DeepSpeedLenientConfigModel):
         if mode not in (ValidationMode.WARN, ValidationMode.IGNORE, ValidationMode.FAIL):
             raise ValueError(f"must be one of WARN, IGNORE, FAIL; got {value!r}")
         return mode
-
-
-class AioConfig(DeepSpeedLenientConfigModel):
-    """``aio`` block: asynchronous NVMe I/O settings."""
-
-    config_block: ClassVar[str] = "aio"
-    tolerated_keys: ClassVar[frozenset[str]] = frozenset({"thread_count"})
-
-    block_size: int = Field(1048576, gt=0)
-    """Bytes per I/O request."""
-    queue_depth: int = Field(8, gt=0)
-    """Outstanding requests per I/O thread."""
-    intra_op_parallelism: int = Field(1, gt=0)
-    """I/O threads per operation."""
-    single_submit: bool = False
-    """Submit requests one at a time instead of batched."""
-    overlap_events: bool = True
-    """Overlap request submission with completion polling."""
-    use_gds: bool = False
-    """Use GPUDirect Storage."""
 
 
 class OptimizerBlockConfig(DeepSpeedLenientConfigModel):

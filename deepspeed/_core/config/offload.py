@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
 from enum import Enum
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from deepspeed._core.config.base import DeepSpeedConfigModel, pp_int
 
@@ -38,10 +39,10 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
 
     nvme_path: Path | None = None
-    """Upstream: directory for NVMe swap files. No effect here: NVMe offload is refused."""
+    """Directory for parameter swap files (``device: nvme``, which is refused: parameters offload to cpu only)."""
 
     buffer_count: int = Field(5, ge=0)
-    """Upstream: staging buffers for swapping parameters from NVMe. No effect here: NVMe offload is refused."""
+    """Staging buffers for swapping parameters from NVMe (``device: nvme`` only)."""
 
     buffer_size: int = Field(pp_int(1e8), ge=0)
     """Size in elements of each NVMe staging buffer."""
@@ -62,11 +63,12 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
 
     nvme_path: Path | None = None
-    """Upstream: directory for NVMe swap files. No effect here: NVMe offload is refused."""
+    """Directory for the optimizer-state swap files (``device: nvme``; required then). It must exist and be
+    writable; files go under ``<nvme_path>/zero_stage_3/optimizer/rank<r>/``."""
 
     buffer_count: int = Field(4, ge=0)
-    """Upstream: staging buffers for swapping optimizer state from NVMe. No effect here: NVMe offload is
-    refused."""
+    """Host buffer sets (fp32 master and moments of one step chunk each) the NVMe swapper cycles through; reads run
+    up to ``buffer_count - 1`` chunks ahead of the step with ``pipeline_read``."""
 
     pin_memory: bool = True
     """Use page-locked host buffers. Default true since upstream v0.19.5. Gradient staging goes through a few fixed
@@ -82,7 +84,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """Overlap NVMe writes of the previous sub-group with the current optimizer step."""
 
     fast_init: bool = False
-    """Initialise NVMe-offloaded optimizer state without a round-trip through swap files."""
+    """Upstream: initialise NVMe-offloaded optimizer state without a round-trip through swap files. No effect here:
+    the initial state is written once, chunk by chunk."""
 
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Upstream: fraction of optimizer state to offload (below 1.0 with ZeRO-3 only, still checked). No effect
@@ -94,7 +97,32 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
     """Share of CPU cores the CPU Adam step may use."""
 
+    _nvme_path_usable = model_validator(mode="after")(lambda self: check_nvme_path(self))
+
     @property
     def pipeline(self) -> bool:
         """True when either NVMe read or write pipelining is on."""
         return self.pipeline_read or self.pipeline_write
+
+
+def check_nvme_path(block: DeepSpeedZeroOffloadOptimizerConfig) -> DeepSpeedZeroOffloadOptimizerConfig:
+    """``device: nvme`` needs an ``nvme_path`` that is an existing, writable directory (checked when the config is
+    read, on every rank, before any collective)."""
+    if block.device != OffloadDeviceEnum.nvme:
+        return block
+    key = f"{block.config_block}.nvme_path"
+    path = block.nvme_path
+    if path is None:
+        raise ValueError(f"{key} is required with device 'nvme': give a directory on a local disk for swap files")
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ValueError(f"{key}={str(path)!r} {what}; valid: an existing, writable directory")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass  # a real write: permission bits alone miss read-only mounts and are bypassed by root
+    except OSError as err:
+        raise ValueError(
+            f"{key}={str(path)!r} is not writable by this process ({err.strerror}); valid: an existing, writable "
+            "directory"
+        ) from None
+    return block

@@ -172,6 +172,23 @@ class OffloadPolicy:
 
 
 @dataclass(frozen=True)
+class OptimizerOffloadPolicy(OffloadPolicy):
+    """The optimizer-state offload target; the NVMe fields apply to ``device == NVME``.
+
+    Attributes:
+        nvme_path: directory of the swap files.
+        buffer_count: host buffer sets (one step chunk's master and moments each) the swapper cycles through.
+        pipeline_read: read the next step chunks from NVMe while the current one steps.
+        pipeline_write: write stepped chunks back to NVMe while the next ones step.
+    """
+
+    nvme_path: str | None = key("nvme_path", None, lambda path: None if path is None else str(path))
+    buffer_count: int = key("buffer_count", 4)
+    pipeline_read: bool = key("pipeline_read", False)
+    pipeline_write: bool = key("pipeline_write", False)
+
+
+@dataclass(frozen=True)
 class LeanPolicy:
     """The memory-lean mechanisms; each one off reproduces upstream's behaviour for A/B runs.
 
@@ -247,17 +264,30 @@ class ZeroPlan:
 
     stage: int = key("stage", 0, int)
     buckets: BucketPolicy = nested("", BucketPolicy)
-    offload_optimizer: OffloadPolicy = nested("offload_optimizer", OffloadPolicy)
+    offload_optimizer: OptimizerOffloadPolicy = nested("offload_optimizer", OptimizerOffloadPolicy)
     offload_param: OffloadPolicy = nested("offload_param", OffloadPolicy)
     lean: LeanPolicy = nested("", LeanPolicy)
     stage3: Stage3Policy = nested("", Stage3Policy)
     load_from_fp32_weights: bool = key("load_from_fp32_weights", True)
+    sub_group_size: int = key("sub_group_size", 1_000_000_000)
+    """NVMe optimizer offload: at most this many elements per swapped step chunk."""
 
     @property
     def shards_are_master_views(self) -> bool:
         """ZeRO-3: whether a stepped parameter's shard becomes its slice of the device master
         (``lean_gather_from_master`` with neither the optimizer nor the parameters offloaded)."""
         return self.lean.gather_from_master and not self.offload_optimizer.enabled and not self.offload_param.enabled
+
+
+@dataclass(frozen=True)
+class AioPolicy:
+    """How swap files are read and written (the ``aio`` block; the ``aio_handle`` arguments)."""
+
+    block_size: int = key("block_size", 1048576)
+    queue_depth: int = key("queue_depth", 8)
+    intra_op_parallelism: int = key("intra_op_parallelism", 1)
+    single_submit: bool = key("single_submit", False)
+    overlap_events: bool = key("overlap_events", True)
 
 
 @dataclass(frozen=True)
@@ -364,3 +394,4 @@ class RunPlan:
     comet: CometPolicy = nested("comet", CometPolicy)
     flops_profiler: FlopsProfilerPolicy = nested("flops_profiler", FlopsProfilerPolicy)
     timers: TimersPolicy = nested("timers", TimersPolicy)
+    aio: AioPolicy = nested("aio", AioPolicy)

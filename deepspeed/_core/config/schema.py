@@ -13,9 +13,9 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from deepspeed._core.config.activation import DeepSpeedActivationCheckpointingConfig
+from deepspeed._core.config.aio import AioConfig
 from deepspeed._core.config.base import DeepSpeedLenientConfigModel
 from deepspeed._core.config.blocks import (
-    AioConfig,
     CheckpointConfig,
     DeepSpeedFlopsProfilerConfig,
     MemoryTimelineConfig,

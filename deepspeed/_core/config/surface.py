@@ -123,7 +123,8 @@ def _refused(note: str, supported: str, refuse_when: Predicate = _truthy) -> Key
     return KeyRule(Status.REFUSED, note, refuse_when, supported)
 
 
-_NVME_ONLY = "NVMe swapping only; NVMe offload is refused"
+_NVME_PARAM = "NVMe parameter swapping only, which is refused"
+_NVME_OPT = "NVMe optimizer swapping at ZeRO-3"
 
 _TOP_LEVEL: dict[str, KeyRule] = {
     "train_batch_size": _impl(),
@@ -172,22 +173,25 @@ _ZERO: dict[str, KeyRule] = {
     "load_from_fp32_weights": _impl(),
     "elastic_checkpoint": _noop("ZeRO-1/2 checkpoints load at any data-parallel size regardless"),
     "offload_param.device": _impl("NVMe parameter offload is not implemented", _equals("nvme"), "'none' or 'cpu'"),
-    "offload_param.nvme_path": _noop(_NVME_ONLY),
-    "offload_param.buffer_count": _noop(_NVME_ONLY),
-    "offload_param.buffer_size": _noop(_NVME_ONLY),
-    "offload_param.max_in_cpu": _noop(_NVME_ONLY),
+    "offload_param.nvme_path": _noop(_NVME_PARAM),
+    "offload_param.buffer_count": _noop(_NVME_PARAM),
+    "offload_param.buffer_size": _noop(_NVME_PARAM),
+    "offload_param.max_in_cpu": _noop(_NVME_PARAM),
     "offload_param.pin_memory": _impl(),
-    "offload_optimizer.device": _impl("NVMe optimizer offload is not implemented", _equals("nvme"), "'none' or 'cpu'"),
-    "offload_optimizer.nvme_path": _noop(_NVME_ONLY),
-    "offload_optimizer.buffer_count": _noop(_NVME_ONLY),
+    "offload_optimizer.device": _impl("nvme: swap files at ZeRO-3; ZeRO-1/2 keep the state on the cpu (a warning)"),
+    "offload_optimizer.nvme_path": _impl("required with device nvme; checked to be a writable directory"),
+    "offload_optimizer.buffer_count": _impl(_NVME_OPT),
     "offload_optimizer.pin_memory": _impl(),
-    "offload_optimizer.pipeline_read": _noop(_NVME_ONLY),
-    "offload_optimizer.pipeline_write": _noop(_NVME_ONLY),
-    "offload_optimizer.fast_init": _noop(_NVME_ONLY),
+    "offload_optimizer.pipeline_read": _impl(_NVME_OPT),
+    "offload_optimizer.pipeline_write": _impl(_NVME_OPT),
+    "offload_optimizer.fast_init": _noop("the initial NVMe state is written once, chunk by chunk"),
     "offload_optimizer.ratio": _noop("all optimizer state is offloaded (partial offload is not implemented)"),
     "offload_optimizer.super_offload": _refused("SuperOffload is not implemented", "false"),
     "offload_optimizer.cpuadam_cores_perc": _noop("the CPU step uses torch's thread pool"),
-    "sub_group_size": _noop("the step is chunked by its own rule: a sixteenth of the master, within 64-256 MiB"),
+    "sub_group_size": _impl(
+        "NVMe optimizer offload: elements per swapped step chunk (at most the step chunk); the step chunk itself "
+        "follows its own rule: a sixteenth of the master, within 64-256 MiB"
+    ),
     "cpu_offload_param": _impl("deprecated: offload_param {device: cpu}"),
     "cpu_offload_use_pin_memory": _noop("deprecated; use pin_memory in the offload blocks"),
     "cpu_offload": _impl("deprecated: offload_optimizer {device: cpu}"),
@@ -291,9 +295,10 @@ _OTHER_BLOCKS: dict[str, KeyRule] = {
         for k in ("recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed", "output_file")
     },
     **{
-        f"aio.{k}": _noop("asynchronous NVMe I/O is not implemented")
-        for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
+        f"aio.{k}": _impl(_NVME_OPT)
+        for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
     },
+    "aio.use_gds": _refused("GPUDirect Storage is not implemented", "false"),
     **{f"comms_logger.{k}": _impl() for k in ("enabled", "prof_all", "prof_ops", "verbose", "debug")},
     **{f"tensorboard.{k}": _impl() for k in ("enabled", "output_path", "job_name")},
     **{f"wandb.{k}": _impl() for k in ("enabled", "group", "team", "project")},

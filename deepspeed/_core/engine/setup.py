@@ -14,11 +14,12 @@ import torch
 
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import SideStreams, StreamSet
-from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.config.plan import OffloadDevice, RunPlan
 from deepspeed._core.engine.data_parallel import DataParallelOptimizer
 from deepspeed._core.engine.precision import cast_buffers, cast_module_params
 from deepspeed._core.moe.params import ExpertGroup, check_zero_param_groups
 from deepspeed._core.optim.base import EngineOptimizer
+from deepspeed._core.optim.nvme import NvmeStage3Optimizer, warn_nvme_as_cpu
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed._core.optim.stage12 import ZeroOptimizer
 from deepspeed._core.params.gather import ParamTarget
@@ -110,7 +111,9 @@ def wrap_optimizer(
     if stage == 3:
         if manager is None:
             raise ValueError("ZeRO stage 3 needs the parameter manager built by partition_parameters()")
-        return Stage3Optimizer(basic, plan, loss_scaler, dp_group, manager)
+        nvme = plan.zero.offload_optimizer.device is OffloadDevice.NVME
+        return (NvmeStage3Optimizer if nvme else Stage3Optimizer)(basic, plan, loss_scaler, dp_group, manager)
+    warn_nvme_as_cpu(plan)
     if stage == 0:
         return DataParallelOptimizer(basic, plan, loss_scaler, dp_group, dp_world_size, expert_groups)
     if stage in (1, 2):

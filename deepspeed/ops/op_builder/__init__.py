@@ -8,6 +8,7 @@ themselves are exported. ``get_default_compute_capabilities`` is not provided.
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.all_ops import ALL_OPS, NATIVE_BUILDERS
+from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 from deepspeed.ops.op_builder.builder import (
     CUDAOpBuilder,
     OpBuilder,

@@ -46,7 +46,6 @@ _STUBS = (
     ("CPULionBuilder", "cpu_lion", "DS_BUILD_CPU_LION", _TORCH_IMPL),
     ("FusedLionBuilder", "fused_lion", "DS_BUILD_FUSED_LION", _TORCH_IMPL),
     ("FusedLambBuilder", "fused_lamb", "DS_BUILD_FUSED_LAMB", NotImplementedBuilder.REASON),
-    ("AsyncIOBuilder", "async_io", "DS_BUILD_AIO", NotImplementedBuilder.REASON),
     ("GDSBuilder", "gds", "DS_BUILD_GDS", NotImplementedBuilder.REASON),
     ("QuantizerBuilder", "quantizer", "DS_BUILD_QUANTIZER", NotImplementedBuilder.REASON),
     ("FPQuantizerBuilder", "fp_quantizer", "DS_BUILD_FP_QUANTIZER", NotImplementedBuilder.REASON),

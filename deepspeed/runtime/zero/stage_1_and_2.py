@@ -27,7 +27,9 @@ from deepspeed._core.optim.loss_scaling import (
     LossScalerBase,
     from_policy,
 )
+from deepspeed._core.optim.nvme import NVME_AS_CPU_WARNING
 from deepspeed._core.optim.stage12 import ZeroOptimizer
+from deepspeed._foundation.logging import logger
 
 __all__ = ["DeepSpeedZeroOptimizer"]
 
@@ -90,7 +92,7 @@ def _zero_block(kw: Mapping[str, Any]) -> DeepSpeedZeroConfig:
     )
     offload = block.offload_optimizer
     if offload is not None and OffloadDevice(offload.device) is OffloadDevice.NVME:
-        raise _unsupported("offload_optimizer_config", "device=nvme", "ZeRO-1/2 offloads optimizer state to cpu only")
+        logger.warning(NVME_AS_CPU_WARNING.format(stage=int(block.stage) if int(block.stage) in (1, 2) else "1/2"))
     enforce_block_surface(block, "zero_optimization.")
     return block
 

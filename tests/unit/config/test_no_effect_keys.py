@@ -21,10 +21,8 @@ NO_EFFECT = {
     _Z + "round_robin_gradients": (True, {}),
     _Z + "ignore_unused_parameters": (False, {}),
     _Z + "elastic_checkpoint": (True, {}),
-    _Z + "sub_group_size": (1000, {_Z + "stage": 3}),
-    _Z + "offload_optimizer.buffer_count": (2, {_Z + "offload_optimizer.device": "cpu"}),
+    _Z + "offload_optimizer.fast_init": (True, {_Z + "offload_optimizer.device": "cpu"}),
     _Z + "offload_optimizer.ratio": (0.5, {_Z + "stage": 3, _Z + "offload_optimizer.device": "cpu"}),
-    _Z + "offload_optimizer.nvme_path": ("/local_nvme", {}),
     _Z + "offload_param.buffer_count": (2, {_Z + "stage": 3, _Z + "offload_param.device": "cpu"}),
     _Z + "offload_param.nvme_path": ("/local_nvme", {}),
 }

@@ -159,8 +159,7 @@ NO_PLAN_FIELD = {
     "round_robin_gradients": True,
     "ignore_unused_parameters": False,
     "elastic_checkpoint": True,
-    "sub_group_size": 1000,
-    "offload_optimizer": {"device": "cpu", "buffer_count": 2, "ratio": 0.5, "nvme_path": "/nvme"},
+    "offload_optimizer": {"device": "cpu", "ratio": 0.5, "fast_init": True},
     "offload_param": {"device": "cpu", "buffer_count": 2, "nvme_path": "/nvme"},
 }
 
@@ -184,10 +183,10 @@ def test_no_effect_keys_are_parsed_but_not_planned() -> None:
         }
     )
     zero = cfg.zero_config
-    assert (zero.contiguous_gradients, zero.round_robin_gradients, zero.sub_group_size) == (False, True, 1000)
+    assert (zero.contiguous_gradients, zero.round_robin_gradients) == (False, True)
     assert zero.offload_optimizer.ratio == 0.5 and str(zero.offload_param.nvme_path) == "/nvme"
-    names = _plan_field_names(cfg.plan)
-    dead = {"managed_gradient_accumulation", "buffer_count", "ratio", "nvme_path"} | set(NO_PLAN_FIELD) - {
+    names = _plan_field_names(cfg.plan.zero.offload_param) | _plan_field_names(cfg.plan) - {"nvme_path", "buffer_count"}
+    dead = {"managed_gradient_accumulation", "buffer_count", "ratio", "nvme_path", "fast_init"} | set(NO_PLAN_FIELD) - {
         "offload_optimizer",
         "offload_param",
     }
