@@ -51,10 +51,9 @@ class PinnedPool:
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D ``dtype`` view of ``numel`` elements over a pool buffer; give it back with :meth:`release`."""
         nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
-        fits = [t for t in self._free if t.numel() >= nbytes]
+        fits = [i for i, t in enumerate(self._free) if t.numel() >= nbytes]
         if fits:
-            block = min(fits, key=lambda t: t.numel())
-            self._free.remove(block)
+            block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
             size = 1 << (nbytes - 1).bit_length()  # power of two: what the host allocator would round to anyway
             if self.held_bytes + size > self.max_bytes and self._free:
