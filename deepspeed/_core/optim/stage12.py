@@ -302,6 +302,10 @@ class ZeroOptimizer(ShardedOptimizer):
         for group in self.groups:
             group.master.write_back()
 
+    def host_grad_bytes(self) -> int:
+        """Host partition gradients (offloaded optimizer), kept storage included."""
+        return sum(g.grads.host_bytes() for g in self.groups)
+
     def _clear_grads(self) -> None:
         for group in self.groups:
             group.master.param.grad = None

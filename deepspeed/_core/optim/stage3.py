@@ -449,6 +449,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
                 if state.shard_is_master:
                     state.adopt_master_shard(grp.master.data.narrow(0, off, state.layout.partition_numel))
 
+    def host_grad_bytes(self) -> int:
+        """Host gradient chunks (offloaded optimizer), kept storage included; parked gradients use none."""
+        return sum(
+            g.accumulator.storage_numel * g.accumulator.dtype.itemsize
+            for g in self.groups
+            if g.accumulator is not None and g.accumulator.device.type == "cpu"
+        )
+
     def _clear_grads(self) -> None:
         self.parked.restore_all()  # skip or zero_grad: parked shards get their values back (no-op after a step)
         self._folded.clear()
