@@ -26,7 +26,7 @@ def _config(stage: int, offload_param: bool) -> dict:
     }
 
 
-def _weights(engine, stage: int) -> dict:  # noqa: ANN001
+def _weights(engine, stage: int) -> dict:
     import deepspeed
 
     if stage == 3:
@@ -35,7 +35,7 @@ def _weights(engine, stage: int) -> dict:  # noqa: ANN001
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
-def _steps(engine, world: int, steps: range) -> None:  # noqa: ANN001
+def _steps(engine, world: int, steps: range) -> None:
     from deepspeed import comm as dist
 
     for step in steps:
@@ -82,10 +82,8 @@ def _reference(world: int) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize(
-    "world,stage,offload_param", [(1, 2, False), (2, 2, False), (1, 3, False), (2, 3, True)]
-)
-def test_bf16_offloaded_states_train_and_checkpoint(tmp_path, world: int, stage: int, offload_param: bool) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("world,stage,offload_param", [(1, 2, False), (2, 2, False), (1, 3, False), (2, 3, True)])
+def test_bf16_offloaded_states_train_and_checkpoint(tmp_path, world: int, stage: int, offload_param: bool) -> None:
     ref = _reference(world)
     for r in run_distributed(_train, world, world, stage, offload_param, str(tmp_path / "ckpt")):
         assert set(r["masters"]) == {(torch.bfloat16, "cpu")}
@@ -98,3 +96,23 @@ def test_bf16_offloaded_states_train_and_checkpoint(tmp_path, world: int, stage:
             assert rel < 2e-2, f"{k}: {rel}"
         for k in r["weights"]:
             assert torch.equal(r["weights"][k], r["resumed"][k]), k
+
+
+def _client_fp32_states() -> str:
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cfg = _config(2, False)
+    cfg.pop("optimizer")
+    model = make_model(0)
+    client = DeepSpeedCPUAdam(model.parameters(), lr=LR, fp32_optimizer_states=True)
+    try:
+        deepspeed.initialize(model=model, optimizer=client, config=cfg)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_a_client_optimizer_with_fp32_states_is_refused_under_bf16_optimizer_states() -> None:
+    (message,) = run_distributed(_client_fp32_states, 1)
+    assert "bf16.bf16_optimizer_states" in message and "fp32_optimizer_states" in message, message
