@@ -47,11 +47,48 @@ def build_basic_optimizer(client: Any, params: list, config: Any, module: torch.
     elif callable(client):
         optimizer = client(params)
     elif name is not None:
-        optimizer = _from_config(name, dict(config.optimizer_params or {}), params, _offloading(config))
+        params_cfg = dict(config.optimizer_params or {})
+        if _offloading(config) and _low_precision_states(config) and name.lower() in _CPU_OPTIMIZER_TYPES:
+            _states_in_master_dtype(name, params_cfg)
+        optimizer = _from_config(name, params_cfg, params, _offloading(config))
     else:
         return None
     _check_zero_compatible(optimizer, config, client_given=client is not None)
+    _check_state_dtype(optimizer, config)
     return optimizer
+
+
+_CPU_OPTIMIZER_TYPES = (ADAM_OPTIMIZER, ADAMW_OPTIMIZER, ADAGRAD_OPTIMIZER, LION_OPTIMIZER)
+"""The config names built as a DeepSpeed CPU optimizer under ``offload_optimizer``."""
+
+
+def _low_precision_states(config: Any) -> bool:
+    """A 16-bit master whose optimizer states follow it: ``bf16.bf16_optimizer_states`` (with its master flag), or
+    ``fp16.fp16_master_weights_and_grads`` (upstream keeps no fp32 states for an fp16 master either)."""
+    bf16 = bool(config.bfloat16_enabled and config.bf16_master_weights_and_grads and config.bf16_optimizer_states)
+    return bf16 or bool(config.fp16_enabled and config.fp16_master_weights_and_gradients)
+
+
+def _states_in_master_dtype(name: str, params_cfg: dict) -> None:
+    """A config-built CPU optimizer keeps its states in the 16-bit master's dtype: ``fp32_optimizer_states`` false."""
+    if params_cfg.get("fp32_optimizer_states"):
+        logger.warning(
+            f"optimizer.params.fp32_optimizer_states true is overridden for {name!r}: with a 16-bit master "
+            "(bf16.bf16_optimizer_states or fp16.fp16_master_weights_and_grads) and offload_optimizer the "
+            "optimizer states are kept in the master's dtype"
+        )
+    params_cfg["fp32_optimizer_states"] = False
+
+
+def _check_state_dtype(optimizer: Any, config: Any) -> None:
+    """``bf16.bf16_optimizer_states`` asks for bf16 states: an optimizer that would keep fp32 ones is refused."""
+    wants_bf16 = config.bfloat16_enabled and config.bf16_master_weights_and_grads and config.bf16_optimizer_states
+    if wants_bf16 and getattr(optimizer, "fp32_optimizer_states", False):
+        raise ValueError(
+            f"bf16.bf16_optimizer_states is true but the {type(optimizer).__name__} given has "
+            "fp32_optimizer_states=True, which would keep fp32 states; construct it with "
+            "fp32_optimizer_states=False or set bf16.bf16_optimizer_states to false"
+        )
 
 
 def _offloading(config: Any) -> bool:

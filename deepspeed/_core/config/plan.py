@@ -208,6 +208,8 @@ class LeanPolicy:
             most ``stage3_max_live_parameters`` elements) as one unit, with hooks only at its boundary.
         unit_grad_reduce: ZeRO-3 over several ranks reduce-scatters each fetch unit's gradients together at the
             end of the unit's backward, not in ``reduce_bucket_size`` buckets.
+        overlap_offload_step: with ``offload_optimizer``, a host worker steps chunk by chunk while each stepped chunk
+            goes up to the accelerator ([Note: overlapped host step]).
     """
 
     inplace_flatten: bool = key("lean_inplace_flatten", True)
@@ -218,6 +220,7 @@ class LeanPolicy:
     gather_from_master: bool = key("lean_gather_from_master", True)
     block_fetch_units: bool = key("lean_block_fetch_units", True)
     unit_grad_reduce: bool = key("lean_unit_grad_reduce", True)
+    overlap_offload_step: bool = key("lean_overlap_offload_step", True)
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

@@ -233,6 +233,7 @@ _ZERO: dict[str, KeyRule] = {
     "lean_gather_from_master": _impl(),
     "lean_block_fetch_units": _impl(),
     "lean_unit_grad_reduce": _impl(),
+    "lean_overlap_offload_step": _impl(),
 }
 
 _PRECISION: dict[str, KeyRule] = {

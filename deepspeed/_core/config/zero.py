@@ -293,6 +293,12 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     micro-batches of activations. ``false`` reproduces upstream's behaviour (for A/B): the last stage keeps every
     micro-batch's outputs until the step ends, growing with ``gradient_accumulation_steps``."""
 
+    lean_overlap_offload_step: bool = True
+    """deepspeed-lean: with ``offload_optimizer``, a host worker thread steps the optimizer chunk by chunk while the
+    training thread converts each stepped chunk to the working dtype and copies it up without blocking, through two
+    reused page-locked buffers; the copies of one chunk run while the next is stepped. The result is bit-identical
+    to the synchronous order. ``false`` steps every chunk, then writes the weights back (for A/B)."""
+
     @field_validator("stage", mode="before")
     @classmethod
     def _stage_in_range(cls, value: Any) -> Any:

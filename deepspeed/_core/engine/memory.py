@@ -17,6 +17,7 @@ import enum
 import logging
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,19 +44,52 @@ class StateFloor:
     host: float
 
 
+def optimizer_state_bytes(plan: RunPlan) -> int:
+    """K: bytes of Adam-style optimizer state per parameter. Two moments in the master's dtype, plus the master
+    itself when it is not the working parameter: 12 in mixed precision (fp32 master and moments), 8 in pure fp32
+    (12 once offloaded: the host master is a copy of the device parameters), 6 with
+    ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` (bf16 master and moments)."""
+    master = _nbytes(plan.precision.master_dtype)
+    separate_master = plan.precision.param_dtype != torch.float32 or plan.zero.offload_optimizer.enabled
+    return 2 * master + (master if separate_master else 0)
+
+
+def host_grads_offloaded(plan: RunPlan) -> bool:
+    """Whether an offloaded optimizer's gradients wait for the step in host memory: always at ZeRO-1/2; at ZeRO-3
+    unless they wait in the parameters' shards ([Note: parked grads])."""
+    if not plan.zero.offload_optimizer.enabled:
+        return False
+    parked = plan.zero.lean.grads_in_param_shards and plan.batch.gradient_accumulation_steps == 1
+    return plan.zero.stage < 3 or not parked
+
+
 def model_state_floor(plan: RunPlan, n_params: int, dp_world: int) -> StateFloor:
-    """Device/host floor for ``n_params`` trainable parameters at ``plan``'s stage and world size."""
+    """Device/host floor for ``n_params`` trainable parameters at ``plan``'s stage and world size (the formulas of
+    docs/memory_floors.md and docs/offload.md)."""
     bp = _nbytes(plan.precision.param_dtype)
     bg = _nbytes(plan.precision.grad_accum_dtype)
-    # Adam keeps two fp32 moments; mixed precision adds an fp32 master copy (K = 12).
-    k = 8 + (4 if plan.precision.param_dtype != torch.float32 else 0)
+    k = optimizer_state_bytes(plan)
     p, n, stage = float(n_params), float(max(dp_world, 1)), plan.zero.stage
     optimizer_bytes = k * p / n if stage >= 1 else k * p
     grads = bg * p / n if stage >= 2 else bg * p
     params = bp * p / n if stage >= 3 else bp * p
     if plan.zero.offload_optimizer.enabled:
-        return StateFloor(device=params + grads, host=optimizer_bytes)
+        host_grads = bg * p / n if host_grads_offloaded(plan) else 0.0
+        return StateFloor(device=params + grads, host=optimizer_bytes + host_grads)
     return StateFloor(device=params + grads + optimizer_bytes, host=0.0)
+
+
+HostProbe = Callable[[], int]
+"""Bytes of model state an offloaded optimizer holds in host memory now (``host_state_bytes``)."""
+
+
+def _host_rss() -> float:
+    """This process's resident host memory in bytes (0 where psutil is missing)."""
+    try:
+        import psutil
+    except ImportError:
+        return 0.0
+    return float(psutil.Process().memory_info().rss)
 
 
 class MemoryReporter:
@@ -71,6 +105,9 @@ class MemoryReporter:
     def __init__(self, plan: RunPlan, n_params: int, dp_world: int, analyser: SnapshotAnalyser | None = None) -> None:
         self.enabled = plan.memory_breakdown
         self.floor = model_state_floor(plan, n_params, dp_world)
+        # Parameters this rank holds host state for: host bytes per parameter compare with the floor's K (+ bg).
+        self.host_share = max(1.0, n_params / max(dp_world, 1)) if plan.zero.stage >= 1 else float(max(n_params, 1))
+        self.host_probe: HostProbe | None = None  # set by the engine when the optimizer is offloaded
         self.records: list[dict[str, float | str]] = []
         self.timeline = TimelineRecorder(plan.memory_timeline, analyser)
 
@@ -90,8 +127,13 @@ class MemoryReporter:
             "peak_gib": acc.max_memory_allocated() / _GIB,
             "floor_gib": self.floor.device / _GIB,
         }
+        host = self._host_figures()
+        record.update(host)
         self.records.append(record)
-        log_dist(f"memory {phase}: {self._measured(acc, record)}; {self._floor_text(record)}", ranks=[0])
+        log_dist(
+            f"memory {phase}: {self._measured(acc, record)}; {self._floor_text(record)}{self._host_text(host)}",
+            ranks=[0],
+        )
         return record
 
     @staticmethod
@@ -108,6 +150,26 @@ class MemoryReporter:
     def _floor_text(self, record: dict[str, float | str]) -> str:
         host = f", {self.floor.host / _GIB:.3f} GiB on host" if self.floor.host else ""
         return f"model-state floor {record['floor_gib']:.3f} GiB on device{host}"
+
+    @staticmethod
+    def _host_text(host: dict[str, float]) -> str:
+        if not host:
+            return ""
+        return (
+            f"; host model state {host['host_bytes_per_param']:.2f} bytes/param (floor "
+            f"{host['host_floor_bytes_per_param']:.2f}), host RSS {host['host_rss_gib']:.3f} GiB"
+        )
+
+    def _host_figures(self) -> dict[str, float]:
+        """With an offloaded optimizer: its host model state per parameter next to the host floor per parameter,
+        and the process's resident host memory."""
+        if self.host_probe is None:
+            return {}
+        return {
+            "host_bytes_per_param": self.host_probe() / self.host_share,
+            "host_floor_bytes_per_param": self.floor.host / self.host_share,
+            "host_rss_gib": _host_rss() / _GIB,
+        }
 
 
 class SnapshotReport(Protocol):

@@ -59,6 +59,8 @@ class TrainingLoop:
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
         self.memory = MemoryReporter(plan, n_params, plan.batch.dp_world_size, analyser)
         self.observer = StepObserver(plan, self.memory.floor.device)
+        if plan.zero.offload_optimizer.enabled and hasattr(optimizer, "host_state_bytes"):
+            self.memory.host_probe = optimizer.host_state_bytes  # type: ignore[union-attr]
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0

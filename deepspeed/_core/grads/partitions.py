@@ -118,6 +118,11 @@ class GroupGrads:
         storage = KEPT_CHUNKS if keep_storage else FREED_CHUNKS
         return ChunkedGradShard(numel, max(1, numel), self.accum_dtype, device, storage)
 
+    def host_bytes(self) -> int:
+        """Bytes of this group's gradient buffers held in host memory (stale kept storage included)."""
+        shards = (self._partition, self._accumulator)
+        return sum(s.storage_numel * s.dtype.itemsize for s in shards if s is not None and s.device.type == "cpu")
+
     def release(self) -> None:
         """Drop this step's gradient buffers (a kept host partition gradient only turns stale)."""
         for shard in (self._partition, self._accumulator):

@@ -73,6 +73,92 @@ def _merge_back(master_state: dict, chunk_state: dict, master: torch.Tensor, sta
     return scalars
 
 
+class ChunkStepper:
+    """One update of the single master parameter of ``optimizer.param_groups[group_index]``, cut into ranges of
+    ``chunk_numel`` elements that are stepped one call at a time (:meth:`step_range`), each exactly once and in
+    any order, then closed (:meth:`close`).
+
+    Every range gets the same treatment as in one :func:`step_in_chunks` call, so how the ranges are spread over
+    time (one loop, or a host worker that steps each range as soon as its gradient has landed, [Note: overlapped
+    host step]) does not change a bit of the result. While open, the master's state is held here, not in
+    ``optimizer.state``; only one range of a group may step at a time.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group_index: int, chunk_numel: int) -> None:
+        self.optimizer, self.group_index = optimizer, group_index
+        self.chunk_numel = max(1, chunk_numel)
+        self.group = optimizer.param_groups[group_index]
+        (self.master,) = self.group["params"]
+        self.master_state = optimizer.state.pop(self.master, {})
+        # Decided once: on the very first update every chunk lets the optimizer create its state (and its
+        # step count) afresh; chunk views must not pick up counters an earlier chunk already advanced.
+        self.existing = bool(self.master_state)
+        numel = self.master.numel()
+        self.scalars = {k: v for k, v in self.master_state.items() if not _is_per_element(v, numel)}
+        self.updated: dict = {}
+        # One conversion buffer for every chunk. A fresh host tensor per chunk is page-faulted in (zeroed by the
+        # kernel) on first touch: on the 2-core development CPU the bf16->fp32 conversion of 128M elements took
+        # 0.44 s that way and 0.09 s through one reused buffer (benchmarks/offload_step_cpu.py, cpu/README.md).
+        self.convert: torch.Tensor | None = None
+        self.closed = False
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The ``[start, end)`` ranges of the master, in order."""
+        numel = self.master.numel()
+        return [(a, min(a + self.chunk_numel, numel)) for a in range(0, numel, self.chunk_numel)]
+
+    def _buffer(self) -> torch.Tensor:
+        if self.convert is None:
+            width = min(self.chunk_numel, self.master.numel())
+            self.convert = torch.empty(width, dtype=self.master.dtype, device=self.master.device)
+        return self.convert
+
+    def _grad_of(self, grad: Any, start: int, end: int, coef: Coef, consume: bool) -> torch.Tensor:
+        """The master-dtype gradient of ``[start, end)`` scaled by ``coef`` (see :func:`step_in_chunks`)."""
+        master = self.master
+        # A gradient that assembles ranges itself (parked gradients) converts each piece from where it lies.
+        if hasattr(grad, "convert_into"):
+            out = self._buffer()[: end - start]
+            if grad.convert_into(start, end, out, coef):
+                return out
+        piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
+        if consume and piece.dtype == master.dtype and piece.device == master.device:
+            if scales(coef):
+                piece.mul_(coef)
+            return piece
+        out = self._buffer()[: end - start]
+        convert_scaled(out, piece, coef)
+        return out
+
+    def step_range(self, start: int, end: int, grad: Any, coef: Coef = 1.0, consume: bool = False) -> None:
+        """Apply the update to ``[start, end)`` (one of :meth:`ranges`) with that range of ``grad``."""
+        optimizer, group, master = self.optimizer, self.group, self.master
+        view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
+        if self.existing:
+            optimizer.state[view] = _chunk_state(self.master_state, self.scalars, start, end)
+        try:
+            view.grad = self._grad_of(grad, start, end, coef, consume)
+            group["params"] = [view]
+            optimizer.step()
+            self.updated = _merge_back(self.master_state, optimizer.state.pop(view, {}), master.data, start, end)
+        finally:
+            view.grad = None
+            group["params"] = [master]
+            optimizer.state.pop(view, None)
+        if consume and hasattr(grad, "release"):
+            grad.release(start, end)  # stepped: its memory can serve the next chunk
+
+    def close(self) -> None:
+        """End the update: the master's state (with the advanced scalars) goes back to the optimizer."""
+        if self.closed:
+            return
+        self.closed = True
+        self.master_state.update(self.updated)
+        self.group["params"] = [self.master]
+        self.optimizer.state[self.master] = self.master_state
+        self.convert = None
+
+
 def step_in_chunks(
     optimizer: torch.optim.Optimizer,
     group_index: int,
@@ -92,51 +178,9 @@ def step_in_chunks(
     copy, and a ``grad`` with ``release(start, end)`` is told when each range has been stepped. No other
     parameter may hold a gradient during the call.
     """
-    group = optimizer.param_groups[group_index]
-    (master,) = group["params"]
-    master_state = optimizer.state.pop(master, {})
-    # Decided once: on the very first update every chunk lets the optimizer create its state (and its
-    # step count) afresh; chunk views must not pick up counters an earlier chunk already advanced.
-    existing = bool(master_state)
-    numel = master.numel()
-    scalars = {k: v for k, v in master_state.items() if not _is_per_element(v, numel)}
-    updated: dict = {}
-    # One conversion buffer for every chunk. A fresh host tensor per chunk is page-faulted in (zeroed by the
-    # kernel) on first touch: on the 2-core development CPU the bf16->fp32 conversion of 128M elements took
-    # 0.44 s that way and 0.09 s through one reused buffer (benchmarks/offload_step_cpu.py, cpu/README.md).
-    convert: torch.Tensor | None = None
+    stepper = ChunkStepper(optimizer, group_index, chunk_numel)
     try:
-        for start in range(0, numel, max(1, chunk_numel)):
-            end = min(start + chunk_numel, numel)
-            view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
-            if existing:
-                optimizer.state[view] = _chunk_state(master_state, scalars, start, end)
-            # A gradient that assembles ranges itself (parked gradients) converts each piece from where it lies.
-            assembled = False
-            if hasattr(grad, "convert_into"):
-                if convert is None:
-                    convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
-                assembled = grad.convert_into(start, end, convert[: end - start], coef)
-            if assembled and convert is not None:
-                view.grad = convert[: end - start]
-            else:
-                piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
-                if consume and piece.dtype == master.dtype and piece.device == master.device:
-                    view.grad = piece
-                    if scales(coef):
-                        view.grad.mul_(coef)
-                else:
-                    if convert is None:
-                        convert = torch.empty(min(chunk_numel, numel), dtype=master.dtype, device=master.device)
-                    view.grad = convert[: end - start]
-                    convert_scaled(view.grad, piece, coef)
-            group["params"] = [view]
-            optimizer.step()
-            updated = _merge_back(master_state, optimizer.state.pop(view, {}), master.data, start, end)
-            view.grad = None
-            if consume and hasattr(grad, "release"):
-                grad.release(start, end)  # stepped: its memory can serve the next chunk
-        master_state.update(updated)
+        for start, end in stepper.ranges():
+            stepper.step_range(start, end, grad, coef, consume)
     finally:
-        group["params"] = [master]
-        optimizer.state[master] = master_state
+        stepper.close()

@@ -189,6 +189,16 @@ class GatherWriteBack:
     def write(self, master: torch.Tensor) -> None:
         """Write this rank's partition, then all-gather every rank's (collective over ``group``)."""
         self.write_partition(master)
+        self.after_publish()
+
+    def publish(self, start: int, piece: torch.Tensor) -> None:
+        """Copy ``piece`` (master coordinates ``[start, start + len)``, working dtype) into this rank's slice of the
+        flat buffer, without blocking from page-locked memory ([Note: overlapped host step])."""
+        part = self.partition
+        self.flat.copy_in(Range(part.start + start, part.start + start + piece.numel()), piece, non_blocking=True)
+
+    def after_publish(self) -> None:
+        """Every piece is published: all-gather every rank's partition (collective over ``group``)."""
         all_gather_partitions(self.flat, self.window_numel, self.group)
 
 
@@ -249,6 +259,14 @@ class ScatterWriteBack:
             return
         ((dtype, target),) = kinds
         send_through_host(master, dtype, target, self.chunk_numel, self.scatter)
+
+    def publish(self, start: int, piece: torch.Tensor) -> None:
+        """Copy ``piece`` (master coordinates, working dtype) into the shards it overlaps ([Note: overlapped host
+        step]); an offloaded master has no shard that is a view of it."""
+        self.scatter(start, piece)
+
+    def after_publish(self) -> None:
+        """Every piece is published; nothing is left to do for shards."""
 
     def scatter(self, start: int, piece: torch.Tensor) -> None:
         """Copy ``piece`` (master coordinates ``[start, start + len)``) into the shards it overlaps."""

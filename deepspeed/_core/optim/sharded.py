@@ -189,6 +189,30 @@ class ShardedOptimizer(EngineOptimizer):
         self._global_grad_norm = None if self.overflow else norm
         return not self.overflow
 
+    def host_state_bytes(self) -> int:
+        """Bytes of host memory this rank's optimizer holds for model state: masters, optimizer states and
+        gradient buffers kept on the host (stale ones included), each storage once. The fixed-size pinned staging
+        pool is not model state ([Note: pinned pool]); :meth:`host_staging_bytes` reports it."""
+        tensors = [g.master.data for g in self.groups]  # type: ignore[attr-defined]
+        tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            if t.device.type != "cpu" or t.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+        return total + self.host_grad_bytes()
+
+    def host_staging_bytes(self) -> int:
+        """Bytes of the pinned staging pool (bounded, independent of the model size)."""
+        pool = getattr(self, "pinned", None)
+        return pool.held_bytes if pool is not None else 0
+
+    def host_grad_bytes(self) -> int:
+        """Bytes of gradient buffers this rank keeps in host memory (each stage knows its own)."""
+        return 0
+
     def _skip_step(self) -> bool:
         """Overflow: drop this window's gradients everywhere and back the loss scale off."""
         self._global_grad_norm = None

@@ -28,8 +28,9 @@ from deepspeed._core.layout.shards import Range, plan_group
 from deepspeed._core.moe.params import ExpertGroup, is_moe_param_group
 from deepspeed._core.optim import stage12_state as stage12_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
-from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
+from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.optim.master import MasterPlacement, MasterShard
 from deepspeed._core.optim.sharded import ShardedOptimizer
@@ -113,6 +114,10 @@ class ZeroOptimizer(ShardedOptimizer):
         # one on the host ([Note: chunked step]; a host step is bound by its arithmetic).
         largest = 0 if plan.zero.offload_optimizer.enabled else max(g.master.param.numel() for g in self.groups)
         self._step_chunk_numel = step_chunk_numel(precision.master_dtype, largest)
+        # [Note: overlapped host step]: an offloaded update is stepped on a host worker, published chunk by chunk.
+        self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
+        overlap = plan.zero.offload_optimizer.enabled and plan.zero.lean.overlap_offload_step
+        self.host_step = OverlappedHostStep(self.pinned) if overlap else None
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
@@ -216,12 +221,31 @@ class ZeroOptimizer(ShardedOptimizer):
 
         Takes ``parts`` over: the list is emptied, so no reference to views of the accumulators outlives the step.
         """
+        if self.host_step is not None:
+            self._overlapped_update(parts, coef)
+            return
         for index in range(len(self.groups)):
             self._step_group(index, self.groups[index], parts[index], coef)
         parts.clear()
         # Gradients go before the all-gather, so its staging never coexists with them (the N=8 step peak).
         self._clear_grads()
         self.publish_weights()
+
+    def _overlapped_update(self, parts: list[torch.Tensor | None], coef: Coef) -> None:
+        """:meth:`_update` with the host step overlapped with the write-back ([Note: overlapped host step])."""
+        assert self.host_step is not None
+        steps = []
+        for index, group in enumerate(self.groups):
+            part = parts[index]
+            grad = torch.zeros_like(group.master.param) if part is None else part
+            stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
+            steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
+        parts.clear()
+        self.host_step.run(steps, coef)
+        steps.clear()
+        self._clear_grads()
+        for group in self.groups:
+            group.master.writer.after_publish()
 
     def _norm_pieces(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """The partition gradients, less the ranges of tied-weight copies another stage counts
@@ -278,6 +302,10 @@ class ZeroOptimizer(ShardedOptimizer):
         for group in self.groups:
             group.master.write_back()
 
+    def host_grad_bytes(self) -> int:
+        """Host partition gradients (offloaded optimizer), kept storage included."""
+        return sum(g.grads.host_bytes() for g in self.groups)
+
     def _clear_grads(self) -> None:
         for group in self.groups:
             group.master.param.grad = None
@@ -296,6 +324,9 @@ class ZeroOptimizer(ShardedOptimizer):
         self.grad_pipeline.discard()
         self.grad_pipeline.remove_hooks()
         self._clear_grads()
+        if self.host_step is not None:
+            self.host_step.shutdown()
+        self.pinned.clear()
         detach_hp_mapping(self)
 
     # --- checkpoints (interface: deepspeed._core.checkpoint.save_load.ShardedCheckpointOptimizer) ---------

@@ -35,8 +35,9 @@ from deepspeed._core.grads.scaling import ReduceScaling
 from deepspeed._core.grads.shard_rows import FoldOrder, GradRelease, RowEntry, ShardRows
 from deepspeed._core.optim import stage3_state as stage3_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
-from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import local_sq_norm
+from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.master import MasterShard
 from deepspeed._core.optim.sharded import ShardedOptimizer
 from deepspeed._core.optim.stage3_access import Region, ShardIndex, Stage3ParamAccess
@@ -123,7 +124,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         )
         if self._park:
             self.parked.hold([s for grp in self.groups for s in grp.states])
-        self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, made on first use
+        self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, from the pinned pool
+        # [Note: overlapped host step]: an offloaded update is stepped on a host worker, published chunk by chunk.
+        self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
+        overlap = plan.zero.offload_optimizer.enabled and plan.zero.lean.overlap_offload_step and not self._from_master
+        self.host_step = OverlappedHostStep(self.pinned) if overlap else None
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self._build_reduction()
         self.check_overflow = plan.precision.fp16 or (plan.precision.bf16 and plan.precision.check_grad_overflow)
@@ -345,29 +350,65 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
 
     def _update(self, coef: Coef) -> None:
         """Step every group with gradients scaled by ``coef``, then publish the new weights."""
+        if self.host_step is not None:
+            self._overlapped_update(coef)
+            return
         for index, grp in enumerate(self.groups):
             self._step_group(index, grp, coef)
         self.write_back()
         self.parked.forget()  # the write-back replaced every parked gradient with the new values
 
+    def _overlapped_update(self, coef: Coef) -> None:
+        """:meth:`_update` with the host step overlapped with the write-back ([Note: overlapped host step])."""
+        assert self.host_step is not None
+        if self.plan.zero.offload_param.enabled:
+            self.manager.gatherer.sync_shard_reads()  # as write_back(): a copy-in may still read the host shards
+        steps = []
+        for index, grp in enumerate(self.groups):
+            stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
+            dtype = grp.states[0].shard.dtype if grp.states else self.plan.precision.param_dtype
+            steps.append(GroupStep(stepper, self._group_grad(index, grp), grp.master.writer.publish, dtype, True))
+        try:
+            self.host_step.run(steps, coef)
+        finally:
+            steps.clear()
+            self._release_window_buffers()
+        self.manager.refresh_persistent()
+        self.parked.forget()  # the write-back replaced every parked gradient with the new values
+
+    def _group_grad(self, index: int, grp: Stage3Group) -> Any:
+        """Group ``index``'s gradient for the step: its accumulator, or with parked regions a window over both."""
+        acc = grp.ensure_accumulator()
+        regions = self.parked.in_group(index)
+        if not regions:
+            return acc
+        bufs = self._window_buffers
+        if not bufs or bufs[0].dtype != acc.dtype or bufs[0].device != grp.master.device:
+            self._release_window_buffers()
+            if grp.master.device.type == "cpu":
+                # Page-locked from the pool ([Note: pinned pool]): the parked shards are read into them chunk by chunk.
+                bufs = [self.pinned.acquire(self._step_chunk_numel, acc.dtype) for _ in range(2)]
+            else:
+                width, device = self._step_chunk_numel, grp.master.device
+                bufs = [torch.empty(width, dtype=acc.dtype, device=device) for _ in range(2)]
+            self._window_buffers = bufs
+        return ParkedWindow(acc, regions, bufs, self._step_chunk_numel, grp.master.numel())
+
+    def _release_window_buffers(self) -> None:
+        """Give the parked-gradient windows back to the pool (the step that needed them is over)."""
+        for buf in self._window_buffers:
+            self.pinned.release(buf)
+        self._window_buffers = []
+
     def _step_group(self, index: int, grp: Stage3Group, coef: Coef) -> None:
         """Update one group's master, one gradient chunk at a time; groups step one at a time so no other
         master holds a gradient. The shard is dropped after the step, so its chunks are consumed in place."""
-        acc = grp.ensure_accumulator()
-        regions = self.parked.in_group(index)
-        grad: Any = acc
-        if regions:
-            bufs = self._window_buffers
-            if not bufs or bufs[0].dtype != acc.dtype or bufs[0].device != grp.master.device:
-                # Page-locked under pin_memory: the parked shards are read from the device into them chunk by chunk.
-                bufs = self._window_buffers = [
-                    torch.empty(
-                        self._step_chunk_numel, dtype=acc.dtype, device=grp.master.device, pin_memory=grp.pin_memory
-                    )
-                    for _ in range(2)
-                ]
-            grad = ParkedWindow(acc, regions, bufs, self._step_chunk_numel, grp.master.numel())
-        step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef, consume=True)
+        grad = self._group_grad(index, grp)
+        try:
+            step_in_chunks(self.optimizer, index, grad, self._step_chunk_numel, coef, consume=True)
+        finally:
+            if index == len(self.groups) - 1:
+                self._release_window_buffers()
 
     def write_back(self) -> None:
         """Copy the fp32 masters into the parameters' shards and re-gather persistent parameters.
@@ -408,6 +449,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
                 if state.shard_is_master:
                     state.adopt_master_shard(grp.master.data.narrow(0, off, state.layout.partition_numel))
 
+    def host_grad_bytes(self) -> int:
+        """Host gradient chunks (offloaded optimizer), kept storage included; parked gradients use none."""
+        return sum(
+            g.accumulator.storage_numel * g.accumulator.dtype.itemsize
+            for g in self.groups
+            if g.accumulator is not None and g.accumulator.device.type == "cpu"
+        )
+
     def _clear_grads(self) -> None:
         self.parked.restore_all()  # skip or zero_grad: parked shards get their values back (no-op after a step)
         self._folded.clear()
@@ -433,6 +482,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.zero_grad()  # every parked shard gets its values back first
         self.parked.let_go([s for grp in self.groups for s in grp.states])
         self.host.release()
+        if self.host_step is not None:
+            self.host_step.shutdown()
+        self.pinned.clear()
         for grp in self.groups:
             for state in grp.states:
                 if state.param is not None and getattr(state.param, "_z3_optimizer", None) is self:

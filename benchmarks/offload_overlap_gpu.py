@@ -1,0 +1,229 @@
+"""Offloaded optimizer step on one GPU: overlapped vs synchronous host step, beside the floor of its parts.
+
+    PYTHONPATH=. python benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 --out OUT.jsonl
+
+Builds a Qwen2-shaped decoder from a ``transformers.Qwen2Config`` (random weights, bf16, hidden 2048, 16 heads,
+2 key/value heads, intermediate 11008, vocabulary 151936, tied embeddings: 3.09 B parameters at 36 layers;
+``--layers`` scales it between about 1 and 3 B), with activation checkpointing, and measures, each as the median of
+``--steps`` timed steps after two warm-up steps:
+
+- ``overlap_on`` / ``overlap_off``: the engine's step time (forward, backward, ``engine.step()``) with
+  ``offload_optimizer: cpu`` and ``zero_optimization.lean_overlap_offload_step`` true / false (same config
+  otherwise; ``--stage``, ``--bf16-states`` for 16-bit offloaded states);
+- the floor's parts, measured on the same machine: ``fwd_bwd`` (the model's forward and backward on the GPU
+  alone, plain PyTorch), ``host_adam`` (the host optimizer over this many parameters alone: ``step_in_chunks``
+  of ``DeepSpeedCPUAdam`` over an fp32 master with a bf16 gradient, as the engine steps it), ``d2h`` / ``h2d``
+  (the bf16 gradients down and the bf16 weights up through two pinned buffers of one step chunk);
+  ``floor`` = max(fwd_bwd, host_adam, d2h + h2d).
+
+Each line of the output is one JSON record: ``{"case": ..., "seconds": ..., "params": ..., ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _model(layers: int, device: str) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        hidden_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        intermediate_size=11008,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        torch_dtype=torch.bfloat16,
+    )
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def _batch(seq: int, device: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 151936, (1, seq), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _median(run: Callable[[], None], steps: int, warmup: int = 2) -> float:
+    times = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for i in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _engine_case(args: argparse.Namespace, overlap: bool) -> tuple[float, int, float]:
+    import deepspeed
+
+    bf16 = {"enabled": True}
+    if args.bf16_states:
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 1.0,
+        "bf16": bf16,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": args.stage,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "lean_overlap_offload_step": overlap,
+        },
+    }
+    model = _model(args.layers, "cuda")
+    params = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    batch = _batch(args.seq, "cuda")
+
+    def step() -> None:
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+
+    seconds = _median(step, args.steps)
+    host = engine.optimizer.host_state_bytes() / params
+    engine.destroy()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds, params, host
+
+
+def _fwd_bwd(args: argparse.Namespace) -> tuple[float, int]:
+    model = _model(args.layers, "cuda")
+    params = sum(p.numel() for p in model.parameters())
+    batch = _batch(args.seq, "cuda")
+
+    def run() -> None:
+        model(**batch).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    seconds = _median(run, args.steps)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds, params
+
+
+def _host_adam(params: int, steps: int) -> float:
+    from deepspeed._core.optim.chunked_step import step_chunk_numel, step_in_chunks
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    master = torch.nn.Parameter(torch.zeros(params, dtype=torch.float32), requires_grad=False)
+    grad = torch.full((params,), 1e-3, dtype=torch.bfloat16)
+    opt = DeepSpeedCPUAdam([master], lr=1e-5)
+    chunk = step_chunk_numel(torch.float32, 0)
+
+    def run() -> None:
+        step_in_chunks(opt, 0, grad, chunk)
+
+    seconds = _median(run, steps, warmup=1)
+    gc.collect()
+    return seconds
+
+
+def _copies(params: int, steps: int) -> tuple[float, float]:
+    """Seconds to move ``params`` bf16 elements down and up through two pinned chunk buffers."""
+    chunk = 1 << 25
+    device = torch.empty(params, dtype=torch.bfloat16, device="cuda")
+    host = torch.empty(params, dtype=torch.bfloat16)
+    pinned = [torch.empty(chunk, dtype=torch.bfloat16, pin_memory=True) for _ in range(2)]
+
+    def transfer(down: bool) -> None:
+        events: list = [None, None]
+        landed: list = [None, None]  # (start, n) a slot's copy down holds, folded into ``host`` once it is done
+
+        def settle(slot: int) -> None:
+            if events[slot] is not None:
+                events[slot].synchronize()
+                if down and landed[slot] is not None:
+                    start, n = landed[slot]
+                    host[start : start + n].copy_(pinned[slot][:n])
+            events[slot] = landed[slot] = None
+
+        for i, start in enumerate(range(0, params, chunk)):
+            slot, n = i % 2, min(chunk, params - start)
+            settle(slot)
+            if down:
+                pinned[slot][:n].copy_(device[start : start + n], non_blocking=True)
+                landed[slot] = (start, n)
+            else:
+                pinned[slot][:n].copy_(host[start : start + n])
+                device[start : start + n].copy_(pinned[slot][:n], non_blocking=True)
+            events[slot] = torch.cuda.Event()
+            events[slot].record()
+        settle(0)
+        settle(1)
+
+    d2h = _median(lambda: transfer(True), steps, warmup=1)
+    h2d = _median(lambda: transfer(False), steps, warmup=1)
+    return d2h, h2d
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
+    parser.add_argument("--bf16-states", action="store_true", help="bf16 master weights and optimizer states")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("offload_overlap_gpu.py needs a CUDA device")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29513")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    import deepspeed
+
+    deepspeed.init_distributed("nccl")
+    meta = {"layers": args.layers, "seq": args.seq, "stage": args.stage, "bf16_states": args.bf16_states}
+    meta["device"] = torch.cuda.get_device_name()
+    records = []
+    fwd_bwd, params = _fwd_bwd(args)
+    records.append({"case": "fwd_bwd", "seconds": fwd_bwd})
+    for overlap in (True, False):
+        seconds, _, host = _engine_case(args, overlap)
+        gc.collect()  # the engine and its model are unreachable now
+        torch.cuda.empty_cache()
+        records.append(
+            {"case": f"overlap_{'on' if overlap else 'off'}", "seconds": seconds, "host_bytes_per_param": host}
+        )
+    host_adam = _host_adam(params, max(2, args.steps // 2))
+    records.append({"case": "host_adam", "seconds": host_adam})
+    d2h, h2d = _copies(params, args.steps)
+    records += [{"case": "d2h", "seconds": d2h}, {"case": "h2d", "seconds": h2d}]
+    records.append({"case": "floor", "seconds": max(fwd_bwd, host_adam, d2h + h2d)})
+    lines = [json.dumps({**meta, "params": params, **r}) for r in records]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The overlapped host step of an offloaded optimizer: a host worker steps, the caller's thread publishes.
+
+[Note: overlapped host step] With ``offload_optimizer`` the update runs on the host, chunk by chunk
+([Note: chunked step]), and the updated weights must then go up to the accelerator in the working dtype. Done one
+after the other, the accelerator idles through the whole host update and then the host idles through the
+transfers. Here one host worker thread steps the chunks in order while the caller's thread takes each stepped
+chunk, converts it to the working dtype into a page-locked staging buffer ([Note: pinned pool]) and issues its
+copy up without blocking; two staging buffers alternate, each reused once an event says its last copy has
+left. The accelerator's copies of chunk ``k`` therefore run while the host steps chunk ``k + 1``, and the only
+pageable-memory work is the host-side conversion itself.
+
+Exactness: every chunk goes through :meth:`~deepspeed._core.optim.chunked_step.ChunkStepper.step_range`, the
+same operations on the same values as the synchronous loop, and each chunk's conversion is elementwise, so the
+result is bit-identical whatever the timing. The step starts once the global gradient norm is known: clipping,
+the fp16 loss scale and the bf16 overflow check all need every gradient before any chunk may change, so the
+norm is reduced first (the reduction itself is one scalar) and the worker starts on the first chunk right
+after. Switch: ``zero_optimization.lean_overlap_offload_step``; ``false`` steps every chunk first and writes the
+weights back afterwards (the synchronous order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepspeed._core.comm.pinned_pool import PinnedPool, Pinning
+from deepspeed._core.comm.streams import record_current
+from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.grads.convert import Coef
+from deepspeed._core.optim.chunked_step import ChunkStepper
+from deepspeed.accelerator import get_accelerator
+
+Publish = Callable[[int, torch.Tensor], None]
+"""``publish(start, piece)``: copy ``piece`` (working dtype, page-locked host memory; master coordinates
+``[start, start + len)``) to where the working weights live, possibly without blocking."""
+
+
+@dataclass
+class GroupStep:
+    """One group's share of an overlapped step: its open stepper, its gradient and where its weights go."""
+
+    stepper: ChunkStepper
+    grad: Any
+    publish: Publish
+    working_dtype: torch.dtype
+    consume: bool = False  # as step_in_chunks' ``consume``
+
+
+STAGING_BUFFERS = 4
+"""Chunk-sized buffers an offloaded optimizer's pool may hold: the two staging buffers of the write-back and the
+two gradient windows of ZeRO-3's parked gradients."""
+
+
+def pool_for_step(chunk_numel: int, pinning: Pinning) -> PinnedPool:
+    """The pinned pool of an optimizer stepping ``chunk_numel``-element chunks: :data:`STAGING_BUFFERS` buffers of
+    one fp32 chunk at most, whatever the model size."""
+    return PinnedPool(STAGING_BUFFERS * (1 << (max(1, chunk_numel * 4) - 1).bit_length()), pinning)
+
+
+def pinning_of(plan: RunPlan) -> Pinning:
+    """Page-locked staging unless ``offload_optimizer.pin_memory`` is false."""
+    offload = plan.zero.offload_optimizer
+    return Pinning.PAGEABLE if offload.enabled and not offload.pin_memory else Pinning.PAGE_LOCKED
+
+
+class OverlappedHostStep:
+    """Runs offloaded updates on one host worker thread and publishes each stepped chunk from the caller's thread.
+
+    Args:
+        pool: where the two staging buffers come from (bounded, reused across steps).
+    """
+
+    def __init__(self, pool: PinnedPool) -> None:
+        self.pool = pool
+        self._worker: ThreadPoolExecutor | None = None
+        self.chunks_published = 0  # for tests: chunks that took the overlapped route
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            device = get_accelerator().current_device()
+            self._worker = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="ds-host-step",
+                initializer=lambda: get_accelerator().set_device(device),  # its events on the rank's device
+            )
+        return self._worker
+
+    def run(self, groups: Sequence[GroupStep], coef: Coef) -> None:
+        """Step every group's chunks in order on the worker; publish each as soon as it is stepped.
+
+        Returns once every copy up has completed. Each stepper is closed (its state back in the optimizer),
+        also when a chunk raises.
+        """
+        worker = self._executor()
+        jobs: list[tuple[GroupStep, int, int, Future]] = []
+        for group in groups:
+            for start, end in group.stepper.ranges():
+                job = worker.submit(group.stepper.step_range, start, end, group.grad, coef, group.consume)
+                jobs.append((group, start, end, job))
+        slots: list[torch.Tensor] = []
+        in_flight: list[Any] = [None, None]
+        try:
+            for index, (group, start, end, job) in enumerate(jobs):
+                job.result()
+                slot = index % 2
+                if in_flight[slot] is not None:
+                    in_flight[slot].synchronize()  # that buffer's previous copy has left it
+                    in_flight[slot] = None
+                while len(slots) <= slot:
+                    slots.append(self.pool.acquire(_widest_bytes(jobs), torch.uint8))
+                piece = _staging_view(slots[slot], end - start, group.working_dtype)
+                piece.copy_(group.stepper.master.data[start:end])
+                group.publish(start, piece)
+                in_flight[slot] = record_current()
+                self.chunks_published += 1
+                if end == group.stepper.master.numel():
+                    group.stepper.close()
+        finally:
+            for _, _, _, job in jobs:
+                _wait_quietly(job)
+            for event in in_flight:
+                if event is not None:
+                    event.synchronize()
+            for group in groups:
+                group.stepper.close()
+            for slot_buffer in slots:
+                self.pool.release(slot_buffer)
+
+    def shutdown(self) -> None:
+        """Stop the worker thread (the engine is being destroyed)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _widest_bytes(jobs: Sequence[tuple[GroupStep, int, int, Future]]) -> int:
+    """Bytes of the widest chunk in its working dtype: the size of each staging buffer."""
+    return max((end - start) * _element_size(group.working_dtype) for group, start, end, _ in jobs)
+
+
+def _staging_view(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at the start of a byte staging buffer."""
+    return buffer[: numel * _element_size(dtype)].view(dtype)
+
+
+def _wait_quietly(job: Future) -> None:
+    """Wait for ``job``; its exception, if any, was or will be raised by the caller's ``result()``."""
+    try:
+        job.result()
+    except BaseException:  # noqa: BLE001 (already reported through the first failing result())
+        return
