@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 --out OUT.jsonl
 
-Builds a Qwen2-shaped decoder from a ``transformers.Qwen2Config`` (random weights, bf16, hidden 2048, 16 heads,
+Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf16, hidden 2048, 16 heads,
 2 key/value heads, intermediate 11008, vocabulary 151936, tied embeddings: 3.09 B parameters at 36 layers;
 ``--layers`` scales it between about 1 and 3 B), with activation checkpointing, and measures, each as the median of
 ``--steps`` timed steps after two warm-up steps:
@@ -37,31 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _model(layers: int, device: str) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    # The benchmarks' own Qwen2-shaped decoder (benchmarks/models.py: no transformers needed on the GPU machine),
+    # with activation checkpointing inside every decoder layer.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dataclasses
 
-    cfg = Qwen2Config(
-        hidden_size=2048,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        intermediate_size=11008,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        torch_dtype=torch.bfloat16,
-    )
-    cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    return model
+    from models import MODELS, build_model
+
+    MODELS["overlap"] = dataclasses.replace(MODELS["qwen2-3b"], layers=layers)
+    return build_model("overlap", torch.device(device), torch.bfloat16)
 
 
 def _batch(seq: int, device: str) -> dict:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 151936, (1, seq), generator=g).to(device)
-    return {"input_ids": ids, "labels": ids}
+    ids = torch.randint(0, 151936, (1, seq + 1), generator=g)
+    return {"ids": ids[:, :-1].contiguous().to(device), "labels": ids[:, 1:].contiguous().to(device)}
 
 
 def _median(run: Callable[[], None], steps: int, warmup: int = 2) -> float:
@@ -100,7 +90,7 @@ def _engine_case(args: argparse.Namespace, overlap: bool) -> tuple[float, int, f
     batch = _batch(args.seq, "cuda")
 
     def step() -> None:
-        loss = engine(**batch).loss
+        loss = engine(**batch)
         engine.backward(loss)
         engine.step()
 
@@ -118,7 +108,7 @@ def _fwd_bwd(args: argparse.Namespace) -> tuple[float, int]:
     batch = _batch(args.seq, "cuda")
 
     def run() -> None:
-        model(**batch).loss.backward()
+        model(**batch).backward()
         for p in model.parameters():
             p.grad = None
 
