@@ -1,0 +1,58 @@
+"""A tiny Hugging Face Llama and the helpers the sequence-parallel tests share."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, HIDDEN, HEADS, LAYERS = 64, 32, 4, 2
+
+
+def tiny_llama(attn: str, kv_heads: int = HEADS, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer Llama (hidden 32, 4 heads) in fp32 with the given core attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+def batch(seed: int, bs: int, seq: int) -> dict:
+    """A batch as a data loader yields it: input_ids, position_ids, labels (a few labels masked)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (bs, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return {"input_ids": ids, "position_ids": torch.arange(seq).expand(bs, seq).clone(), "labels": labels}
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Labels shifted one token left with -100 after the last token (what the SP data-loader adapter does)."""
+    return torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+
+
+def loss_sum_and_count(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, shift_labels: torch.Tensor):
+    """Summed token cross-entropy over the valid shifted labels, and their count."""
+    logits = model(input_ids=ids, position_ids=pos).logits.float()
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return loss, (shift_labels != -100).sum()
+
+
+def sp_mean_loss(model: torch.nn.Module, micro: dict, group) -> torch.Tensor:
+    """The sequence's mean token loss on every SP rank: loss sums gathered differentiably, as the HF Trainer does."""
+    import torch.distributed.nn.functional as dnn
+
+    loss, count = loss_sum_and_count(model, micro["input_ids"], micro["position_ids"], micro["shift_labels"])
+    sums = dnn.all_gather(loss, group=group)
+    counts = torch.stack(dnn.all_gather(count.float(), group=group))
+    return torch.stack(sums).sum() / counts.sum()

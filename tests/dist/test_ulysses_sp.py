@@ -1,0 +1,113 @@
+"""Ulysses sequence parallelism on a tiny Hugging Face Llama against a single process on the whole sequence.
+
+Each rank of an SP group holds half of every sequence; the loss on every SP rank is the sequence's mean token loss
+(loss sums gathered differentiably, as the HF Trainer does). After one SGD step (clipping off, so a gradient of the
+wrong scale shows in the weights) the parameters must equal those of one process that trained on the whole
+sequences. SGD, not Adam: Adam's first step does not depend on the gradient's scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._harness import run_distributed
+from tests.dist._sp_models import HEADS, batch, loss_sum_and_count, shifted, sp_mean_loss, tiny_llama
+
+pytest.importorskip("transformers")
+
+LR, MICRO, SEQ = 0.5, 2, 8
+
+
+def _config(stage: int, **extra: object) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        **extra,
+    }
+
+
+def _reference(attn: str, kv: int, dp: int) -> dict:
+    """One process, whole sequences: the mean over the DP replicas' batches of their mean token loss."""
+    model = tiny_llama(attn, kv)
+    losses = []
+    for d in range(dp):
+        b = batch(10 + d, MICRO, SEQ)
+        s, c = loss_sum_and_count(model, b["input_ids"], b["position_ids"], shifted(b["labels"]))
+        losses.append(s / c)
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    return {"loss": loss.item(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _sp_engine(attn: str, kv: int, sp: int, stage: int, **extra: object):
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    model = tiny_llama(attn, kv)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, attn, sp, MICRO, seq_length_is_variable=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=mpu, config=_config(stage, **extra))
+    return engine, mpu
+
+
+def _sp_micro(mpu, dp_rank: int) -> dict:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    loader = UlyssesSPDataLoaderAdapter(
+        [batch(10 + dp_rank, MICRO, SEQ)],
+        mpu.get_sequence_parallel_rank(),
+        mpu.get_sequence_parallel_group(),
+        mpu.get_sequence_parallel_world_size(),
+        torch.device("cpu"),
+    )
+    assert len(loader) == mpu.get_sequence_parallel_world_size()
+    return next(iter(loader))  # every SP rank brought the same batch: the first is the DP replica's batch
+
+
+def _train_one_step(attn: str, kv: int, sp: int, stage: int) -> dict:
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    engine, mpu = _sp_engine(attn, kv, sp, stage)
+    assert engine.dp_world_size == dist.get_world_size() // sp and engine.seq_dp_world_size == dist.get_world_size()
+    micro = _sp_micro(mpu, dist.get_rank() // sp)
+    loss = sp_mean_loss(engine, micro, mpu.get_sequence_parallel_group())
+    engine.backward(loss)
+    engine.step()
+    with GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    mpu._release_sequence_parallel_groups()
+    return {"loss": loss.item(), "params": params}
+
+
+def _compare(results: list[dict], ref: dict, dp: int) -> None:
+    for rank, got in enumerate(results):
+        if dp == 1:
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), rank
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sp2_matches_whole_sequence(attn: str, stage: int) -> None:
+    results = run_distributed(_train_one_step, 2, attn, HEADS, 2, stage)
+    _compare(results, _reference(attn, HEADS, 1), dp=1)
+
+
+def test_gqa_fewer_kv_heads_than_sp_ranks() -> None:
+    # One key/value head for SP=2: each rank gets a copy of it (repeated before the exchange).
+    results = run_distributed(_train_one_step, 2, "sdpa", 1, 2, 2)
+    _compare(results, _reference("sdpa", 1, 1), dp=1)
+
+
+def test_sp2_dp2_matches_whole_sequence() -> None:
+    results = run_distributed(_train_one_step, 4, "sdpa", HEADS, 2, 2)
+    _compare(results, _reference("sdpa", HEADS, 2), dp=2)
