@@ -7,16 +7,16 @@ import torch
 VOCAB, HIDDEN, HEADS, LAYERS = 64, 32, 4, 2
 
 
-def tiny_llama(attn: str, kv_heads: int = HEADS, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer Llama (hidden 32, 4 heads) in fp32 with the given core attention."""
+def tiny_llama(attn: str, kv_heads: int = HEADS, seed: int = 0, heads: int = HEADS) -> torch.nn.Module:
+    """A 2-layer Llama (hidden 32 or a multiple of ``heads``, 4 heads) in fp32 with the given core attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+        hidden_size=HIDDEN if heads == HEADS else 8 * heads,
         intermediate_size=2 * HIDDEN,
         num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         attn_implementation=attn,

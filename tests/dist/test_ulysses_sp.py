@@ -111,3 +111,56 @@ def test_gqa_fewer_kv_heads_than_sp_ranks() -> None:
 def test_sp2_dp2_matches_whole_sequence() -> None:
     results = run_distributed(_train_one_step, 4, "sdpa", HEADS, 2, 2)
     _compare(results, _reference("sdpa", HEADS, 2), dp=2)
+
+
+# ---------------------------------------------------------------------- bad input: every rank raises, none waits
+def _expect_error(case: str) -> str:
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    try:
+        if case == "seq":
+            engine_mpu = UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa"), "sdpa", 2, MICRO)
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+            b = batch(0, MICRO, SEQ + 1)
+            group = engine_mpu.get_sequence_parallel_group()
+            next(iter(UlyssesSPDataLoaderAdapter([b], engine_mpu.get_sequence_parallel_rank(), group, 2, "cpu")))
+        elif case == "world":
+            deepspeed.initialize(model=tiny_llama("sdpa"), config={**_config(2), "sequence_parallel_size": 3,
+                                                                   "optimizer": {"type": "Adam"}})
+        elif case == "heads":
+            UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa", 1, heads=3), "sdpa", 2, MICRO)
+        elif case == "kv_heads":
+            UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa", 3, heads=6), "sdpa", 2, MICRO)
+    except (ValueError, RuntimeError) as err:
+        from deepspeed._core.sequence import groups
+
+        groups.release_sequence_parallel_groups()
+        return str(err)
+    raise AssertionError(f"{case}: no error")
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("seq", ["9", "not divisible", "sequence parallel size 2"]),
+        ("world", ["sequence_parallel_size", "3", "world size (2)"]),
+        ("heads", ["attention heads (3)", "sequence parallel size (2)"]),
+        ("kv_heads", ["key/value heads (3)", "(2)"]),
+    ],
+)
+def test_bad_input_raises_on_every_rank(case: str, words: list[str]) -> None:
+    for message in run_distributed(_expect_error, 2, case, timeout=120):
+        for word in words:
+            assert word in message, message
+
+
+def test_sp_with_pipeline_is_refused() -> None:
+    from deepspeed._core.config.base import DeepSpeedConfigError
+    from deepspeed._core.engine.sequence_layout import check_pipeline
+
+    check_pipeline(1, True)
+    check_pipeline(2, False)
+    with pytest.raises(DeepSpeedConfigError, match="sequence_parallel_size=2 cannot be combined with pipeline"):
+        check_pipeline(2, True)
