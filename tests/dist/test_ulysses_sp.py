@@ -127,8 +127,10 @@ def _expect_error(case: str) -> str:
             group = engine_mpu.get_sequence_parallel_group()
             next(iter(UlyssesSPDataLoaderAdapter([b], engine_mpu.get_sequence_parallel_rank(), group, 2, "cpu")))
         elif case == "world":
-            deepspeed.initialize(model=tiny_llama("sdpa"), config={**_config(2), "sequence_parallel_size": 3,
-                                                                   "optimizer": {"type": "Adam"}})
+            deepspeed.initialize(
+                model=tiny_llama("sdpa"),
+                config={**_config(2), "sequence_parallel_size": 3, "optimizer": {"type": "Adam"}},
+            )
         elif case == "heads":
             UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa", 1, heads=3), "sdpa", 2, MICRO)
         elif case == "kv_heads":
