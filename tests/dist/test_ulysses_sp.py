@@ -166,3 +166,87 @@ def test_sp_with_pipeline_is_refused() -> None:
     check_pipeline(2, False)
     with pytest.raises(DeepSpeedConfigError, match="sequence_parallel_size=2 cannot be combined with pipeline"):
         check_pipeline(2, True)
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _step(engine, mpu) -> float:
+    import deepspeed.comm as dist
+
+    micro = _sp_micro(mpu, dist.get_rank() // mpu.get_sequence_parallel_world_size())
+    loss = sp_mean_loss(engine, micro, mpu.get_sequence_parallel_group())
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _save_then_resume(stage: int, save_dir: str) -> dict:
+    import os
+
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    def params(engine) -> dict:
+        with GatheredParameters(list(engine.module.parameters())):
+            return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    engine, mpu = _sp_engine("sdpa", HEADS, 2, stage)
+    _step(engine, mpu)
+    engine.save_checkpoint(save_dir, tag="t")
+    second = _step(engine, mpu)
+    want = params(engine)
+    fresh, mpu = _sp_engine("sdpa", HEADS, 2, stage)  # the groups exist: registration reuses them
+    fresh.load_checkpoint(save_dir, tag="t")
+    again = _step(fresh, mpu)
+    got = params(fresh)
+    mpu._release_sequence_parallel_groups()
+    return {
+        "files": sorted(os.listdir(os.path.join(save_dir, "t"))),
+        "losses": (second, again),
+        "want": want,
+        "got": got,
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_save_load_under_sp(stage: int, tmp_path) -> None:
+    results = run_distributed(_save_then_resume, 2, stage, str(tmp_path))
+    files = results[0]["files"]
+    if stage == 1:  # module states once (rank 0), one ZeRO shard per rank, no model-parallel rank but 00
+        assert files == [
+            "mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ], files
+    else:
+        assert files == [
+            "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_model_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ]
+    for r in results:
+        assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-6)
+        for name, want in r["want"].items():
+            torch.testing.assert_close(r["got"][name], want, rtol=0, atol=0, msg=name)
+
+
+def _config_key_only() -> tuple:
+    import deepspeed
+    import deepspeed.comm as dist
+
+    model = tiny_llama("sdpa")
+    config = {**_config(2), "sequence_parallel_size": 2}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config)
+    out = (
+        engine.sequence_parallel_size,
+        engine.dp_world_size,
+        engine.seq_dp_world_size,
+        dist.get_world_size(group=engine.seq_parallel_group),
+        engine.train_batch_size(),
+    )
+    engine.mpu._release_sequence_parallel_groups()
+    return out
+
+
+def test_config_key_alone_builds_the_groups() -> None:
+    # world 2, SP 2: one data-parallel replica, ZeRO over both ranks, train_batch_size = micro * 1 replica.
+    assert run_distributed(_config_key_only, 2) == [(2, 1, 2, 2, MICRO)] * 2
