@@ -48,11 +48,34 @@ def loss_sum_and_count(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Ten
     return loss, (shift_labels != -100).sum()
 
 
+class _GatherScalars(torch.autograd.Function):
+    """Differentiable all-gather of one scalar per rank (backward: the summed gradient of this rank's entry).
+
+    torch.distributed.nn's all_gather cannot be used: its backward scatters from global ranks, which fails in
+    subgroups that do not start at rank 0.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as tdist
+
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(tdist.get_world_size(group=group))]
+        tdist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as tdist
+
+        grad = grad.contiguous()
+        tdist.all_reduce(grad, group=ctx.group)
+        return grad[tdist.get_rank(group=ctx.group)], None
+
+
 def sp_mean_loss(model: torch.nn.Module, micro: dict, group) -> torch.Tensor:
     """The sequence's mean token loss on every SP rank: loss sums gathered differentiably, as the HF Trainer does."""
-    import torch.distributed.nn.functional as dnn
-
     loss, count = loss_sum_and_count(model, micro["input_ids"], micro["position_ids"], micro["shift_labels"])
-    sums = dnn.all_gather(loss, group=group)
-    counts = torch.stack(dnn.all_gather(count.float(), group=group))
-    return torch.stack(sums).sum() / counts.sum()
+    sums = _GatherScalars.apply(loss, group)
+    counts = _GatherScalars.apply(count.float(), group)
+    return sums.sum() / counts.sum()
