@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.comm import dist
+from deepspeed._core.comm.collectives import exchange
 
 _GROUPS: dict[str, Any] = {}
 
@@ -40,7 +41,7 @@ def _dim_zero_all_to_all_op(tensor: torch.Tensor, group_name: str) -> torch.Tens
         raise ValueError(f"dim_zero_all_to_all: dimension 0 ({tensor.shape[0]}) must equal the group size ({size})")
     source = tensor.contiguous()
     out = torch.empty_like(source)
-    dist.all_to_all_single(out, source, group=group)
+    exchange(out, source, group)
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed._core.comm import dist
+from deepspeed._core.comm.collectives import gather_list
 
 IGNORE_INDEX = -100
 
@@ -82,7 +83,7 @@ class UlyssesSPDataLoaderAdapter:
     def _gather_lengths(self, seqlen: int) -> list[int]:
         mine = torch.tensor([seqlen], dtype=torch.int64, device=self.device)
         parts = [torch.empty_like(mine) for _ in range(self.sp_world_size)]
-        dist.all_gather(parts, mine, group=self.sp_group)
+        gather_list(parts, mine, self.sp_group)
         return [int(p.item()) for p in parts]
 
     def _gather_batches(self, batch: dict, lengths: list[int]) -> list[dict]:
@@ -92,7 +93,7 @@ class UlyssesSPDataLoaderAdapter:
             if torch.is_tensor(value):
                 value = value.to(self.device)
                 parts = [value.new_empty((value.shape[0], n, *value.shape[2:])) for n in lengths]
-                dist.all_gather(parts, value.contiguous(), group=self.sp_group)
+                gather_list(parts, value.contiguous(), self.sp_group)
             else:
                 parts = [None] * self.sp_world_size
                 dist.all_gather_object(parts, value, group=self.sp_group)

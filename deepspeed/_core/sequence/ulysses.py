@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.comm import dist
+from deepspeed._core.comm.collectives import gather_list
 from deepspeed._core.sequence.exchange import dim_zero_all_to_all, register_all_to_all_group
 
 EAGER = "eager"
@@ -119,7 +120,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
     def _gather_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(position_ids) for _ in range(self.world_size)]
-        dist.all_gather(parts, position_ids.contiguous(), group=self.process_group)
+        gather_list(parts, position_ids.contiguous(), self.process_group)
         return torch.cat(parts, dim=1)
 
     def _check_shapes(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
