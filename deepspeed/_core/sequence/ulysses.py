@@ -234,7 +234,8 @@ def _core_attention(model: Any, name: str) -> Callable[..., Any]:
     if name not in ALL_ATTENTION_FUNCTIONS:
         valid = sorted([EAGER, *ALL_ATTENTION_FUNCTIONS.keys()])
         raise ValueError(f"core_attn_implementation={name!r} is not a registered attention; valid: {valid}")
-    return ALL_ATTENTION_FUNCTIONS[name]
+    # A second registration in the same process wraps the original kernel, not the first wrapper.
+    return getattr(ALL_ATTENTION_FUNCTIONS[name], "_ulysses_core", ALL_ATTENTION_FUNCTIONS[name])
 
 
 def _head_counts(config: Any) -> tuple[int, int, int, int]:
@@ -328,6 +329,7 @@ def _install(wrapper: UlyssesSPAttentionHF, name: str) -> None:
         mask = attention_mask if type(attention_mask).__name__ == "BlockMask" else None
         return wrapper(module, query, key, value, mask, *args, **kwargs)
 
+    sequence_parallel_attention._ulysses_core = wrapper.attn  # type: ignore[attr-defined]
     ALL_ATTENTION_FUNCTIONS[name] = sequence_parallel_attention
 
 
