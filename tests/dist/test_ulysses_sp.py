@@ -95,8 +95,7 @@ def _compare(results: list[dict], ref: dict, dp: int) -> None:
             torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn, stage", [("sdpa", 1), ("sdpa", 2), ("sdpa", 3), ("eager", 3)])
 def test_sp2_matches_whole_sequence(attn: str, stage: int) -> None:
     results = run_distributed(_train_one_step, 2, attn, HEADS, 2, stage)
     _compare(results, _reference(attn, HEADS, 1), dp=1)
