@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from deepspeed import comm as dist
-from deepspeed._core.engine import setup
+from deepspeed._core.engine import sequence_layout, setup
 from deepspeed._core.engine.activation_checkpoint import cpu_checkpointing_problem
 from deepspeed._core.engine.state_offload import StateOffloader, parse_kinds
 from deepspeed._core.engine.training import TrainingLoop
@@ -97,6 +97,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
                 f"the config sets 'pipeline' but the model is a {type(self.module).__name__}, not a PipelineModule: "
                 "pipeline settings only apply to deepspeed.pipe.PipelineModule models; remove the 'pipeline' block"
             )
+        self.sequence_parallel_size = sequence_layout.requested_size(self.config, mpu)
+        sequence_layout.check_pipeline(self.sequence_parallel_size, self._is_pipeline_engine)
         if config_class.activation_checkpointing_config.cpu_checkpointing:
             problem = cpu_checkpointing_problem(self.module)
             if problem is not None:
@@ -112,9 +114,29 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        if self.sequence_parallel_size > 1:
+            self._apply_sequence_parallel()
+            return
         self.dp_group = self.mpu.get_data_parallel_group() if self.mpu is not None else None
         self.dp_world_size = dist.get_world_size(group=self.dp_group)
         self.mp_world_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
+        self.seq_parallel_group = None
+        self.seq_data_parallel_group, self.seq_dp_world_size = self.dp_group, self.dp_world_size
+        self._data_rank = dist.get_rank(group=self.dp_group)
+
+    def _apply_sequence_parallel(self) -> None:
+        # ZeRO shards and averages over every rank; data and the batch arithmetic see world / SP replicas
+        # (deepspeed._core.engine.sequence_layout says why the average is exact).
+        from deepspeed.utils import groups
+
+        layout, self.mpu = sequence_layout.build(self.sequence_parallel_size, self.mpu)
+        groups.mpu = self.mpu  # deepspeed.utils.groups' SP queries (accelerate's loader adapter) answer from it
+        self.seq_parallel_group = layout.seq_parallel_group
+        self.seq_data_parallel_group = self.dp_group = layout.zero_group
+        self.seq_dp_world_size = layout.zero_world_size
+        self.dp_world_size = layout.data_world_size
+        self._data_rank = layout.data_rank
+        self.mp_world_size = 1
 
     def _apply_moe(self) -> None:
         # Expert groups exist before any optimizer: their gradients reduce over expert-data-parallel groups.
@@ -170,7 +192,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             self.plan,
             loss_scaler,
             self.dp_group,
-            self.dp_world_size,
+            self.seq_dp_world_size,
             self.module,
             self.zero3_manager,
             zero12_factory=DeepSpeedZeroOptimizer.from_plan,
@@ -209,7 +231,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             tput_timer=None,
             collate_fn=collate_fn,
             data_parallel_world_size=self.dp_world_size,
-            data_parallel_rank=dist.get_rank(group=self.dp_group),
+            data_parallel_rank=self._data_rank,
             dataloader_drop_last=self.plan.dataloader_drop_last,
         )
 

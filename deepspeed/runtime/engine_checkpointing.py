@@ -69,14 +69,16 @@ class EngineCheckpointMixin:
         return bool(self.plan.load_universal)
 
     def _checkpoint_topology(self) -> ckpt.CheckpointTopology:
-        mp_rank = self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
+        # Under sequence parallelism the mpu's model-parallel queries name the SP group; there is no model parallelism.
+        sp = getattr(self, "sequence_parallel_size", 1) > 1
+        mp_rank = self.mpu.get_model_parallel_rank() if self.mpu is not None and not sp else 0
         return ckpt.CheckpointTopology(
             zero_stage=int(self.zero_optimization_stage()),
             bf16=bool(self.bfloat16_enabled()),
             global_rank=dist.get_rank(),
             local_rank=int(self.local_rank),
             dp_rank=dist.get_rank(group=self.dp_group),
-            dp_world_size=int(self.dp_world_size),
+            dp_world_size=int(getattr(self, "seq_dp_world_size", self.dp_world_size)),
             mp_rank=int(mp_rank),
             mp_world_size=int(self.mp_world_size),
             node_local_storage=bool(self._config.use_node_local_storage),

@@ -188,7 +188,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     # The implementation, in rooms (ROOM_IMPORTS below), the torch.distributed backend included.
     ("core", frozenset({"_core"})),
     # Public homes with upstream's names over one concern each: façades over the core.
-    ("surface", frozenset({"checkpoint", "comm", "launcher", "moe", "monitor", "profiling", "tools", "utils"})),
+    (
+        "surface",
+        frozenset({"checkpoint", "comm", "launcher", "moe", "monitor", "profiling", "sequence", "tools", "utils"}),
+    ),
     # The engine's public homes (deepspeed.runtime, deepspeed.zero), which compose the surface packages.
     ("runtime", frozenset({"runtime"})),
     # deepspeed.pipe re-exports the pipeline engine's runtime home.
@@ -351,6 +354,8 @@ UPSTREAM_SIGNATURES: dict[str, str] = {
     "PipelineModule": "deepspeed.pipe.PipelineModule(layers, num_stages, topology, loss_fn, seed_layers, ...)",
     "TopKGate": "deepspeed.moe.sharded_moe.TopKGate(model_dim, num_experts, k, ..., drop_tokens, use_rts, ...)",
     "ThroughputTimer": "deepspeed.utils.timer.ThroughputTimer(config, batch_size, ..., monitor_memory=False, ...)",
+    "UlyssesSPAttentionHF": "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF(attn, batch_size, "
+    "attn_head_count, ..., seq_length_is_variable, local_seq_length, global_seq_length, disable_in_eval)",
 }
 
 

@@ -231,6 +231,11 @@ def gather_rows(gathered: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
     dist.all_gather_into_tensor(gathered, mine, group=group)
 
 
+def gather_list(parts: list[torch.Tensor], mine: torch.Tensor, group: Any) -> None:
+    """Blocking all-gather into a list: ``parts[r]`` becomes rank ``r``'s ``mine`` (shapes may differ by rank)."""
+    dist.all_gather(parts, mine, group=group)
+
+
 def finish_reduce(result: ReduceResult) -> torch.Tensor:
     """Wait for every handle of ``result``; returns :attr:`ReduceResult.reduced`."""
     for work in result.works:

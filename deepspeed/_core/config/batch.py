@@ -20,10 +20,13 @@ def data_parallel_world_size(mpu: Any = None, mesh_device: Any = None, sequence_
 
     Order: ``mpu.get_data_parallel_world_size()``; else ``deepspeed.comm`` (the mesh's data-parallel group when a
     mesh is given) if it is initialised; else env ``WORLD_SIZE``; else 1. Without an mpu or mesh the size is
-    divided by ``sequence_parallel_size``.
+    divided by ``sequence_parallel_size``; a sequence-parallel mpu (no data-parallel queries) divides it by its
+    own sequence-parallel size.
     """
-    if mpu is not None:
+    if mpu is not None and hasattr(mpu, "get_data_parallel_world_size"):
         return int(mpu.get_data_parallel_world_size())
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        sequence_parallel_size = int(mpu.get_sequence_parallel_world_size())
     world = _comm_world_size(mesh_device)
     if world is None:
         raw = os.environ.get("WORLD_SIZE", "1")

@@ -147,13 +147,15 @@ _TOP_LEVEL: dict[str, KeyRule] = {
     "gradient_predivide_factor": _impl(),
     "gradient_allreduce_op": _impl(),
     "communication_data_type": _impl(),
-    "seq_parallel_communication_data_type": _noop("no sequence-parallel communication in this package"),
+    "seq_parallel_communication_data_type": _noop("gradients under SP reduce in communication_data_type"),
     "zero_allow_untested_optimizer": _impl(),
     "zero_force_ds_cpu_optimizer": _impl(),
     "vocabulary_size": _noop("not checked"),
     "log_level": _noop("set DS_LOG_LEVEL instead"),
     "graph_harvesting": _noop("CUDA-graph capture is not implemented"),
-    "sequence_parallel_size": _impl("divides the data-parallel size of the batch triangle"),
+    "sequence_parallel_size": _impl(
+        "sequence-parallel groups of this size; data parallelism over world / size; ZeRO shards over every rank"
+    ),
     "optimizer.type": _impl(),
     "optimizer.params": _impl(),
     "optimizer.legacy_fusion": _noop("upstream legacy switch"),

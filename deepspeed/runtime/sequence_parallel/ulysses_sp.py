@@ -5,6 +5,9 @@ The implementations live in :mod:`deepspeed._core.sequence`; this module re-expo
 
 from __future__ import annotations
 
+# Sequence parallelism: the attention wrapper and the data-loader adapter.
+from deepspeed._core.sequence.loader import UlyssesSPDataLoaderAdapter
+
 # Tiled compute along the sequence.
 from deepspeed._core.sequence.tiled import (
     AutogradComputeMLP,
@@ -13,11 +16,14 @@ from deepspeed._core.sequence.tiled import (
     TiledMLP,
     sequence_tiled_compute,
 )
+from deepspeed._core.sequence.ulysses import UlyssesSPAttentionHF
 
 __all__ = [
     "AutogradComputeMLP",
     "SequenceTiledCompute",
     "TiledFusedLogitsLoss",
     "TiledMLP",
+    "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter",
     "sequence_tiled_compute",
 ]

@@ -1,0 +1,1 @@
+"""``deepspeed.sequence``: the sequence-parallel exchange under upstream's import path."""
