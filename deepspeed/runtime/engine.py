@@ -215,7 +215,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         # Upstream profiles on global rank 0 only; the other ranks keep None.
         profile = self.plan.flops_profiler
         if profile.enabled and self.global_rank == 0:
-            self.flops_profiler = FlopsProfiler(
+            self.flops_profiler: FlopsProfiler | None = FlopsProfiler(
                 self.module, ds_engine=self, recompute_fwd_factor=profile.recompute_fwd_factor
             )
             self._loop.observer.profiler = self.flops_profiler

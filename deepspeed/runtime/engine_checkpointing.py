@@ -194,6 +194,7 @@ class EngineCheckpointMixin:
             custom_load_fn=custom_load_fn,
             trust=checkpoint_io.LoadTrust.from_env(),
         )
+        outcome: ckpt.LoadOutcome | None
         if self.load_universal_checkpoint():
             outcome = universal_load.load_universal_checkpoint(self._checkpoint_subject(), request)
         else:

@@ -231,7 +231,8 @@ def _fill_steps_and_settings(groups: list[UniversalGroupState], global_state: di
     """Step counts missing from ``step.pt`` (ZeRO-3 sources) and each group's saved hyperparameters."""
     saved_groups = global_state[PARAM_GROUPS]
     inner_state = (global_state.get(OPTIMIZER_STATE_DICT) or {}).get("state") or {}
-    fallback = next(iter(inner_state.values()), {}).get(STEP) if inner_state else None
+    first: dict = next(iter(inner_state.values()), {}) if inner_state else {}
+    fallback = first.get(STEP) if inner_state else None
     for index, group in enumerate(groups):
         if saved_groups:
             group.hyperparams = dict(saved_groups[index] if index < len(saved_groups) else saved_groups[0])

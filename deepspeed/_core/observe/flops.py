@@ -148,7 +148,8 @@ class FlopsProfiler:
 
     def reset_profile(self) -> None:
         """Zero every module's counts; parameters are counted afresh."""
-        for module in self.model.modules():
+        for mod in self.model.modules():
+            module: Any = mod  # the counts live in attributes torch.nn.Module does not declare
             own = [p for p in module.parameters() if p.requires_grad]
             module.__flops__ = 0
             module.__macs__ = 0
@@ -179,12 +180,13 @@ class FlopsProfiler:
         for name, module in self.model.named_modules():
             key = f"{root}.{name}" if name else root
             inclusive[module] = int(sum(counts.get(key, {}).values()))
-        for module, total in inclusive.items():
-            if isinstance(module, self._ignored):
+        for mod, total in inclusive.items():
+            counted: Any = mod  # the counts live in attributes torch.nn.Module does not declare
+            if isinstance(counted, self._ignored):
                 total = 0
-            own = total - sum(inclusive.get(child, 0) for child in module.children())
-            module.__flops__ = max(own, 0)
-            module.__macs__ = module.__flops__ // 2
+            own = total - sum(inclusive.get(child, 0) for child in counted.children())
+            counted.__flops__ = max(own, 0)
+            counted.__macs__ = counted.__flops__ // 2
 
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the whole model."""
@@ -246,7 +248,7 @@ def _prime_counter() -> None:
 
 
 def _start_clock(sync: bool) -> Any:
-    def hook(module: nn.Module, _inputs: Any) -> None:
+    def hook(module: Any, _inputs: Any) -> None:
         if sync:
             get_accelerator().synchronize()
         module.__start_time__ = time.perf_counter()
@@ -255,7 +257,7 @@ def _start_clock(sync: bool) -> Any:
 
 
 def _stop_clock(sync: bool) -> Any:
-    def hook(module: nn.Module, _inputs: Any, _output: Any) -> None:
+    def hook(module: Any, _inputs: Any, _output: Any) -> None:
         if sync:
             get_accelerator().synchronize()
         module.__duration__ += time.perf_counter() - module.__start_time__
@@ -292,18 +294,20 @@ def get_model_profile(
         if not isinstance(input_shape, tuple) or not input_shape:
             raise ValueError(f"get_model_profile: input_shape must be a non-empty tuple, got {input_shape!r}")
         first = next(model.parameters(), None)
-        like = {"dtype": first.dtype, "device": first.device} if first is not None else {}
+        like: dict[str, Any] = {"dtype": first.dtype, "device": first.device} if first is not None else {}
         args = [torch.empty(input_shape, **like)]
     if not args and not kwargs:
         raise ValueError("get_model_profile: give input_shape, or args and/or kwargs for the model")
-    run = model.generate if mode == "generate" else model
+    run: Any = model.generate if mode == "generate" else model
     with torch.no_grad():
         for _ in range(warm_up):
             run(*args, **kwargs)
         prof = FlopsProfiler(model)
         prof.start_profile(ignore_list=ignore_modules)
         run(*args, **kwargs)
-    flops, macs, params = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()
+    flops: Any = prof.get_total_flops()
+    macs: Any = prof.get_total_macs()
+    params: Any = prof.get_total_params()
     if print_profile:
         prof.print_model_profile(warm_up, module_depth, top_modules, detailed, output_file)
     prof.end_profile()

@@ -222,7 +222,7 @@ def detailed_lines(prof: Any) -> list[str]:
     patched = []
     for module in prof.model.modules():
         original = module.extra_repr
-        module.extra_repr = lambda m=module, o=original: _module_repr(m, totals, o)  # type: ignore[method-assign]
+        module.extra_repr = lambda m=module, o=original: _module_repr(m, totals, o)
         patched.append(module)
     try:
         text = str(prof.model)

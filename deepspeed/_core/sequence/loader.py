@@ -95,7 +95,7 @@ class UlyssesSPDataLoaderAdapter:
                 parts = [value.new_empty((value.shape[0], n, *value.shape[2:])) for n in lengths]
                 gather_list(parts, value.contiguous(), self.sp_group)
             else:
-                parts = [None] * self.sp_world_size
+                parts = [None] * self.sp_world_size  # type: ignore[list-item]  # filled by all_gather_object
                 dist.all_gather_object(parts, value, group=self.sp_group)
             for sample, part in zip(gathered, parts, strict=True):
                 sample[key] = part

@@ -20,7 +20,7 @@ whole sequence here, since eager attention is causal only through its mask.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -160,7 +160,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if self.kv_replication > 1:
             key = key.repeat_interleave(self.kv_replication, dim=1)
             value = value.repeat_interleave(self.kv_replication, dim=1)
-            module.num_key_value_groups = self.local_q_head_count // self.local_kv_head_count
+            module.num_key_value_groups = self.local_q_head_count // self.local_kv_head_count  # type: ignore[assignment]
         q = self._scatter_heads(_seq_first(query))
         k = self._scatter_heads(_seq_first(key))
         v = self._scatter_heads(_seq_first(value))
@@ -224,7 +224,7 @@ def _core_attention(model: Any, name: str) -> Callable[..., Any]:
         own = getattr(sys.modules.get(type(model).__module__), "eager_attention_forward", None)
         if own is None:
             from transformers.models.llama.modeling_llama import eager_attention_forward as own
-        return own
+        return cast(Callable[..., Any], own)
     if name.startswith("paged|"):
         raise ValueError(f"core_attn_implementation={name!r}: paged attention cannot run sequence parallel")
     if "/" in name:  # a hub kernel "org/name[@rev][:fn]"
