@@ -109,3 +109,58 @@ def test_accelerate_sp2_matches_whole_sequence() -> None:
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), rank
         for name, want in ref["params"].items():
             torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+# ---------------------------------------------------------------------- the HF Trainer route
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.samples = _batches()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]
+
+
+def _train_trainer(out_dir: str) -> dict:
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainingArguments
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length=SEQ, sp_attn_implementation="sdpa")
+    args = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        deepspeed={**_ds_config(), "gradient_clipping": "auto", "train_batch_size": "auto"},
+        parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed", sp_handler=handler),
+        per_device_train_batch_size=MICRO,
+        max_steps=STEPS,
+        optim="sgd",
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=tiny_llama("sdpa"), args=args, train_dataset=_Samples())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    engine = trainer.model_wrapped
+    module = engine.module
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return {"loss": losses, "sp": engine.sequence_parallel_size, "params": params}
+
+
+def test_hf_trainer_sp2_matches_whole_sequence(tmp_path) -> None:
+    """The HF Trainer with ``TrainingArguments(parallelism_config=...)``: the same two SGD steps, the Trainer's own
+    SP loss (token-weighted over the SP group), the same parameters as one process on the whole sequences."""
+    results = run_distributed(_train_trainer, 2, str(tmp_path), timeout=TIMEOUT, env=QUIET_ENV)
+    ref = _reference()
+    for rank, got in enumerate(results):
+        assert got["sp"] == 2 and got["loss"] == pytest.approx(ref["loss"], rel=1e-4), rank
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
