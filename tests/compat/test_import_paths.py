@@ -249,8 +249,6 @@ EXPECTED_MISSING = frozenset(
         # features not implemented (spec section 7: later)
         "deepspeed.module_inject",
         "deepspeed.sequence.layer._SeqAllToAll",
-        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
-        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter",
     }
 )
 

@@ -211,15 +211,17 @@ def test_zero3_offload_keeps_host_state_lean() -> None:
 
 def _write_back_order(world: int) -> dict:
     import deepspeed
-    from deepspeed._core.optim.master import MasterShard
+    from deepspeed._core.optim.master import MasterShard, ScatterWriteBack
 
     seen: dict = {}
-    for offload in (False, True):
-        zero = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
+    for offload, overlap in ((False, False), (True, False), (True, True)):
+        zero: dict = {"lean_overlap_offload_step": overlap}
+        if offload:
+            zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
         engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(**zero))
         gatherer = engine.optimizer.manager.gatherer
         log: list[str] = []
-        sync, write = gatherer.sync_shard_reads, MasterShard.write_back
+        sync, write, publish = gatherer.sync_shard_reads, MasterShard.write_back, ScatterWriteBack.publish
 
         def spy_sync(sync=sync, log=log) -> None:  # noqa: ANN001
             log.append("sync")
@@ -229,20 +231,29 @@ def _write_back_order(world: int) -> dict:
             log.append("write")
             write(self)
 
+        def spy_publish(self, start, piece, publish=publish, log=log) -> None:  # noqa: ANN001
+            log.append("write")
+            publish(self, start, piece)
+
         gatherer.sync_shard_reads = spy_sync
         MasterShard.write_back = spy_write
+        ScatterWriteBack.publish = spy_publish
         try:
             _train(engine, range(1), world)
         finally:
             MasterShard.write_back = write
-        seen[offload] = log
+            ScatterWriteBack.publish = publish
+        seen[(offload, overlap)] = log
         engine.destroy()
     return seen
 
 
 def test_offloaded_shards_are_written_back_only_after_the_copy_ins_read_them() -> None:
-    """With offload_param the step's host writes into the shards wait for the last copy-in first; without it
-    the write-back is stream-ordered and the host does not wait."""
+    """With offload_param the step's host writes into the shards wait for the last copy-in first, whether the
+    host step is synchronous or overlapped (chunks published as they are stepped); without it the write-back is
+    stream-ordered and the host does not wait."""
     (seen,) = run_distributed(_write_back_order, 1, 1)
-    assert seen[True] and seen[True][0] == "sync" and "write" in seen[True]
-    assert seen[False] and "sync" not in seen[False]
+    for overlap in (False, True):
+        log = seen[(True, overlap)]
+        assert log and log[0] == "sync" and "write" in log, (overlap, log)
+    assert seen[(False, False)] and "sync" not in seen[(False, False)]
