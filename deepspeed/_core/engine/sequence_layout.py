@@ -68,13 +68,7 @@ def build(size: int, mpu: Any) -> tuple[SequenceLayout, Any]:
     """The layout for SP ``size`` (> 1) and the SP mpu to use: ``mpu`` if it is one, else the SP groups module,
     whose groups are created here when they do not exist yet (collective)."""
     if not sp_groups.is_sequence_parallel_unit(mpu):
-        if not sp_groups.is_initialized():
-            sp_groups.initialize_sequence_parallel(size)
-        elif sp_groups.get_sequence_parallel_world_size() != size:
-            raise RuntimeError(
-                f"sequence parallel groups of size {sp_groups.get_sequence_parallel_world_size()} exist already "
-                f"but the config asks for sequence_parallel_size={size}"
-            )
+        sp_groups.ensure_sequence_parallel(size, asked_by="the config")
         mpu = sp_groups
     zero_group = mpu.get_sequence_data_parallel_group()
     layout = SequenceLayout(

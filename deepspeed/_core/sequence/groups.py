@@ -65,6 +65,21 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
     _SEQUENCE_PARALLEL_SIZE = sequence_parallel_size
 
 
+def ensure_sequence_parallel(sequence_parallel_size: int, asked_by: str) -> None:
+    """Create the groups of ``sequence_parallel_size`` unless they exist (collective when it creates them).
+
+    Raises:
+        RuntimeError: groups of another size exist already; ``asked_by`` names what asked for this size.
+    """
+    if not is_initialized():
+        initialize_sequence_parallel(sequence_parallel_size)
+    elif get_sequence_parallel_world_size() != sequence_parallel_size:
+        raise RuntimeError(
+            f"sequence parallel groups of size {get_sequence_parallel_world_size()} exist already, but {asked_by} "
+            f"asks for sequence_parallel_size={sequence_parallel_size}"
+        )
+
+
 def is_initialized() -> bool:
     """Whether :func:`initialize_sequence_parallel` has run (and not been released)."""
     return _SEQUENCE_PARALLEL_GROUP is not None

@@ -286,13 +286,7 @@ def register_with_transformers(
             f"seq_length={seq_length} must be divisible by sequence_parallel_size={sequence_parallel_size}"
         )
     core = _core_attention(model_name_or_path, core_attn_implementation)
-    if not groups.is_initialized():
-        groups.initialize_sequence_parallel(sequence_parallel_size)
-    elif groups.get_sequence_parallel_world_size() != sequence_parallel_size:
-        raise RuntimeError(
-            f"sequence parallel groups of size {groups.get_sequence_parallel_world_size()} exist already; "
-            f"cannot register with sequence_parallel_size={sequence_parallel_size}"
-        )
+    groups.ensure_sequence_parallel(sequence_parallel_size, asked_by="register_with_transformers")
     local = None if seq_length is None else seq_length // sequence_parallel_size
     wrapper = cls(
         attn=core,
