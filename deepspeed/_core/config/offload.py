@@ -10,6 +10,7 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from deepspeed._core.config.base import DeepSpeedConfigModel, pp_int
+from deepspeed._foundation.logging import logger
 
 
 class OffloadDeviceEnum(str, Enum):
@@ -98,11 +99,37 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """Share of CPU cores the CPU Adam step may use."""
 
     _nvme_path_usable = model_validator(mode="after")(lambda self: check_nvme_path(self))
+    _nvme_keys_named = model_validator(mode="after")(lambda self: warn_nvme_keys_unused(self))
 
     @property
     def pipeline(self) -> bool:
         """True when either NVMe read or write pipelining is on."""
         return self.pipeline_read or self.pipeline_write
+
+
+_NVME_ONLY_KEYS = ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write")
+_NVME_KEYS_WARNED: set[str] = set()  # once per message per process, as the surface's no-effect warnings
+
+
+def warn_nvme_keys_unused(block: DeepSpeedZeroOffloadOptimizerConfig) -> DeepSpeedZeroOffloadOptimizerConfig:
+    """NVMe-only keys given a non-default value while ``device`` is not ``nvme`` have no effect: say so instead of
+    ignoring them."""
+    if block.device == OffloadDeviceEnum.nvme:
+        return block
+    fields = type(block).model_fields
+    unused = [
+        f"{block.config_block}.{k}"
+        for k in _NVME_ONLY_KEYS
+        if k in block.model_fields_set and getattr(block, k) != fields[k].default
+    ]
+    message = (
+        f"DeepSpeed config: {', '.join(unused)} only apply with {block.config_block}.device 'nvme' "
+        f"(device is {OffloadDeviceEnum(block.device).value!r}); no effect"
+    )
+    if unused and message not in _NVME_KEYS_WARNED:
+        _NVME_KEYS_WARNED.add(message)
+        logger.warning(message)
+    return block
 
 
 def check_nvme_path(block: DeepSpeedZeroOffloadOptimizerConfig) -> DeepSpeedZeroOffloadOptimizerConfig:

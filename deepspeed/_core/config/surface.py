@@ -125,6 +125,7 @@ def _refused(note: str, supported: str, refuse_when: Predicate = _truthy) -> Key
 
 _NVME_PARAM = "NVMe parameter swapping only, which is refused"
 _NVME_OPT = "NVMe optimizer swapping at ZeRO-3"
+_NVME_OPT_KEY = "NVMe optimizer swapping at ZeRO-3; with another device, a non-default value warns that it does nothing"
 
 _TOP_LEVEL: dict[str, KeyRule] = {
     "train_batch_size": _impl(),
@@ -181,11 +182,11 @@ _ZERO: dict[str, KeyRule] = {
     "offload_param.max_in_cpu": _noop(_NVME_PARAM),
     "offload_param.pin_memory": _impl(),
     "offload_optimizer.device": _impl("nvme: swap files at ZeRO-3; ZeRO-1/2 keep the state on the cpu (a warning)"),
-    "offload_optimizer.nvme_path": _impl("required with device nvme; checked to be a writable directory"),
-    "offload_optimizer.buffer_count": _impl(_NVME_OPT),
+    "offload_optimizer.nvme_path": _impl("required with device nvme, and a writable directory; " + _NVME_OPT_KEY),
+    "offload_optimizer.buffer_count": _impl(_NVME_OPT_KEY),
     "offload_optimizer.pin_memory": _impl(),
-    "offload_optimizer.pipeline_read": _impl(_NVME_OPT),
-    "offload_optimizer.pipeline_write": _impl(_NVME_OPT),
+    "offload_optimizer.pipeline_read": _impl(_NVME_OPT_KEY),
+    "offload_optimizer.pipeline_write": _impl(_NVME_OPT_KEY),
     "offload_optimizer.fast_init": _noop("the initial NVMe state is written once, chunk by chunk"),
     "offload_optimizer.ratio": _noop("all optimizer state is offloaded (partial offload is not implemented)"),
     "offload_optimizer.super_offload": _refused("SuperOffload is not implemented", "false"),

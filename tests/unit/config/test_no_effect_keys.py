@@ -62,3 +62,19 @@ def test_managed_gradient_accumulation_false_is_refused() -> None:
     DeepSpeedConfig(_nested({"managed_gradient_accumulation": True}))
     with pytest.raises(DeepSpeedConfigError, match="managed_gradient_accumulation=False"):
         DeepSpeedConfig(_nested({"managed_gradient_accumulation": False}))
+
+
+@pytest.mark.parametrize("device", ["cpu", "none"])
+def test_nvme_keys_without_nvme_device_warn(
+    device: str, ds_logs: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVMe-only keys of ``offload_optimizer`` do nothing unless its device is ``nvme``: the warning names them."""
+    from deepspeed._core.config import offload
+
+    monkeypatch.setattr(offload, "_NVME_KEYS_WARNED", set())  # said once per process: start from none said
+    block = _Z + "offload_optimizer."
+    DeepSpeedConfig(_nested({_Z + "stage": 3, block + "device": device}))
+    assert not [r for r in ds_logs if "only apply with" in r.getMessage()]
+    DeepSpeedConfig(_nested({_Z + "stage": 3, block + "device": device, block + "nvme_path": "/local_nvme"}))
+    said = [r.getMessage() for r in ds_logs if "only apply with" in r.getMessage()]
+    assert said and f"{block}nvme_path" in said[-1] and "no effect" in said[-1], said
