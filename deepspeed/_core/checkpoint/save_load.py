@@ -34,6 +34,7 @@ from deepspeed._core.checkpoint.files import LoadTrust
 from deepspeed._core.comm import dist
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.moe import checkpoint as moe_ckpt
+from deepspeed._core.params.param import zero_state
 from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
@@ -277,8 +278,10 @@ def frozen_param_state(module: torch.nn.Module) -> tuple[OrderedDict, OrderedDic
         if p.requires_grad:
             continue
         shapes[name] = _full_shape(p)
-        # Under ZeRO-3 a rank holds only its partition (``ds_tensor``); otherwise the whole tensor.
-        fragments[name] = getattr(p, "ds_tensor", p).detach().to("cpu", copy=True)
+        # Under ZeRO-3 a rank holds only its partition (``ds_tensor``, read from its swap file when it has one);
+        # otherwise the whole tensor.
+        state = zero_state(p)
+        fragments[name] = p.detach().to("cpu", copy=True) if state is None else state.read_shard()
     return shapes, fragments
 
 

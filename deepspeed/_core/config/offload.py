@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from enum import Enum
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
@@ -40,19 +40,25 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """Target device: ``none`` (no offload), ``cpu`` or ``nvme``."""
 
     nvme_path: Path | None = None
-    """Directory for parameter swap files (``device: nvme``, which is refused: parameters offload to cpu only)."""
+    """Directory for the parameter swap files (``device: nvme`` at ZeRO-3; required then). It must exist and be
+    writable; files go under ``<nvme_path>/zero_stage_3/<dtype>params/rank<r>/``."""
 
     buffer_count: int = Field(5, ge=0)
-    """Staging buffers for swapping parameters from NVMe (``device: nvme`` only)."""
+    """Pinned host buffers partitions are read into ahead of their gather (``device: nvme``; at least 1 is used)."""
 
     buffer_size: int = Field(pp_int(1e8), ge=0)
-    """Size in elements of each NVMe staging buffer."""
+    """Elements of each of those buffers: the largest partition that can be swapped (``device: nvme``)."""
 
     max_in_cpu: int = Field(pp_int(1e9), ge=0)
-    """Elements of parameters kept in CPU memory when offloading to NVMe."""
+    """Elements of partitions (the first ones partitioned) kept in host memory instead of swapped
+    (``device: nvme``)."""
 
     pin_memory: bool = True
     """Use page-locked host buffers (faster copies, more pinned RAM). Default true since upstream v0.19.5."""
+
+    _nvme_keys_named = model_validator(mode="after")(
+        lambda self: warn_nvme_keys_unused(self, ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"))
+    )
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
@@ -99,7 +105,7 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """Share of CPU cores the CPU Adam step may use."""
 
     _nvme_path_usable = model_validator(mode="after")(lambda self: check_nvme_path(self))
-    _nvme_keys_named = model_validator(mode="after")(lambda self: warn_nvme_keys_unused(self))
+    _nvme_keys_named = model_validator(mode="after")(lambda self: warn_nvme_keys_unused(self, _NVME_ONLY_KEYS))
 
     @property
     def pipeline(self) -> bool:
@@ -111,15 +117,15 @@ _NVME_ONLY_KEYS = ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write
 _NVME_KEYS_WARNED: set[str] = set()  # once per message per process, as the surface's no-effect warnings
 
 
-def warn_nvme_keys_unused(block: DeepSpeedZeroOffloadOptimizerConfig) -> DeepSpeedZeroOffloadOptimizerConfig:
-    """NVMe-only keys given a non-default value while ``device`` is not ``nvme`` have no effect: say so instead of
-    ignoring them."""
+def warn_nvme_keys_unused(block: Any, keys: tuple[str, ...]) -> Any:
+    """NVMe-only ``keys`` of an offload block given a non-default value while ``device`` is not ``nvme`` have
+    no effect: say so instead of ignoring them."""
     if block.device == OffloadDeviceEnum.nvme:
         return block
     fields = type(block).model_fields
     unused = [
         f"{block.config_block}.{k}"
-        for k in _NVME_ONLY_KEYS
+        for k in keys
         if k in block.model_fields_set and getattr(block, k) != fields[k].default
     ]
     message = (
@@ -132,9 +138,9 @@ def warn_nvme_keys_unused(block: DeepSpeedZeroOffloadOptimizerConfig) -> DeepSpe
     return block
 
 
-def check_nvme_path(block: DeepSpeedZeroOffloadOptimizerConfig) -> DeepSpeedZeroOffloadOptimizerConfig:
-    """``device: nvme`` needs an ``nvme_path`` that is an existing, writable directory (checked when the config is
-    read, on every rank, before any collective)."""
+def check_nvme_path(block: Any) -> Any:
+    """An offload block with ``device: nvme`` needs an ``nvme_path`` that is an existing, writable directory
+    (checked when the config is read, on every rank, before any collective)."""
     if block.device != OffloadDeviceEnum.nvme:
         return block
     key = f"{block.config_block}.nvme_path"

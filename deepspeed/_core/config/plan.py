@@ -189,6 +189,23 @@ class OptimizerOffloadPolicy(OffloadPolicy):
 
 
 @dataclass(frozen=True)
+class ParamOffloadPolicy(OffloadPolicy):
+    """The ZeRO-3 parameter offload target; the NVMe fields apply to ``device == NVME``.
+
+    Attributes:
+        nvme_path: directory of the parameter swap files.
+        buffer_count: pinned host buffers partitions are read into for a gather.
+        buffer_size: elements of each buffer (the largest partition that can be swapped).
+        max_in_cpu: elements of partitions kept in host memory instead of swapped.
+    """
+
+    nvme_path: str | None = key("nvme_path", None, lambda path: None if path is None else str(path))
+    buffer_count: int = key("buffer_count", 5)
+    buffer_size: int = key("buffer_size", 100_000_000)
+    max_in_cpu: int = key("max_in_cpu", 1_000_000_000)
+
+
+@dataclass(frozen=True)
 class LeanPolicy:
     """The memory-lean mechanisms; each one off reproduces upstream's behaviour for A/B runs.
 
@@ -268,7 +285,7 @@ class ZeroPlan:
     stage: int = key("stage", 0, int)
     buckets: BucketPolicy = nested("", BucketPolicy)
     offload_optimizer: OptimizerOffloadPolicy = nested("offload_optimizer", OptimizerOffloadPolicy)
-    offload_param: OffloadPolicy = nested("offload_param", OffloadPolicy)
+    offload_param: ParamOffloadPolicy = nested("offload_param", ParamOffloadPolicy)
     lean: LeanPolicy = nested("", LeanPolicy)
     stage3: Stage3Policy = nested("", Stage3Policy)
     load_from_fp32_weights: bool = key("load_from_fp32_weights", True)

@@ -123,7 +123,7 @@ def _refused(note: str, supported: str, refuse_when: Predicate = _truthy) -> Key
     return KeyRule(Status.REFUSED, note, refuse_when, supported)
 
 
-_NVME_PARAM = "NVMe parameter swapping only, which is refused"
+_NVME_PARAM = "NVMe parameter swapping at ZeRO-3; with another device, a non-default value warns that it does nothing"
 _NVME_OPT = "NVMe optimizer swapping at ZeRO-3"
 _NVME_OPT_KEY = "NVMe optimizer swapping at ZeRO-3; with another device, a non-default value warns that it does nothing"
 
@@ -175,11 +175,18 @@ _ZERO: dict[str, KeyRule] = {
     "overlap_comm": _impl(),
     "load_from_fp32_weights": _impl(),
     "elastic_checkpoint": _noop("ZeRO-1/2 checkpoints load at any data-parallel size regardless"),
-    "offload_param.device": _impl("NVMe parameter offload is not implemented", _equals("nvme"), "'none' or 'cpu'"),
-    "offload_param.nvme_path": _noop(_NVME_PARAM),
-    "offload_param.buffer_count": _noop(_NVME_PARAM),
-    "offload_param.buffer_size": _noop(_NVME_PARAM),
-    "offload_param.max_in_cpu": _noop(_NVME_PARAM),
+    "offload_param.device": _impl(
+        "ZeRO-3 only (stages 0-2 ignore offload_param, as upstream does): cpu keeps partitions in host memory, "
+        "nvme in swap files read through a pool of pinned buffers ahead of each gather"
+    ),
+    "offload_param.nvme_path": _impl("required with device nvme at ZeRO-3, and a writable directory; " + _NVME_PARAM),
+    "offload_param.buffer_count": _impl("pinned buffers partitions are read into before a gather; " + _NVME_PARAM),
+    "offload_param.buffer_size": _impl(
+        "elements per buffer; a larger partition is refused before partitioning; " + _NVME_PARAM
+    ),
+    "offload_param.max_in_cpu": _impl(
+        "elements of the first partitions kept in host memory instead of swapped; " + _NVME_PARAM
+    ),
     "offload_param.pin_memory": _impl(),
     "offload_optimizer.device": _impl("nvme: swap files at ZeRO-3; ZeRO-1/2 keep the state on the cpu (a warning)"),
     "offload_optimizer.nvme_path": _impl("required with device nvme, and a writable directory; " + _NVME_OPT_KEY),

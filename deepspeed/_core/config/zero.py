@@ -17,6 +17,7 @@ from deepspeed._core.config.offload import (
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
     OffloadDeviceEnum,
+    check_nvme_path,
 )
 from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES
 
@@ -319,6 +320,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
                 f"offload_optimizer.ratio < 1.0 (got {self.offload_optimizer.ratio}) is supported "
                 f"only with stage 3; stage is {self.stage}"
             )
+        if self.stage == 3 and self.offload_param is not None:
+            check_nvme_path(self.offload_param)  # stages 0-2 ignore offload_param, as upstream does
         if self.stage in (1, 2) and self.allgather_bucket_size % 2:
             raise ValueError(f"allgather_bucket_size must be even for stages 1 and 2; got {self.allgather_bucket_size}")
         return self

@@ -139,7 +139,7 @@ def partition_parameters(
         plan.zero.stage3,
         plan.zero.lean,
         StreamSet(side=side),
-        storage=ParamStorage(plan.zero.offload_param, shards=shards),
+        storage=ParamStorage(plan.zero.offload_param, shards=shards, aio=plan.aio),
         target=ParamTarget(device, plan.precision.param_dtype),
     )
     if device is not None and device.type != "cpu":

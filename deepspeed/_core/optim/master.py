@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +22,7 @@ from deepspeed._core.comm.collectives import gather_rows
 from deepspeed._core.comm.streams import record_current
 from deepspeed._core.layout.flat_buffer import FlatBuffer
 from deepspeed._core.layout.shards import Range, partition_windows
+from deepspeed._core.params.param import ShardAccess
 
 
 class MasterPlacement(enum.Enum):
@@ -236,13 +238,31 @@ class ScatterWriteBack:
             (shard, off) for shard, off in zip(self.shards, self.offsets, strict=True) if not _views(shard, master, off)
         ]
 
+    @property
+    def swapped(self) -> bool:
+        """True when some shard lives in a swap file (read and written through ``open_shard``)."""
+        return any(getattr(state, "swapped", False) for state in self.states)
+
     def read(self, master: torch.Tensor) -> None:
         """Every copied shard's values into its slice of ``master``."""
+        if self.swapped:
+            for state, off in zip(self.states, self.offsets, strict=True):
+                with open_shard_of(state, ShardAccess.READ) as shard:
+                    if not _views(shard, master, off):
+                        master[off : off + shard.numel()].copy_(shard.reshape(-1))
+            return
         for shard, off in self.copied(master):
             master[off : off + shard.numel()].copy_(shard.reshape(-1))
 
     def write(self, master: torch.Tensor) -> None:
         """Every slice of ``master`` into its copied shard, converted to the shard's dtype."""
+        if self.swapped:
+            # One swapped partition at a time: each is taken into a swap buffer, overwritten, written back.
+            for state, off in zip(self.states, self.offsets, strict=True):
+                with open_shard_of(state, ShardAccess.OVERWRITE) as shard:
+                    if not _views(shard, master, off):
+                        shard.reshape(-1).copy_(master[off : off + shard.numel()])
+            return
         pairs = self.copied(master)
         if not pairs:
             return
@@ -275,10 +295,25 @@ class ScatterWriteBack:
         for state, off in zip(self.states[first:], self.offsets[first:], strict=True):
             if off >= end:
                 break
-            dst = state.shard.reshape(-1)
-            lo, hi = max(start, off), min(end, off + dst.numel())
+            lo, hi = max(start, off), min(end, off + state.layout.partition_numel)
             if lo < hi:
-                dst[lo - off : hi - off].copy_(piece[lo - start : hi - start], non_blocking=True)
+                with open_shard_of(state, ShardAccess.UPDATE) as shard:
+                    dst = shard.reshape(-1)
+                    dst[lo - off : hi - off].copy_(
+                        piece[lo - start : hi - start], non_blocking=not state_swapped(state)
+                    )
+
+
+def state_swapped(state: Any) -> bool:
+    """True for a parameter state whose shard lives in a swap file."""
+    return bool(getattr(state, "swapped", False))
+
+
+def open_shard_of(state: Any, access: ShardAccess) -> AbstractContextManager[torch.Tensor]:
+    """``state``'s shard in memory for a block (a swapped one is read in and, unless ``READ``, written back)."""
+    if state_swapped(state):
+        return state.open_shard(access)
+    return nullcontext(state.shard)
 
 
 def _views(shard: torch.Tensor, master: torch.Tensor, offset: int) -> bool:

@@ -24,8 +24,6 @@ full copy of this rank's master and moments, freed afterwards), a load writes it
 from __future__ import annotations
 
 import enum
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +35,13 @@ from deepspeed._core.comm import dist
 from deepspeed._core.config.plan import AioPolicy, OffloadDevice, RunPlan
 from deepspeed._core.grads.convert import Coef
 from deepspeed._core.grads.parked import ParkedWindow
+from deepspeed._core.layout import swap_file
 from deepspeed._core.optim import stage3_state
 from deepspeed._core.optim.chunked_step import step_in_chunks
+from deepspeed._core.optim.master import open_shard_of
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed._core.optim.stage3_access import Region
+from deepspeed._core.params.param import ShardAccess
 from deepspeed._foundation.logging import logger
 
 NVME_AS_CPU_WARNING = (
@@ -65,29 +66,9 @@ def _placeholder(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((1,), float("nan"), dtype=dtype).expand(numel)
 
 
-def _free_bytes(path: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(path).free} bytes are free there"
-    except OSError:
-        return "its free space is unknown"
-
-
 def allocate_file(path: Path, nbytes: int) -> None:
     """Create ``path`` with ``nbytes`` reserved on disk, or raise naming the path and the bytes needed."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        raise OSError(
-            err.errno,
-            f"NVMe swap file {path} needs {nbytes} bytes and could not get them ({err.strerror}); "
-            f"{_free_bytes(path.parent)} (zero_optimization.offload_optimizer.nvme_path)",
-        ) from None
+    swap_file.allocate_file(path, nbytes, "zero_optimization.offload_optimizer.nvme_path")
 
 
 @dataclass
@@ -116,19 +97,7 @@ class GroupFiles:
     def check(self) -> None:
         """Every file exists with its expected size; raise naming the file otherwise."""
         for key in self.dtypes:
-            path, want = self.path(key), self.nbytes(key)
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise RuntimeError(
-                    f"NVMe swap file {path} is missing: the optimizer state it held ({key}, {want} bytes) is lost; "
-                    "resume from the last checkpoint"
-                ) from None
-            if size != want:
-                raise RuntimeError(
-                    f"NVMe swap file {path} holds {size} bytes but {want} are expected (truncated or replaced): "
-                    "its optimizer state is not valid; resume from the last checkpoint"
-                )
+            swap_file.check_file(self.path(key), self.nbytes(key), f"optimizer state ({key})")
 
 
 @dataclass
@@ -161,16 +130,16 @@ class NvmeSwapper:
     """
 
     def __init__(self, files: list[GroupFiles], chunk_numel: int, offload: Any, aio: AioPolicy) -> None:
-        from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
-
         self.files, self.chunk_numel = files, chunk_numel
         self.read_ahead = offload.pipeline_read
         self.write_behind = offload.pipeline_write
-        op = AsyncIOBuilder().load()
-        args = (aio.block_size, aio.queue_depth, aio.single_submit, aio.overlap_events, aio.intra_op_parallelism)
+        op = swap_file.aio_module()
         widest = max((f.numel for f in files), default=0)
         self.width = max(1, min(chunk_numel, widest))
-        self.slots = [_Slot(op.aio_handle(*args), op.aio_handle(*args)) for _ in range(max(1, offload.buffer_count))]
+        self.slots = [
+            _Slot(swap_file.open_handle(op, aio), swap_file.open_handle(op, aio))
+            for _ in range(max(1, offload.buffer_count))
+        ]
         self.backend = self.slots[0].reader.get_backend()
         self.bytes_read = self.bytes_written = 0
 
@@ -314,10 +283,11 @@ def step_chunk(optimizer: torch.optim.Optimizer, index: int, chunk: Chunk, views
 def write_chunk_to_shards(writer: Any, chunk: Chunk, values: torch.Tensor) -> None:
     """Copy a stepped master chunk into the slices of the parameters' shards it covers (converted on the copy)."""
     for state, off in zip(writer.states, writer.offsets, strict=True):
-        dst = state.shard.reshape(-1)
-        lo, hi = max(chunk.start, off), min(chunk.end, off + dst.numel())
+        lo, hi = max(chunk.start, off), min(chunk.end, off + state.layout.partition_numel)
         if lo < hi:
-            dst[lo - off : hi - off].copy_(values[lo - chunk.start : hi - chunk.start])
+            # A swapped partition is read, updated and written back ([Note: nvme params]).
+            with open_shard_of(state, ShardAccess.UPDATE) as shard:
+                shard.reshape(-1)[lo - off : hi - off].copy_(values[lo - chunk.start : hi - chunk.start])
 
 
 def stepped_scalars(ctx: dict) -> dict:

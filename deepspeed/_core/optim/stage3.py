@@ -26,7 +26,7 @@ import torch
 
 from deepspeed._core.comm import dist
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
-from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.config.plan import OffloadDevice, RunPlan
 from deepspeed._core.grads.accumulator import ChunkedGradShard, ChunkStorage
 from deepspeed._core.grads.convert import Coef
 from deepspeed._core.grads.parked import ParkedGrads, ParkedWindow
@@ -117,17 +117,25 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
         # waits for the step in its parameter's shard instead of in host chunks.
         self.parked = self._parked_grads()
+        params_on_nvme = plan.zero.offload_param.device is OffloadDevice.NVME
         self._park = (
             plan.zero.lean.grads_in_param_shards
             and plan.zero.offload_optimizer.enabled
             and plan.batch.gradient_accumulation_steps == 1
+            and not params_on_nvme  # a swapped shard is not in memory to hold a gradient
         )
         if self._park:
             self.parked.hold([s for grp in self.groups for s in grp.states])
         self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, from the pinned pool
         # [Note: overlapped host step]: an offloaded update is stepped on a host worker, published chunk by chunk.
         self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
-        overlap = plan.zero.offload_optimizer.enabled and plan.zero.lean.overlap_offload_step and not self._from_master
+        # Swapped partitions are written whole after the step ([Note: nvme params]), not chunk by chunk.
+        overlap = (
+            plan.zero.offload_optimizer.enabled
+            and plan.zero.lean.overlap_offload_step
+            and not self._from_master
+            and not params_on_nvme
+        )
         self.host_step = OverlappedHostStep(self.pinned) if overlap else None
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self._build_reduction()

@@ -42,6 +42,7 @@ from deepspeed._core.params.param import (
     zero_state,
 )
 from deepspeed._core.params.placement import ShardPlacement, allocate_shard
+from deepspeed._core.params.swap import ParamSwapper
 
 _DS_IDS = itertools.count()
 
@@ -123,6 +124,9 @@ class Gatherer:
         self._flat_role = StreamRole.COMPUTE if release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
         self._flat: Handoff | None = None
         self._last_copy_in: Any = None
+        # offload_param.device nvme: the partitions live in swap files ([Note: nvme params] in swap.py); set by
+        # the manager before it partitions anything.
+        self.swapper: ParamSwapper | None = None
 
     # ---------------------------------------------------------------- partitioning
     def shard_request(
@@ -162,7 +166,11 @@ class Gatherer:
         # the rest: shard on the compute device, no padding). The upstream-like A/B mode keeps separate copies.
         storage = (
             self.single_rank
-            if (self.release_mode is ReleaseMode.STREAM_ORDERED and self.codec is IDENTITY_CODEC)
+            if (
+                self.release_mode is ReleaseMode.STREAM_ORDERED
+                and self.codec is IDENTITY_CODEC
+                and self.swapper is None  # a swapped shard is not in memory to be gathered into
+            )
             else FullStorage.SEPARATE
         )
         state = ZeroParam(
@@ -171,6 +179,8 @@ class Gatherer:
         state.write_shard_from(data)
         attach_ds_view(param, state)
         param.data = placeholder(state.full)
+        if self.swapper is not None:
+            self.swapper.adopt(state)
         return state
 
     # ---------------------------------------------------------------- split-phase gather
@@ -184,11 +194,38 @@ class Gatherer:
                 seen.add(state.ds_id)
                 batches.setdefault(_group_key(state), []).append(state)
         for batch in batches.values():
-            result = self._issue(batch)
-            self._last_copy_in = result.event
-            pending = PendingGather(result, batch)
-            for state in batch:
-                state.mark_gathering(pending)
+            for piece in self._pieces(batch):
+                self._start_piece(piece)
+
+    def _pieces(self, batch: list[ZeroParam]) -> list[list[ZeroParam]]:
+        """``batch`` split so that no piece needs more swap buffers than there are ([Note: nvme params]); the
+        split depends only on which partitions are swapped, the same on every rank."""
+        if self.swapper is None:
+            return [batch]
+        pieces: list[list[ZeroParam]] = [[]]
+        swapped = 0
+        for state in batch:
+            if state.swapped and swapped == self.swapper.capacity:
+                pieces.append([])
+                swapped = 0
+            pieces[-1].append(state)
+            swapped += state.swapped
+        return pieces
+
+    def _swap_in(self, batch: list[ZeroParam]) -> list[ZeroParam]:
+        swapped = [s for s in batch if s.swapped]
+        if swapped:
+            assert self.swapper is not None
+            self.swapper.swap_in(swapped)
+        return swapped
+
+    def _start_piece(self, batch: list[ZeroParam]) -> None:
+        self._swap_in(batch)
+        result = self._issue(batch)
+        self._last_copy_in = result.event
+        pending = PendingGather(result, batch)
+        for state in batch:
+            state.mark_gathering(pending)
 
     def finish_gather(self, states: Sequence[ZeroParam]) -> None:
         """Complete every collective that a ``GATHERING`` state in ``states`` waits on."""
@@ -217,8 +254,9 @@ class Gatherer:
     def _copy_role(self) -> StreamRole:
         return StreamRole.COMPUTE if self.release_mode is ReleaseMode.STREAM_ORDERED else StreamRole.ALL_GATHER
 
-    def _finish(self, result: AllGatherResult, outputs: Sequence[torch.Tensor]) -> None:
-        """Copy ``result`` out into ``outputs`` and hand its flat buffer back in stream order."""
+    def _finish(self, result: AllGatherResult, outputs: Sequence[torch.Tensor]) -> Any:
+        """Copy ``result`` out into ``outputs`` and hand its flat buffer back in stream order; returns the event
+        after the copy-out."""
         done = finish_all_gather(result, outputs, self.streams, self._copy_role, self.codec)
         if self._flat_role is StreamRole.ALL_GATHER:
             self._retire_flat()
@@ -226,6 +264,7 @@ class Gatherer:
         # STREAM_ORDERED: the flat buffer came from the compute pool and the copy-out that last read it is
         # queued on the compute stream, so dropping it here is already stream-ordered ([Note: streams-flat]).
         result.flat = None
+        return done
 
     def _copy_out(self, pending: PendingGather) -> None:
         with self.streams.use(self._copy_role):
@@ -235,10 +274,17 @@ class Gatherer:
                     alloc_storage(state.full)
         result = pending.result
         assert result is not None, "pending gather finished twice"
-        self._finish(result, [s.full for s in pending.states])
+        done = self._finish(result, [s.full for s in pending.states])
         pending.result = None
+        self._swap_release(pending.states, done)
         for state in pending.states:
             state.mark_full()
+
+    def _swap_release(self, states: Sequence[ZeroParam], done: Any) -> None:
+        if self.swapper is not None:
+            swapped = [s for s in states if s.swapped]
+            if swapped:
+                self.swapper.release(swapped, done)
 
     def refresh(self, states: Sequence[ZeroParam]) -> None:
         """Rewrite every ``FULL`` state's gathered values from its shard, in the storage it holds (after the
@@ -257,7 +303,10 @@ class Gatherer:
             elif not state.aliases_shard:  # a gathered tensor that is the shard holds the new values already
                 batches.setdefault(_group_key(state), []).append(state)
         for batch in batches.values():
-            self._finish(self._issue(batch), [s.full for s in batch])
+            for piece in self._pieces(batch):
+                swapped = self._swap_in(piece)
+                done = self._finish(self._issue(piece), [s.full for s in piece])
+                self._swap_release(swapped, done)
         if rest:
             self.gather(rest)
 
@@ -323,9 +372,11 @@ class Gatherer:
             self.deferred.drain()
 
     def shutdown(self) -> None:
-        """Drop the retained flat buffer and run every deferred free (teardown)."""
+        """Drop the retained flat buffer and run every deferred free (teardown); close the swap files."""
         self._retire_flat()
         self.deferred.flush()
+        if self.swapper is not None:
+            self.swapper.close()
 
 
 class UnitState(enum.Enum):

@@ -10,7 +10,7 @@ See [Note: zero3-manager] in ``docs/design/zero3.md`` for the optimizer seam.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any
@@ -18,9 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspeed._core.comm import dist
 from deepspeed._core.comm.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.comm.streams import StreamSet
-from deepspeed._core.config.plan import LeanPolicy, OffloadPolicy, Stage3Policy
+from deepspeed._core.config.plan import (
+    AioPolicy,
+    LeanPolicy,
+    OffloadDevice,
+    OffloadPolicy,
+    ParamOffloadPolicy,
+    Stage3Policy,
+)
 from deepspeed._core.params.gather import (
     FetchUnit,
     Gatherer,
@@ -41,6 +49,7 @@ from deepspeed._core.params.param import (
 )
 from deepspeed._core.params.placement import ShardPlacement, arena_shards
 from deepspeed._core.params.prefetch import PrefetchBudget, StepTrace
+from deepspeed._core.params.swap import ParamSwapper
 
 Z3_LEAF_ATTR = "_z3_leaf"
 """Module attribute marking a ZeRO-3 leaf: its whole subtree is fetched as one unit (``set_z3_leaf_modules``)."""
@@ -202,6 +211,7 @@ class ParamStorage:
     offload_param: OffloadPolicy = OffloadPolicy()
     single_rank: FullStorage = FullStorage.SHARD
     shards: ShardAllocation = ShardAllocation.PER_PARAMETER
+    aio: AioPolicy = AioPolicy()
 
 
 DEFAULT_STORAGE = ParamStorage()
@@ -246,6 +256,7 @@ class ZeroParamManager:
         whole = max((subtree_numel(m) for m in self.config_leaves), default=0) if group.world_size > 1 else 0
         self.trace = StepTrace(PrefetchBudget.from_policy(stage3, whole))
         self._init_registries(module)
+        self._configure_swap(module, storage)
         # [Note: routed grads]: only the lean gradient path routes uses; off, every gradient reaches param.grad.
         self._route_grads = lean.eager_grad_release
         self._adopt_parameters(module.parameters(), arena=storage.shards is ShardAllocation.ARENA)
@@ -272,11 +283,33 @@ class ZeroParamManager:
         self._parked_persistent: list[ZeroParam] = []  # persistent, partitioned while offload_states holds shards
 
     # ---------------------------------------------------------------- setup
+    def _configure_swap(self, module: nn.Module, storage: ParamStorage) -> None:
+        """``offload_param.device: nvme``: the swapper, and a partition too large for its buffers refused before
+        anything is partitioned ([Note: nvme params])."""
+        policy = storage.offload_param
+        if policy.device is not OffloadDevice.NVME:
+            return
+        assert isinstance(policy, ParamOffloadPolicy), "NVMe parameter offload needs the offload_param policy"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        gatherer = self.gatherer
+        swapper = ParamSwapper(policy, storage.aio, rank, lambda state: gatherer.finish_gather([state]))
+        swapper.check_partitions(self._partition_request(p) for p in module.parameters())
+        gatherer.swapper = swapper
+
+    def _partition_request(self, param: nn.Parameter) -> tuple[int, torch.dtype]:
+        state = zero_state(param)
+        if state is not None:
+            return state.layout.partition_numel, state.shard.dtype
+        numel, dtype, _ = self.gatherer.shard_request(param, self.group, self.target)
+        return numel, dtype
+
     def _adopt(self, param: nn.Parameter, shard: torch.Tensor | None = None) -> ZeroParam:
         state = zero_state(param)
         if state is None:
             state = self.gatherer.partition(param, self.group, target=self.target, shard=shard)
         state.gatherer = self.gatherer
+        if self.gatherer.swapper is not None:
+            self.gatherer.swapper.adopt(state)  # partitioned by zero.Init: its host shard moves to its file
         self.states.setdefault(state.ds_id, state)
         return state
 
@@ -376,12 +409,35 @@ class ZeroParamManager:
         self.trace.observe(unit.unit_id)
         unit.acquire()
         unit.unshard()
+        if self.gatherer.swapper is not None:
+            unit.wait_for_unshard()  # its swap buffers go back to the pool before the next reads start
+            self._prefetch()
+            return
         self._prefetch()
         unit.wait_for_unshard()
 
     def _prefetch(self) -> None:
+        swapper = self.gatherer.swapper
         for unit_id in self.trace.prefetch_candidates(self._unit_numel, self._unit_gathered, self._live_numel):
-            self.units[unit_id].unshard()
+            unit = self.units[unit_id]
+            if swapper is not None and not all(swapper.in_buffer(s) for s in unit.managed_states() if s.swapped):
+                break  # gathering it now would wait for the disk: its reads start below instead
+            unit.unshard()
+        if swapper is not None:
+            # [Note: nvme params]: the next units' partitions are read into free swap buffers now, overlapping
+            # this module's compute; their gathers find them there.
+            swapper.read_ahead(self._upcoming_swapped())
+
+    def _upcoming_swapped(self) -> Iterator[ZeroParam]:
+        """Swapped, partitioned states of the units the trace says come next, in gather order."""
+        seen: set[int] = set()
+        for unit_id in self.trace.upcoming():
+            if unit_id in seen:
+                continue
+            seen.add(unit_id)
+            for state in self.units[unit_id].managed_states():
+                if state.swapped and state.state is ShardedState.SHARDED:
+                    yield state
 
     def _live_numel(self) -> int:
         # When the live cap exceeds the whole model it can never bind; skip the walk over every parameter.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, cast
 
 import torch
@@ -64,6 +65,23 @@ class ShardContent(enum.Enum):
     VALUES = "values"
     GRADIENT_INCOMING = "gradient_incoming"
     GRADIENT = "gradient"
+
+
+class ShardAccess(enum.Enum):
+    """What a user of a swapped shard does with it ([Note: nvme params] in ``deepspeed/_core/params/swap.py``):
+    ``READ`` only reads it, ``UPDATE`` reads and changes it (written back after), ``OVERWRITE`` replaces every
+    element (nothing is read first, the result is written back)."""
+
+    READ = "read"
+    UPDATE = "update"
+    OVERWRITE = "overwrite"
+
+
+class ShardSwap(Protocol):
+    """Who keeps a shard in a swap file: it puts the shard in host memory for the duration of a use."""
+
+    def open(self, state: ZeroParam, access: ShardAccess) -> AbstractContextManager[torch.Tensor]:
+        """``state.shard`` in host memory inside the block (written back after unless ``READ``)."""
 
 
 class ShardGradHolder(Protocol):
@@ -174,6 +192,7 @@ class ZeroParam:
         self.shard_content = ShardContent.VALUES
         self.grad_holder: ShardGradHolder | None = None
         self.shard_is_master = False  # the shard is a view of the optimizer's fp32 master ([Note: zero3-master])
+        self.swap: ShardSwap | None = None  # set when the shard lives in a swap file ([Note: nvme params])
 
     def _honoured(self, storage: FullStorage, shard: torch.Tensor, device: torch.device) -> FullStorage:
         """``storage``, or ``SEPARATE`` where ``SHARD`` cannot hold (several ranks, the shard elsewhere, padding)."""
@@ -226,6 +245,23 @@ class ZeroParam:
     def full_view(self) -> torch.Tensor:
         """The gathered storage shaped like the parameter (valid in ``FULL``)."""
         return self.full.narrow(0, 0, self.numel).view(self.shape)
+
+    @property
+    def swapped(self) -> bool:
+        """True when the shard lives in a swap file: :attr:`shard` is then a NaN placeholder of the right size
+        outside :meth:`open_shard` ([Note: nvme params])."""
+        return self.swap is not None
+
+    def open_shard(self, access: ShardAccess) -> AbstractContextManager[torch.Tensor]:
+        """The shard in memory for the block (a swapped one is read in, and written back unless ``READ``)."""
+        if self.swap is None:
+            return nullcontext(self.shard)
+        return self.swap.open(self, access)
+
+    def read_shard(self) -> torch.Tensor:
+        """A host copy of the shard's values."""
+        with self.open_shard(ShardAccess.READ) as shard:
+            return shard.detach().to("cpu", copy=True)
 
     @property
     def holds_gradient(self) -> bool:
@@ -347,6 +383,13 @@ class ZeroParam:
         not change at the values' precision keep the shard's extra precision instead of being rounded.
         """
         self.restore_values()  # a parked gradient moves out first; the write then replaces the values
+        if self.swap is not None:
+            with self.open_shard(ShardAccess.UPDATE if keep_unchanged else ShardAccess.OVERWRITE):
+                self._write_local(full_values, keep_unchanged)
+            return
+        self._write_local(full_values, keep_unchanged)
+
+    def _write_local(self, full_values: torch.Tensor, keep_unchanged: bool) -> None:
         flat = full_values.reshape(-1)
         if self.aliases_shard and flat.data_ptr() == self.shard.data_ptr():
             return  # the values already are the shard
@@ -445,7 +488,9 @@ class ZeroParameter(nn.Parameter):
     ds_zero_partition_rank = property(lambda self: self._ds_state.group.rank, doc="This rank in the group.")
     ds_zero_partition_world_size = property(lambda self: self._ds_state.group.world_size, doc="Group size.")
     ds_secondary_tensor = property(lambda self: None, doc="No secondary (hpZ) partition: always ``None``.")
-    nvme_swapper = property(lambda self: None, doc="No NVMe swapping: always ``None``.")
+    nvme_swapper = property(
+        lambda self: self._ds_state.swap, doc="The NVMe parameter swapper of a swapped partition, else ``None``."
+    )
 
     def all_gather(
         self, param_list: Sequence[nn.Parameter] | None = None, async_op: bool = False, hierarchy: int = 0

@@ -55,7 +55,11 @@ class ShardPlacement:
             return cls()
         if policy.device is OffloadDevice.CPU:
             return cls(torch.device("cpu"), Pinning.PINNED if policy.pin_memory else Pinning.PAGEABLE)
-        raise ValueError(f"offload_param.device={policy.device.value!r} is not supported; use 'none' or 'cpu'")
+        if policy.device is OffloadDevice.NVME:
+            # A new shard is filled on the host and then written to its swap file (or kept, within max_in_cpu,
+            # and pinned then): a pageable staging tensor, not a page-locked allocation per parameter.
+            return cls(torch.device("cpu"), Pinning.PAGEABLE)
+        raise ValueError(f"offload_param.device={policy.device.value!r} is not supported; use 'none', 'cpu' or 'nvme'")
 
     def shard_device(self, compute_device: torch.device) -> torch.device:
         """The device a shard of a parameter computed on ``compute_device`` lives on."""

@@ -103,6 +103,10 @@ class StepTrace:
             return []
         return self.order[self.position :]
 
+    def upcoming(self) -> list[int]:
+        """The unit ids the trace says are fetched after the current position (empty while recording)."""
+        return self._upcoming()
+
     def prefetch_candidates(
         self, size_of: SizeOf, is_gathered: IsGathered, live_numel: int | Callable[[], int]
     ) -> list[int]:
