@@ -117,25 +117,12 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         # [Note: parked grads]: with the optimizer on the host and one micro-step per window, a reduced gradient
         # waits for the step in its parameter's shard instead of in host chunks.
         self.parked = self._parked_grads()
-        params_on_nvme = plan.zero.offload_param.device is OffloadDevice.NVME
-        self._park = (
-            plan.zero.lean.grads_in_param_shards
-            and plan.zero.offload_optimizer.enabled
-            and plan.batch.gradient_accumulation_steps == 1
-            and not params_on_nvme  # a swapped shard is not in memory to hold a gradient
-        )
+        self._park, overlap = self._offload_modes(plan)
         if self._park:
             self.parked.hold([s for grp in self.groups for s in grp.states])
         self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, from the pinned pool
         # [Note: overlapped host step]: an offloaded update is stepped on a host worker, published chunk by chunk.
         self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
-        # Swapped partitions are written whole after the step ([Note: nvme params]), not chunk by chunk.
-        overlap = (
-            plan.zero.offload_optimizer.enabled
-            and plan.zero.lean.overlap_offload_step
-            and not self._from_master
-            and not params_on_nvme
-        )
         self.host_step = OverlappedHostStep(self.pinned) if overlap else None
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self._build_reduction()
@@ -145,6 +132,14 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             self._subscriptions.append(manager.on_unit_backward_end(self.reducer.close_bucket))
         self.parameter_offload: Any = None  # set by the engine façade (DeepSpeedZeRoOffload view)
         self._register_with_params()
+
+    def _offload_modes(self, plan: RunPlan) -> tuple[bool, bool]:
+        """Whether gradients park in the parameters' shards, and whether the offloaded step overlaps its
+        write-back ([Note: overlapped host step]). Swapped partitions ([Note: nvme params]) do neither: they
+        are not in memory to hold a gradient, and they are written whole after the step, not chunk by chunk."""
+        offload = plan.zero.offload_optimizer.enabled and plan.zero.offload_param.device is not OffloadDevice.NVME
+        park = offload and plan.zero.lean.grads_in_param_shards and plan.batch.gradient_accumulation_steps == 1
+        return park, offload and plan.zero.lean.overlap_offload_step and not self._from_master
 
     def _register_with_params(self) -> None:
         """Mark every managed parameter with this optimizer (``_z3_optimizer``, upstream's attribute), through which

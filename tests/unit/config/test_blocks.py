@@ -6,6 +6,7 @@ import copy
 import logging
 import pickle
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -202,12 +203,12 @@ def test_bfloat16_alias_block() -> None:
     assert both.bfloat16_enabled is False  # "bf16" wins
 
 
-def test_offload_defaults() -> None:
+def test_offload_defaults(tmp_path: Path) -> None:
     zero = DeepSpeedZeroConfig(
-        stage=3, offload_param={"device": "nvme", "nvme_path": "/tmp/x"}, offload_optimizer={"device": "cpu"}
+        stage=3, offload_param={"device": "nvme", "nvme_path": str(tmp_path)}, offload_optimizer={"device": "cpu"}
     )
     assert zero.offload_param.buffer_count == 5 and zero.offload_param.buffer_size == 100_000_000
-    assert zero.offload_param.max_in_cpu == 1_000_000_000 and str(zero.offload_param.nvme_path) == "/tmp/x"
+    assert zero.offload_param.max_in_cpu == 1_000_000_000 and zero.offload_param.nvme_path == tmp_path
     assert zero.offload_optimizer.buffer_count == 4 and zero.offload_optimizer.ratio == 1.0
     assert zero.offload_optimizer.pin_memory is True and zero.offload_optimizer.pipeline is False
 

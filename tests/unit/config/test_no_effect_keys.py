@@ -23,8 +23,6 @@ NO_EFFECT = {
     _Z + "elastic_checkpoint": (True, {}),
     _Z + "offload_optimizer.fast_init": (True, {_Z + "offload_optimizer.device": "cpu"}),
     _Z + "offload_optimizer.ratio": (0.5, {_Z + "stage": 3, _Z + "offload_optimizer.device": "cpu"}),
-    _Z + "offload_param.buffer_count": (2, {_Z + "stage": 3, _Z + "offload_param.device": "cpu"}),
-    _Z + "offload_param.nvme_path": ("/local_nvme", {}),
 }
 
 
@@ -65,16 +63,24 @@ def test_managed_gradient_accumulation_false_is_refused() -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", "none"])
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [
+        ("offload_optimizer", "nvme_path", "/local_nvme"),
+        ("offload_param", "nvme_path", "/local_nvme"),
+        ("offload_param", "buffer_size", 1000),
+    ],
+)
 def test_nvme_keys_without_nvme_device_warn(
-    device: str, ds_logs: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+    device: str, name: str, key: str, value: object, ds_logs: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """NVMe-only keys of ``offload_optimizer`` do nothing unless its device is ``nvme``: the warning names them."""
+    """NVMe-only keys of an offload block do nothing unless its device is ``nvme``: the warning names them."""
     from deepspeed._core.config import offload
 
     monkeypatch.setattr(offload, "_NVME_KEYS_WARNED", set())  # said once per process: start from none said
-    block = _Z + "offload_optimizer."
+    block = f"{_Z}{name}."
     DeepSpeedConfig(_nested({_Z + "stage": 3, block + "device": device}))
     assert not [r for r in ds_logs if "only apply with" in r.getMessage()]
-    DeepSpeedConfig(_nested({_Z + "stage": 3, block + "device": device, block + "nvme_path": "/local_nvme"}))
+    DeepSpeedConfig(_nested({_Z + "stage": 3, block + "device": device, block + key: value}))
     said = [r.getMessage() for r in ds_logs if "only apply with" in r.getMessage()]
-    assert said and f"{block}nvme_path" in said[-1] and "no effect" in said[-1], said
+    assert said and f"{block}{key}" in said[-1] and "no effect" in said[-1], said

@@ -160,7 +160,6 @@ NO_PLAN_FIELD = {
     "ignore_unused_parameters": False,
     "elastic_checkpoint": True,
     "offload_optimizer": {"device": "cpu", "ratio": 0.5, "fast_init": True},
-    "offload_param": {"device": "cpu", "buffer_count": 2, "nvme_path": "/nvme"},
 }
 
 
@@ -184,20 +183,12 @@ def test_no_effect_keys_are_parsed_but_not_planned() -> None:
     )
     zero = cfg.zero_config
     assert (zero.contiguous_gradients, zero.round_robin_gradients) == (False, True)
-    assert zero.offload_optimizer.ratio == 0.5 and str(zero.offload_param.nvme_path) == "/nvme"
-    names = _plan_field_names(cfg.plan.zero.offload_param) | _plan_field_names(cfg.plan) - {"nvme_path", "buffer_count"}
-    dead = {"managed_gradient_accumulation", "buffer_count", "ratio", "nvme_path", "fast_init"} | set(NO_PLAN_FIELD) - {
-        "offload_optimizer",
-        "offload_param",
-    }
+    assert zero.offload_optimizer.ratio == 0.5
+    names = _plan_field_names(cfg.plan) - {"nvme_path", "buffer_count"}
+    dead = {"managed_gradient_accumulation", "ratio", "fast_init"} | set(NO_PLAN_FIELD) - {"offload_optimizer"}
     assert not names & dead, names & dead
     # Same plan as without those keys: they change nothing.
-    assert (
-        cfg.plan.zero
-        == _plan(
-            zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
-        ).zero
-    )
+    assert cfg.plan.zero == _plan(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}}).zero
 
 
 def test_dataloader_drop_last_is_planned() -> None:

@@ -144,6 +144,7 @@ OVERRIDES: dict[str, tuple[Any, dict[str, Any]]] = {
     "zero_optimization.offload_param.device": ("cpu", {"zero_optimization.stage": 3}),
     "zero_optimization.offload_optimizer.device": ("cpu", {}),
     "zero_optimization.offload_optimizer.nvme_path": (tempfile.gettempdir(), {}),
+    "zero_optimization.offload_param.nvme_path": (tempfile.gettempdir(), {}),
     "zero_optimization.leaf_module.classes": (["Block"], {}),
     "zero_optimization.leaf_module.names": (["fc1"], {}),
     "zero_optimization.leaf_module.name_suffixes": ([".fc1"], {}),
