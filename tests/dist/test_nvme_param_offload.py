@@ -52,7 +52,8 @@ def _weights(engine) -> dict:
 
 
 def _swapper(engine):
-    return engine.optimizer.manager.gatherer.swapper
+    manager = getattr(engine.optimizer, "manager", None)
+    return None if manager is None else manager.gatherer.swapper
 
 
 def _train(world: int, cfg: dict, steps: int = STEPS) -> dict:
@@ -73,9 +74,7 @@ def _train(world: int, cfg: dict, steps: int = STEPS) -> dict:
         out["stats"] = swapper.stats
         out["host"] = (swapper.pool_bytes(), swapper.resident_bytes)
         out["partition_bytes"] = sum(s.layout.partition_numel * 2 for s in engine.optimizer.manager.states.values())
-        out["shard_bytes"] = sum(
-            s.shard.untyped_storage().nbytes() for s in engine.optimizer.manager.states.values()
-        )
+        out["shard_bytes"] = sum(s.shard.untyped_storage().nbytes() for s in engine.optimizer.manager.states.values())
     engine.destroy()
     return out
 
@@ -100,3 +99,152 @@ def test_nvme_params_bit_equal_to_cpu_offload(world: int, opt_nvme: bool, tmp_pa
         folder = tmp_path / "zero_stage_3" / "bfloat16params" / f"rank{rank}"
         assert r["files"] and all(Path(p).parent == folder for p in r["files"]), r["files"]
         assert all(Path(p).name.endswith("_param.tensor.swp") and Path(p).name[0].isdigit() for p in r["files"])
+
+
+def _footprint(world: int, cfg: dict) -> dict:
+    """Train while sampling, inside a forward, the host bytes that hold parameter partitions: every distinct
+    storage behind a shard, plus the swap buffers."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    manager, swapper = engine.optimizer.manager, _swapper(engine)
+    samples: list[int] = []
+
+    def sample(*_: object) -> None:
+        storages = {
+            s.shard.untyped_storage().data_ptr(): s.shard.untyped_storage().nbytes() for s in manager.states.values()
+        }
+        for slot in swapper.slots:
+            if slot.buffer is not None:
+                storages[slot.buffer.untyped_storage().data_ptr()] = slot.buffer.untyped_storage().nbytes()
+        samples.append(sum(storages.values()))
+
+    handle = engine.module.fc2.register_forward_hook(sample)
+    for step in range(STEPS):
+        engine.backward(engine(*micro_batch(step, engine_micro_index(0, 0, world))))
+        engine.step()
+    handle.remove()
+    out = {
+        "weights": _weights(engine),
+        "samples": samples,
+        "pool": swapper.pool_bytes(),
+        "resident": swapper.resident_bytes,
+        "all": sum(s.layout.partition_numel * 2 for s in manager.states.values()),
+        "states": len(manager.states),
+    }
+    engine.destroy()
+    return out
+
+
+def test_host_memory_is_the_pool_plus_max_in_cpu(tmp_path: Path) -> None:
+    max_in_cpu, count = 851, 1  # the embedding stays on the host; one buffer serves every other partition
+    cfg = _config(str(tmp_path), buffer_count=count, max_in_cpu=max_in_cpu)
+    (r,) = run_distributed(_footprint, 1, 1, cfg)
+    (ref,) = run_distributed(_train, 1, 1, _config(None))
+    for k in ref["weights"]:
+        assert torch.equal(ref["weights"][k], r["weights"][k]), k
+    bound = count * BUFFER * 2 + max_in_cpu * 2 + r["states"] * 2  # + the one-element placeholders
+    assert r["pool"] <= count * BUFFER * 2 and r["resident"] <= max_in_cpu * 2
+    assert r["samples"] and max(r["samples"]) <= bound, (r["samples"], bound)
+    assert max(r["samples"]) < r["all"], (r["samples"], r["all"])  # not every partition in memory
+
+
+def _resume(world: int, cfg: dict, save_dir: str) -> dict:
+    """Train, save, train on; then a fresh engine loads the save and trains the same steps again."""
+    import deepspeed
+    from deepspeed import comm as dist
+
+    def steps(engine, first: int, count: int) -> None:
+        for step in range(first, first + count):
+            engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
+            engine.step()
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    steps(engine, 0, 2)
+    engine.save_checkpoint(save_dir, tag="t")
+    steps(engine, 2, 2)
+    straight = _weights(engine)
+    engine.destroy()
+    engine, *_ = deepspeed.initialize(model=make_model(1), config=cfg)
+    engine.load_checkpoint(save_dir, tag="t")
+    steps(engine, 2, 2)
+    resumed = _weights(engine)
+    engine.destroy()
+    return {"straight": straight, "resumed": resumed}
+
+
+@pytest.mark.parametrize(("world", "opt_nvme"), [(1, False), (2, True)])
+def test_checkpoint_round_trip_with_nvme_params(world: int, opt_nvme: bool, tmp_path: Path) -> None:
+    (tmp_path / "opt").mkdir()
+    cfg = _config(str(tmp_path / "swap"), str(tmp_path / "opt") if opt_nvme else None)
+    (tmp_path / "swap").mkdir()
+    for r in run_distributed(_resume, world, world, cfg, str(tmp_path / "ckpt")):
+        for k in r["straight"]:
+            assert torch.equal(r["straight"][k], r["resumed"][k]), k
+
+
+def _build(world: int, cfg: dict) -> str:
+    import deepspeed
+
+    try:
+        deepspeed.initialize(model=make_model(0), config=cfg)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_partition_larger_than_buffer_size_is_refused_before_partitioning(tmp_path: Path) -> None:
+    (message,) = run_distributed(_build, 1, 1, _config(str(tmp_path), buffer_size=1000))
+    assert "offload_param.buffer_size=1000" in message and "1081 elements" in message, message
+    assert "at least 1081" in message and "max_in_cpu" in message, message
+    assert not (tmp_path / "zero_stage_3").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [(None, "nvme_path is required"), ("/does/not/exist", "does not exist"), ("/proc/1", "not writable")],
+)
+def test_bad_param_nvme_path_is_refused_at_stage_3_only(path: str | None, match: str) -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    cfg = _config("placeholder")
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = path
+    with pytest.raises(DeepSpeedConfigError, match=f"offload_param.nvme_path.*{match}|{match}"):
+        DeepSpeedConfig(cfg)
+    cfg["zero_optimization"]["stage"] = 2  # stages 0-2 ignore offload_param, as upstream does
+    DeepSpeedConfig(cfg)
+
+
+def test_zero2_ignores_nvme_params(tmp_path: Path) -> None:
+    a = run_distributed(_train, 1, 1, _config(str(tmp_path), stage=2))
+    b = run_distributed(_train, 1, 1, _config(None, stage=2))
+    assert not list(tmp_path.iterdir())  # nothing swapped
+    for k in b[0]["weights"]:
+        assert torch.equal(a[0]["weights"][k], b[0]["weights"][k]), k
+
+
+def _fault(world: int, cfg: dict, fault: str) -> str:
+    """Train a step, damage one swap file, step again: the error message (or '')."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    for step in range(2):
+        if step == 1:
+            victim = max(_swapper(engine).entries.values(), key=lambda e: e.numel).path
+            if fault == "truncate":
+                os.truncate(victim, 8)
+            else:
+                victim.unlink()
+        try:
+            engine.backward(engine(*micro_batch(step, engine_micro_index(0, 0, world))))
+            engine.step()
+        except RuntimeError as err:
+            return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("fault", ["truncate", "remove"])
+def test_damaged_param_swap_file_is_detected_not_read_as_zeros(fault: str, tmp_path: Path) -> None:
+    (message,) = run_distributed(_fault, 1, 1, _config(str(tmp_path)), fault)
+    assert "_param.tensor.swp" in message and str(tmp_path) in message and "parameter partition" in message, message
+    assert ("holds 8 bytes" in message) if fault == "truncate" else ("missing" in message)
