@@ -31,6 +31,9 @@ class OffloadStateTypeEnum(str, Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
+_NVME_ONLY_KEYS: tuple[str, ...] = ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write")
+
+
 class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """``offload_param``: keep ZeRO-3 parameter shards off the accelerator."""
 
@@ -113,7 +116,6 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
         return self.pipeline_read or self.pipeline_write
 
 
-_NVME_ONLY_KEYS = ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write")
 _NVME_KEYS_WARNED: set[str] = set()  # once per message per process, as the surface's no-effect warnings
 
 
