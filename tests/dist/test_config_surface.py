@@ -231,7 +231,6 @@ def test_implemented_check_rejects(key: str) -> None:
 
 REFUSALS: dict[str, tuple[Any, dict[str, Any]]] = {
     "managed_gradient_accumulation": (False, {}),
-    _Z + "offload_param.device": ("nvme", {**_S3, _Z + "offload_param.nvme_path": "/local_nvme"}),
     "aio.use_gds": (True, {}),
     _Z + "offload_optimizer.super_offload": (True, {**_S3, _Z + "offload_optimizer.device": "cpu"}),
     _Z + "zero_hpz_partition_size": (2, _S3),
@@ -275,10 +274,6 @@ ACCEPTED = {
 
 # The configs a new user could set without a word before (each checked on both ranks of a world of 2).
 ISSUE_CONFIGS = {
-    "nvme_param": (
-        {**_S3, _Z + "offload_param.device": "nvme", _Z + "offload_param.nvme_path": "/local_nvme"},
-        "zero_optimization.offload_param.device",
-    ),
     "zero_plus_plus": (
         {**_S3, _Z + "zero_quantized_weights": True, _Z + "zero_hpz_partition_size": 2},
         "zero_optimization.zero_hpz_partition_size",
@@ -357,7 +352,6 @@ NO_EFFECT_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
         {**_S3, _Z + "offload_optimizer.device": "cpu", "optimizer.type": "SGD", "zero_force_ds_cpu_optimizer": False},
     ),
     _Z + "cpu_offload_use_pin_memory": (True, {}),
-    _Z + "offload_param.nvme_path": ("/local_nvme", {}),
     "seq_parallel_communication_data_type": ("bf16", {}),
     "vocabulary_size": (50257, {}),
     "log_level": ("info", {}),
