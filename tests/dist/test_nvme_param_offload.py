@@ -248,3 +248,26 @@ def test_damaged_param_swap_file_is_detected_not_read_as_zeros(fault: str, tmp_p
     (message,) = run_distributed(_fault, 1, 1, _config(str(tmp_path)), fault)
     assert "_param.tensor.swp" in message and str(tmp_path) in message and "parameter partition" in message, message
     assert ("holds 8 bytes" in message) if fault == "truncate" else ("missing" in message)
+
+
+def _train_zero_init(world: int, cfg: dict) -> dict:
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    for step in range(2):
+        engine.backward(engine(*micro_batch(step, engine_micro_index(0, 0, world))))
+        engine.step()
+    swapper = _swapper(engine)
+    out = {"weights": _weights(engine), "swapped": 0 if swapper is None else len(swapper.entries)}
+    engine.destroy()
+    return out
+
+
+def test_zero_init_partitions_move_to_swap_files(tmp_path: Path) -> None:
+    (a,) = run_distributed(_train_zero_init, 1, 1, _config(str(tmp_path)))
+    (b,) = run_distributed(_train_zero_init, 1, 1, _config(None))
+    assert a["swapped"] == 8 and b["swapped"] == 0
+    for k in b["weights"]:
+        assert torch.equal(a["weights"][k], b["weights"][k]), k
