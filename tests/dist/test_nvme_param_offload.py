@@ -79,14 +79,19 @@ def _train(world: int, cfg: dict, steps: int = STEPS) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("world", "opt_nvme"), [(1, False), (2, False), (2, True)])
-def test_nvme_params_bit_equal_to_cpu_offload(world: int, opt_nvme: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("world", "opt_nvme", "persist"), [(1, False, 0), (2, False, 100), (2, True, 0)])
+def test_nvme_params_bit_equal_to_cpu_offload(world: int, opt_nvme: bool, persist: int, tmp_path: Path) -> None:
+    """``persist``: parameters of at most this many elements stay gathered between uses (re-gathered from their
+    swap files after each step)."""
     opt_path = None
     if opt_nvme:
         opt_path = str(tmp_path / "opt")
         (tmp_path / "opt").mkdir()
-    cpu = run_distributed(_train, world, world, _config(None, opt_path))
-    nvme = run_distributed(_train, world, world, _config(str(tmp_path), opt_path))
+    cpu_cfg, nvme_cfg = _config(None, opt_path), _config(str(tmp_path), opt_path)
+    for cfg in (cpu_cfg, nvme_cfg):
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persist
+    cpu = run_distributed(_train, world, world, cpu_cfg)
+    nvme = run_distributed(_train, world, world, nvme_cfg)
     for a, b in zip(cpu, nvme, strict=True):
         assert a["losses"] == b["losses"]
         for k in a["weights"]:

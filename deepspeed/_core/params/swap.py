@@ -212,7 +212,9 @@ class ParamSwapper:
     def _view(self, entry: _Entry) -> torch.Tensor:
         slot = entry.slot
         assert slot is not None and slot.buffer is not None
-        return slot.buffer[: entry.nbytes].view(entry.dtype)
+        view = slot.buffer[: entry.nbytes].view(entry.dtype)
+        view.ds_numel = entry.numel  # type: ignore[attr-defined]  # upstream readers: ds_tensor.ds_numel
+        return view
 
     def _claim(self, slot: _Slot, entry: _Entry) -> None:
         _settle(slot)
