@@ -276,3 +276,29 @@ def test_zero_init_partitions_move_to_swap_files(tmp_path: Path) -> None:
     assert a["swapped"] == 8 and b["swapped"] == 0
     for k in b["weights"]:
         assert torch.equal(a["weights"][k], b["weights"][k]), k
+
+
+def _two_engines(world: int, cfg: dict, stale: str) -> dict:
+    import deepspeed
+
+    first, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    emptied = not Path(stale).exists()
+    second, *_ = deepspeed.initialize(model=make_model(1), config=cfg)
+    for engine in (first, second, first):
+        engine.backward(engine(*micro_batch(0, engine_micro_index(0, 0, world))))
+        engine.step()
+    names = {e.path.name for e in _swapper(first).entries.values()} & {
+        e.path.name for e in _swapper(second).entries.values()
+    }
+    first.destroy()
+    second.destroy()
+    return {"emptied": emptied, "shared_names": names}
+
+
+def test_folder_is_emptied_once_per_process_and_shared_by_a_second_engine(tmp_path: Path) -> None:
+    folder = tmp_path / "zero_stage_3" / "bfloat16params" / "rank0"
+    folder.mkdir(parents=True)
+    stale = folder / "999_param.tensor.swp"
+    stale.write_bytes(b"left by an earlier run")
+    (r,) = run_distributed(_two_engines, 1, 1, _config(str(tmp_path)), str(stale))
+    assert r["emptied"] and not r["shared_names"], r

@@ -2,7 +2,7 @@
 
 [Note: nvme params] Each rank's 16-bit partitions live in swap files, one per parameter, under
 ``<nvme_path>/zero_stage_3/<dtype>params/rank<global rank>/<ds_id>_param.tensor.swp`` (upstream's layout; the
-folder is emptied when training starts). While a partition is on disk its ``ZeroParam.shard`` is a one-element NaN
+folder is emptied when the first engine of the process uses it). While a partition is on disk its ``ZeroParam.shard`` is a one-element NaN
 expanded to the partition's size: numel, dtype and device stay right, anything that reads it by mistake sees NaN
 and any in-place write fails. A partition enters host memory only into one of ``buffer_count`` page-locked buffers
 of ``buffer_size`` elements:
@@ -43,6 +43,9 @@ from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
 KEY = "zero_optimization.offload_param"
+_EMPTIED: set[Path] = set()
+"""Folders this process has emptied: an earlier run's files go, but a second engine of this process (a reference
+model with the same config) keeps the first one's files (``ds_id`` s are unique per process, so names never clash)."""
 
 
 def swap_folder(nvme_path: str, dtype: torch.dtype, global_rank: int) -> Path:
@@ -195,9 +198,12 @@ class ParamSwapper:
     def _folder(self, dtype: torch.dtype) -> Path:
         folder = self.folders.get(dtype)
         if folder is None:
-            folder = self.folders[dtype] = swap_file.fresh_folder(
-                swap_folder(str(self.policy.nvme_path), dtype, self.rank)
-            )
+            folder = swap_folder(str(self.policy.nvme_path), dtype, self.rank)
+            if folder.resolve() not in _EMPTIED:
+                swap_file.fresh_folder(folder)
+                _EMPTIED.add(folder.resolve())
+            folder.mkdir(parents=True, exist_ok=True)
+            self.folders[dtype] = folder
         return folder
 
     # ---------------------------------------------------------------- buffers
