@@ -2,10 +2,10 @@
 
 [Note: nvme params] Each rank's 16-bit partitions live in swap files, one per parameter, under
 ``<nvme_path>/zero_stage_3/<dtype>params/rank<global rank>/<ds_id>_param.tensor.swp`` (upstream's layout; the
-folder is emptied when the first engine of the process uses it). While a partition is on disk its ``ZeroParam.shard`` is a one-element NaN
-expanded to the partition's size: numel, dtype and device stay right, anything that reads it by mistake sees NaN
-and any in-place write fails. A partition enters host memory only into one of ``buffer_count`` page-locked buffers
-of ``buffer_size`` elements:
+folder is emptied when the first engine of the process uses it). While a partition is on disk its
+``ZeroParam.shard`` is a one-element NaN expanded to the partition's size: numel, dtype and device stay right,
+anything that reads it by mistake sees NaN and any in-place write fails. A partition enters host memory only
+into one of ``buffer_count`` page-locked buffers of ``buffer_size`` elements:
 
 * a gather reads the partitions it needs into free buffers (waiting for reads already in flight), issues its
   collective, and gives the buffers back once the copy-out has read them;
