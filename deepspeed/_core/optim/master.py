@@ -297,7 +297,8 @@ class ScatterWriteBack:
                 break
             lo, hi = max(start, off), min(end, off + state.layout.partition_numel)
             if lo < hi:
-                with open_shard_of(state, ShardAccess.UPDATE) as shard:
+                whole = lo == off and hi == off + state.layout.partition_numel
+                with open_shard_of(state, ShardAccess.OVERWRITE if whole else ShardAccess.UPDATE) as shard:
                     dst = shard.reshape(-1)
                     dst[lo - off : hi - off].copy_(
                         piece[lo - start : hi - start], non_blocking=not state_swapped(state)

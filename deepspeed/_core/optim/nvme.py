@@ -285,8 +285,10 @@ def write_chunk_to_shards(writer: Any, chunk: Chunk, values: torch.Tensor) -> No
     for state, off in zip(writer.states, writer.offsets, strict=True):
         lo, hi = max(chunk.start, off), min(chunk.end, off + state.layout.partition_numel)
         if lo < hi:
-            # A swapped partition is read, updated and written back ([Note: nvme params]).
-            with open_shard_of(state, ShardAccess.UPDATE) as shard:
+            # A swapped partition is written back ([Note: nvme params]); read first only when the chunk covers
+            # part of it.
+            whole = lo == off and hi == off + state.layout.partition_numel
+            with open_shard_of(state, ShardAccess.OVERWRITE if whole else ShardAccess.UPDATE) as shard:
                 shard.reshape(-1)[lo - off : hi - off].copy_(values[lo - chunk.start : hi - chunk.start])
 
 
