@@ -55,3 +55,13 @@ if want offload; then
   # Monitors and the FLOPs profiler on against off.
   part monitor_overhead 45 python3 benchmarks/monitor_overhead.py --steps 10 --out "$WORK/monitor_overhead.json"
 fi
+
+if want largest; then
+  # The largest model that trains one step with the host's memory (benchmarks/largest_model_gpu.py): the first
+  # trial of each row is where its host-memory floor says it should still fit (ours, 16-bit offloaded states) or
+  # no longer fit (upstream, fp32 states); later trials bisect while the part's time allows.
+  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest.jsonl"
+  part largest_ours 280 $LM --impl ours --states bf16 --bisect 180,260 --budget-s 270
+  part largest_upstream 200 $LM --impl upstream --states fp32 --bisect 90,120 --budget-s 190
+  cp "$WORK/largest.jsonl" "$OUT/"
+fi
