@@ -39,18 +39,15 @@ if want long; then
 fi
 
 if want offload; then
-  # The main job on one GPU: device-allocator memory per phase against the floor, and the loss curves.
-  part main 60 python3 -m deepspeed.launcher.runner --num_gpus 1 examples/train_gpt.py \
-    --deepspeed_config examples/ds_config_gpt_zero3.json --out "$WORK/main" --steps 60
   # Offloaded step of the 3B model at 8192 tokens: overlapped, synchronous and 16-bit states, beside the floor.
-  part offload_3b 200 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+  part offload_3b 190 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
     --cases overlap_on,overlap_off,bf16_states,floor --out "$WORK/offload_3b.jsonl"
   # NVMe against CPU offload on a 1.1B model of the same shape (its swap files fit the machine's disk).
-  part offload_nvme 100 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 3 \
+  part offload_nvme 100 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
     --cases overlap_on,nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme.jsonl"
   # Upstream 0.19.8 and FSDP2 with CPU offload on the same 3B step.
-  part offload_baselines 150 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
-    --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 75 \
+  part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
+    --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
     --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
   # Monitors and the FLOPs profiler on against off.
   part monitor_overhead 45 python3 benchmarks/monitor_overhead.py --steps 10 --out "$WORK/monitor_overhead.json"
@@ -61,7 +58,10 @@ if want largest; then
   # trial of each row is where its host-memory floor says it should still fit (ours, 16-bit offloaded states) or
   # no longer fit (upstream, fp32 states); later trials bisect while the part's time allows.
   LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest.jsonl"
-  part largest_ours 280 $LM --impl ours --states bf16 --bisect 180,260 --budget-s 270
-  part largest_upstream 200 $LM --impl upstream --states fp32 --bisect 90,120 --budget-s 190
+  part largest_ours 250 $LM --impl ours --states bf16 --bisect 180,230 --budget-s 240
+  part largest_upstream 180 $LM --impl upstream --states fp32 --bisect 88,110 --budget-s 170
   cp "$WORK/largest.jsonl" "$OUT/"
+  # Universal conversion of a real ZeRO-3 checkpoint (1.7 B parameters: the checkpoint and its universal copy
+  # must both fit the machine's disk).
+  part universal 100 python3 benchmarks/universal_convert_gpu.py --layers 18 --out "$WORK/universal.json"
 fi
