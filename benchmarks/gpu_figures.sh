@@ -31,11 +31,15 @@ if want long; then
   # until the first that runs out of device memory (benchmarks/long_context_gpu.py).
   LC="python3 benchmarks/long_context_gpu.py --out $WORK/long_context.jsonl"
   ALST="--tile-mlp 8 --tile-loss 16 --act-offload --warmup-seq 8192"
-  part long_ours 200 $LC --impl ours $ALST --lengths 32768,131072,262144 --budget-s 185
-  part long_upstream 170 $LC --impl upstream $ALST --lengths 32768,131072,262144 --budget-s 155
-  part long_plain 60 $LC --impl ours --lengths 8192,16384,24576,32768,49152 --budget-s 50
-  part long_resident 90 $LC --impl ours --tile-mlp 8 --tile-loss 16 --lengths 32768,131072 --budget-s 80
+  part long_ours 170 $LC --impl ours $ALST --lengths 32768,131072,262144 --budget-s 160
+  part long_upstream 150 $LC --impl upstream $ALST --lengths 32768,131072,262144 --budget-s 140
+  part long_plain 55 $LC --impl ours --lengths 8192,16384,24576,32768,49152 --budget-s 45
+  part long_resident 75 $LC --impl ours --tile-mlp 8 --tile-loss 16 --lengths 32768,131072 --budget-s 65
   cp "$WORK/long_context.jsonl" "$OUT/"
+  # The S3 row at 8192 tokens (micro-batch 4 x 2048): ours with the tiled loss against FSDP2 on the plain model.
+  S3="python3 benchmarks/run_all.py --scenario s3 --extra-site /tmp/site --job-timeout-s 50"
+  ROW='"seq": 2048, "micro_batch": 4, "trace": false, "warmup": 1, "timed_steps": 3'
+  part tiled_8192 105 bash -c "$S3 --out $WORK/tiled_8192_ours --impl ours --set '{$ROW, \"tile_loss\": 16}' && $S3 --out $WORK/tiled_8192_fsdp2 --impl fsdp2 --set '{$ROW}'"
 fi
 
 if want offload; then
