@@ -99,6 +99,12 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             )
         self.sequence_parallel_size = sequence_layout.requested_size(self.config, mpu)
         sequence_layout.check_pipeline(self.sequence_parallel_size, self._is_pipeline_engine)
+        self.plan = sequence_layout.with_sequence_parallel_comm_dtype(
+            self.plan,
+            self.sequence_parallel_size,
+            config_class.seq_parallel_communication_data_type,
+            key_given="seq_parallel_communication_data_type" in self.config,
+        )
         if config_class.activation_checkpointing_config.cpu_checkpointing:
             problem = cpu_checkpointing_problem(self.module)
             if problem is not None:
