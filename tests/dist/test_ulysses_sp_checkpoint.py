@@ -3,9 +3,10 @@
 Under SP the ZeRO shards span every rank (the SP ranks hold the same parameters), so a checkpoint saved at SP=2 on
 2 ranks has the layout of a plain 2-rank data-parallel checkpoint: SP=1 on the same 2 ranks reads it as is, and 1
 rank reads it by re-partitioning the shards, as for any change of data-parallel size, or, as upstream requires
-for a new data-parallel size, after ``ds_to_universal`` with ``checkpoint.load_universal``. Each resumed run takes one more Adam step (Adam, so the optimizer states must have come back) and must
-match one process that took both steps on the whole sequences: step 1 on the SP=2 run's batch, step 2 on the mean
-of the resumed run's data-parallel batches.
+for a new data-parallel size, after ``ds_to_universal`` with ``checkpoint.load_universal``. Each resumed run takes
+one more Adam step (Adam, so the optimizer states must have come back) and must match one process that took both
+steps on the whole sequences: step 1 on the SP=2 run's batch, step 2 on the mean of the resumed run's
+data-parallel batches.
 """
 
 from __future__ import annotations

@@ -72,9 +72,7 @@ def _sp_gradients(cases: dict) -> dict:
         model = tiny_llama("sdpa", HEADS)
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, MICRO)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, mpu=mpu, config=_config(stage, bf16, extra)
-        )
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=mpu, config=_config(stage, bf16, extra))
         group = mpu.get_sequence_parallel_group()
         loader = UlyssesSPDataLoaderAdapter([batch(10, MICRO, SEQ)], mpu.get_sequence_parallel_rank(), group, SP, "cpu")
         seen.clear()
@@ -147,7 +145,9 @@ def _no_sp_key_warns() -> list:
     try:
         model = torch.nn.Linear(4, 4)
         config = {**_config(0, False, {}), "seq_parallel_communication_data_type": "bf16"}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+        )
     finally:
         logger.warning = original  # type: ignore[method-assign]
     assert str(engine.communication_data_type()) == "torch.float32"
