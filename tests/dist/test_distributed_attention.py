@@ -22,9 +22,7 @@ def _attention(batch_dim: int):
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         to_bhsd = (0, 2, 1, 3) if batch_dim == 0 else (1, 2, 0, 3)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            *(t.permute(to_bhsd) for t in (q, k, v)), is_causal=True
-        )
+        out = torch.nn.functional.scaled_dot_product_attention(*(t.permute(to_bhsd) for t in (q, k, v)), is_causal=True)
         return out.permute(0, 2, 1, 3) if batch_dim == 0 else out.permute(2, 0, 1, 3)
 
     return attend

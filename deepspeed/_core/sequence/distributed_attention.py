@@ -69,7 +69,7 @@ class SeqAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         group: Any,
         input: torch.Tensor,
