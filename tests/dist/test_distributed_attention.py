@@ -87,19 +87,23 @@ def test_distributed_attention_matches_whole_sequence(sp_results: list, batch_di
             torch.testing.assert_close(g, _shard(w, batch_dim, rank), msg=f"rank {rank} grad {name}")
 
 
-def _too_few_heads() -> str:
+def _bad_heads(q_heads: int, kv_heads: int) -> str:
     import deepspeed.comm as dist
     from deepspeed.sequence.layer import DistributedAttention
 
     layer = DistributedAttention(_attention(1), dist.new_group([0, 1]))
-    q = torch.zeros(SEQ // SP, BATCH, 3, DIM)
+    q = torch.zeros(SEQ // SP, BATCH, q_heads, DIM)
+    kv = torch.zeros(SEQ // SP, BATCH, kv_heads, DIM)
     try:
-        layer(q, q, q, 1)
+        layer(q, kv, kv, 1)
     except ValueError as err:
         return str(err)
-    raise AssertionError("3 heads over 2 ranks were accepted")
+    raise AssertionError(f"{q_heads} query / {kv_heads} key/value heads over 2 ranks were accepted")
 
 
-def test_heads_not_divisible_by_sp_raise_on_every_rank() -> None:
-    for message in run_distributed(_too_few_heads, SP):
-        assert "attention heads (3)" in message and "sequence parallel size (2)" in message, message
+@pytest.mark.parametrize("q_heads, kv_heads", [(3, 3), (4, 1)])
+def test_heads_not_divisible_by_sp_raise_on_every_rank(q_heads: int, kv_heads: int) -> None:
+    # Upstream spreads uneven head counts unevenly; here they are refused before any exchange, naming the counts.
+    for message in run_distributed(_bad_heads, SP, q_heads, kv_heads):
+        for words in (f"query heads ({q_heads})", f"key/value heads ({kv_heads})", "sequence parallel size (2)"):
+            assert words in message, message

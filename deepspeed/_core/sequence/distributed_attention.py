@@ -104,6 +104,17 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: to
     return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
 
 
+def _check_heads(query: torch.Tensor, key: torch.Tensor, size: int) -> None:
+    """Refuse head counts the exchange cannot split, before any exchange (local: every rank raises alike)."""
+    heads, kv_heads = query.shape[HEAD_DIM], key.shape[HEAD_DIM]
+    if heads % size or kv_heads % size:
+        raise ValueError(
+            f"DistributedAttention splits heads over the sequence parallel size ({size}): the query heads "
+            f"({heads}) and key/value heads ({kv_heads}) must both be divisible by it (with fewer key/value heads, "
+            "repeat them to a multiple of the size before the call)"
+        )
+
+
 class DistributedAttention(torch.nn.Module):
     """Sequence-parallel wrapper of a local attention over ``sequence_process_group`` (upstream's signature).
 
@@ -152,6 +163,8 @@ class DistributedAttention(torch.nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         """Attention of this rank's tokens against the whole sequence; output in the inputs' layout."""
+        if self.scatter_idx >= 2:
+            _check_heads(query, key, dist.get_world_size(group=self.spg))
         q, k, v = (
             SeqAllToAll.apply(self.spg, t, self.scatter_idx, self.gather_idx, batch_dim_idx)
             for t in (query, key, value)
