@@ -30,6 +30,7 @@ CASES = {
     "zero0_fp32": (0, False, {}),
     "zero0_bf16": (0, True, {}),
     "zero2_bf16": (2, True, {}),
+    "zero3_bf16": (3, True, {}),
     "zero2_bf16_comm_bf16": (2, True, {"seq_parallel_communication_data_type": "bf16"}),
 }
 
@@ -102,7 +103,7 @@ def sp_results() -> list:
     return run_distributed(_sp_gradients, 2, CASES, timeout=180)
 
 
-@pytest.mark.parametrize("case", ["zero0_fp32", "zero0_bf16", "zero2_bf16"])
+@pytest.mark.parametrize("case", ["zero0_fp32", "zero0_bf16", "zero2_bf16", "zero3_bf16"])
 def test_sp_gradients_match_whole_sequence(sp_results: list, case: str) -> None:
     bf16 = CASES[case][1]
     ref = _reference(bf16)
@@ -131,6 +132,7 @@ def test_seq_parallel_communication_data_type_sets_the_reduction_dtype(sp_result
         assert result["zero0_bf16"]["wire"] == ["torch.float32"], result["zero0_bf16"]["wire"]
         assert result["zero2_bf16"]["wire"] == ["torch.float32"], result["zero2_bf16"]["wire"]
         assert result["zero2_bf16"]["comm_dtype"] == "torch.float32"
+        assert result["zero3_bf16"]["wire"] == ["torch.float32"], result["zero3_bf16"]["wire"]
         assert result["zero2_bf16_comm_bf16"]["wire"] == ["torch.bfloat16"], result["zero2_bf16_comm_bf16"]["wire"]
         assert result["zero2_bf16_comm_bf16"]["comm_dtype"] == "torch.bfloat16"
 
