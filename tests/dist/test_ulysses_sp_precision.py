@@ -82,7 +82,7 @@ def _sp_gradients(cases: dict) -> dict:
         out[name] = {
             "grads": grads,
             "wire": sorted({str(d) for d in seen}),
-            "comm_dtype": str(engine.communication_data_type()),
+            "comm_dtype": str(engine.communication_data_type),
         }
     mpu._release_sequence_parallel_groups()
     return out
@@ -152,7 +152,7 @@ def _no_sp_key_warns() -> list:
         )
     finally:
         logger.warning = original  # type: ignore[method-assign]
-    assert str(engine.communication_data_type()) == "torch.float32"
+    assert str(engine.communication_data_type) == "torch.float32"
     return [m for m in messages if "seq_parallel_communication_data_type" in m]
 
 
