@@ -135,27 +135,3 @@ def test_seq_parallel_communication_data_type_sets_the_reduction_dtype(sp_result
         assert result["zero3_bf16"]["wire"] == ["torch.float32"], result["zero3_bf16"]["wire"]
         assert result["zero2_bf16_comm_bf16"]["wire"] == ["torch.bfloat16"], result["zero2_bf16_comm_bf16"]["wire"]
         assert result["zero2_bf16_comm_bf16"]["comm_dtype"] == "torch.bfloat16"
-
-
-def _no_sp_key_warns() -> list:
-    import deepspeed
-    from deepspeed._foundation.logging import logger
-
-    messages: list = []
-    original = logger.warning
-    logger.warning = lambda msg, *a, **k: messages.append(str(msg))  # type: ignore[method-assign]
-    try:
-        model = torch.nn.Linear(4, 4)
-        config = {**_config(0, False, {}), "seq_parallel_communication_data_type": "bf16"}
-        engine, *_ = deepspeed.initialize(
-            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
-        )
-    finally:
-        logger.warning = original  # type: ignore[method-assign]
-    assert str(engine.communication_data_type) == "torch.float32"
-    return [m for m in messages if "seq_parallel_communication_data_type" in m]
-
-
-def test_seq_parallel_communication_data_type_without_sp_warns() -> None:
-    (warnings,) = run_distributed(_no_sp_key_warns, 1)
-    assert len(warnings) == 1 and "no effect without sequence parallelism" in warnings[0], warnings
