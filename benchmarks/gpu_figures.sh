@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for the figures of docs/long_context.md, docs/offload.md and docs/observability.md, and the main
 # job's memory plot on a GPU. Run through the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh [long|offload|all]
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -23,21 +23,49 @@ part() {  # part NAME SECONDS COMMAND...
   tar -czf "$OUT/$name.tgz" -C "$WORK" $(cd "$WORK" && ls -d "$name"*)
 }
 
-# The main job on one GPU: device-allocator memory per phase against the floor, and the loss curves.
-part main 60 python3 -m deepspeed.launcher.runner --num_gpus 1 examples/train_gpt.py \
-  --deepspeed_config examples/ds_config_gpt_zero3.json --out "$WORK/main" --steps 60
-# Long sequences: the 3B Qwen2-shaped model at 32K tokens, ZeRO-3 with the optimizer offloaded: ours untiled and
-# with tiled MLP + tiled logits/loss (upstream 0.19.8 tiled comes last).
-LONG='"seq": 32768, "offload": true, "trace": false, "warmup": 1, "timed_steps": 1'
-part long_context 200 python3 benchmarks/run_all.py --scenario s3 --impl ours --out "$WORK/long_context" \
-  --extra-site /tmp/site --job-timeout-s 100 --set "{$LONG}" --variant tiled='{"tile_mlp": 8, "tile_loss": 16}'
-# Offloaded step: overlapped against synchronous host step, beside the floor of its parts.
-[ -f benchmarks/offload_overlap_gpu.py ] &&
-  part offload_overlap 100 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 3 \
-    --out "$WORK/offload_overlap.jsonl"
-# Monitors and the FLOPs profiler on against off.
-part monitor_overhead 45 python3 benchmarks/monitor_overhead.py --steps 10 --out "$WORK/monitor_overhead.json"
-# Upstream 0.19.8 on the tiled long-sequence row.
-part long_context_upstream 100 python3 benchmarks/run_all.py --scenario s3 --impl upstream \
-  --out "$WORK/long_context_upstream" --extra-site /tmp/site --job-timeout-s 95 \
-  --set "{$LONG, \"tile_mlp\": 8, \"tile_loss\": 16}"
+GROUP=${1:-all}
+want() { [[ $GROUP == all || $GROUP == "$1" ]]; }
+
+if want long; then
+  # Long sequences (3B Qwen2-shaped, ZeRO-3, optimizer offloaded): one process per row, lengths in increasing order
+  # until the first that runs out of device memory (benchmarks/long_context_gpu.py).
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/long_context.jsonl"
+  ALST="--tile-mlp 8 --tile-loss 16 --act-offload --warmup-seq 8192"
+  part long_ours 170 $LC --impl ours $ALST --lengths 32768,131072,262144 --budget-s 160
+  part long_upstream 150 $LC --impl upstream $ALST --lengths 32768,131072,262144 --budget-s 140
+  part long_plain 55 $LC --impl ours --lengths 8192,16384,24576,32768,49152 --budget-s 45
+  part long_resident 75 $LC --impl ours --tile-mlp 8 --tile-loss 16 --lengths 32768,131072 --budget-s 65
+  cp "$WORK/long_context.jsonl" "$OUT/"
+  # The S3 row at 8192 tokens (micro-batch 4 x 2048): ours with the tiled loss against FSDP2 on the plain model.
+  S3="python3 benchmarks/run_all.py --scenario s3 --extra-site /tmp/site --job-timeout-s 50"
+  ROW='"seq": 2048, "micro_batch": 4, "trace": false, "warmup": 1, "timed_steps": 3'
+  part tiled_8192 105 bash -c "$S3 --out $WORK/tiled_8192_ours --impl ours --set '{$ROW, \"tile_loss\": 16}' && $S3 --out $WORK/tiled_8192_fsdp2 --impl fsdp2 --set '{$ROW}'"
+fi
+
+if want offload; then
+  # Offloaded step of the 3B model at 8192 tokens: overlapped, synchronous and 16-bit states, beside the floor.
+  part offload_3b 190 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,overlap_off,bf16_states,floor --out "$WORK/offload_3b.jsonl"
+  # NVMe against CPU offload on a 1.1B model of the same shape (its swap files fit the machine's disk).
+  part offload_nvme 100 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
+    --cases overlap_on,nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme.jsonl"
+  # Upstream 0.19.8 and FSDP2 with CPU offload on the same 3B step.
+  part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
+    --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
+    --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
+  # Monitors and the FLOPs profiler on against off.
+  part monitor_overhead 45 python3 benchmarks/monitor_overhead.py --steps 10 --out "$WORK/monitor_overhead.json"
+fi
+
+if want largest; then
+  # The largest model that trains one step with the host's memory (benchmarks/largest_model_gpu.py): the first
+  # trial of each row is where its host-memory floor says it should still fit (ours, 16-bit offloaded states) or
+  # no longer fit (upstream, fp32 states); later trials bisect while the part's time allows.
+  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest.jsonl"
+  part largest_ours 250 $LM --impl ours --states bf16 --bisect 180,230 --budget-s 240
+  part largest_upstream 180 $LM --impl upstream --states fp32 --bisect 88,110 --budget-s 170
+  cp "$WORK/largest.jsonl" "$OUT/"
+  # Universal conversion of a real ZeRO-3 checkpoint (1.7 B parameters: the checkpoint and its universal copy
+  # must both fit the machine's disk).
+  part universal 100 python3 benchmarks/universal_convert_gpu.py --layers 18 --out "$WORK/universal.json"
+fi

@@ -9,12 +9,17 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
 
 - ``overlap_on`` / ``overlap_off``: the engine's step time (forward, backward, ``engine.step()``) with
   ``offload_optimizer: cpu`` and ``zero_optimization.lean_overlap_offload_step`` true / false (same config
-  otherwise; ``--stage``, ``--bf16-states`` for 16-bit offloaded states);
+  otherwise; ``--stage``);
 - the floor's parts, measured on the same machine: ``fwd_bwd`` (the model's forward and backward on the GPU
   alone, plain PyTorch), ``host_adam`` (the host optimizer over this many parameters alone: ``step_in_chunks``
   of ``DeepSpeedCPUAdam`` over an fp32 master with a bf16 gradient, as the engine steps it), ``d2h`` / ``h2d``
   (the bf16 gradients down and the bf16 weights up through two pinned buffers of one step chunk);
-  ``floor`` = max(fwd_bwd, host_adam, d2h + h2d).
+  ``floor`` = max(fwd_bwd, host_adam, d2h + h2d);
+- ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
+  overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3).
+
+Engine cases also record host bytes per parameter (the optimizer's own count and the process's resident set) and
+the disk bytes read and written per step (the process's I/O counters). ``--cases`` picks what runs.
 
 Each line of the output is one JSON record: ``{"case": ..., "seconds": ..., "params": ..., ...}``.
 """
@@ -34,6 +39,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+# case -> (overlapped host step, 16-bit offloaded states, optimizer states on NVMe)
+ENGINE_CASES = {
+    "overlap_on": (True, False, False),
+    "overlap_off": (False, False, False),
+    "bf16_states": (True, True, False),
+    "nvme": (True, False, True),
+}
 
 
 def _model(layers: int, device: str) -> torch.nn.Module:
@@ -67,12 +81,15 @@ def _median(run: Callable[[], None], steps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _engine_case(args: argparse.Namespace, overlap: bool) -> tuple[float, int, float]:
+def _engine_case(args: argparse.Namespace, overlap: bool, bf16_states: bool, nvme: str | None) -> dict:
+    import psutil
+
     import deepspeed
 
     bf16 = {"enabled": True}
-    if args.bf16_states:
+    if bf16_states:
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    offload = {"device": "nvme", "nvme_path": nvme} if nvme else {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 1.0,
@@ -80,7 +97,7 @@ def _engine_case(args: argparse.Namespace, overlap: bool) -> tuple[float, int, f
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": args.stage,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {**offload, "pin_memory": True},
             "lean_overlap_offload_step": overlap,
         },
     }
@@ -94,12 +111,21 @@ def _engine_case(args: argparse.Namespace, overlap: bool) -> tuple[float, int, f
         engine.backward(loss)
         engine.step()
 
+    io_before = psutil.Process().io_counters()
     seconds = _median(step, args.steps)
-    host = engine.optimizer.host_state_bytes() / params
+    io_after = psutil.Process().io_counters()
+    steps = args.steps + 2  # the warm-up steps move the same bytes
+    out = {
+        "seconds": seconds,
+        "host_bytes_per_param": engine.optimizer.host_state_bytes() / params,
+        "host_rss_bytes_per_param": psutil.Process().memory_info().rss / params,
+        "disk_read_gib_per_step": (io_after.read_bytes - io_before.read_bytes) / steps / 2**30,
+        "disk_written_gib_per_step": (io_after.write_bytes - io_before.write_bytes) / steps / 2**30,
+    }
     engine.destroy()
     gc.collect()
     torch.cuda.empty_cache()
-    return seconds, params, host
+    return out
 
 
 def _fwd_bwd(args: argparse.Namespace) -> tuple[float, int]:
@@ -179,7 +205,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
-    parser.add_argument("--bf16-states", action="store_true", help="bf16 master weights and optimizer states")
+    parser.add_argument("--cases", default="overlap_on,overlap_off,bf16_states,floor", help=", ".join(ENGINE_CASES))
+    parser.add_argument("--nvme-path", default="/tmp/nvme_swap", help="swap folder of the nvme case")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -192,23 +219,22 @@ def main() -> None:
     import deepspeed
 
     deepspeed.init_distributed("nccl")
-    meta = {"layers": args.layers, "seq": args.seq, "stage": args.stage, "bf16_states": args.bf16_states}
-    meta["device"] = torch.cuda.get_device_name()
+    meta = {"layers": args.layers, "seq": args.seq, "stage": args.stage, "device": torch.cuda.get_device_name()}
+    cases = args.cases.split(",")
     records = []
     fwd_bwd, params = _fwd_bwd(args)
     records.append({"case": "fwd_bwd", "seconds": fwd_bwd})
-    for overlap in (True, False):
-        seconds, _, host = _engine_case(args, overlap)
-        gc.collect()  # the engine and its model are unreachable now
-        torch.cuda.empty_cache()
-        records.append(
-            {"case": f"overlap_{'on' if overlap else 'off'}", "seconds": seconds, "host_bytes_per_param": host}
-        )
-    host_adam = _host_adam(params, max(2, args.steps // 2))
-    records.append({"case": "host_adam", "seconds": host_adam})
-    d2h, h2d = _copies(params, args.steps)
-    records += [{"case": "d2h", "seconds": d2h}, {"case": "h2d", "seconds": h2d}]
-    records.append({"case": "floor", "seconds": max(fwd_bwd, host_adam, d2h + h2d)})
+    for case in (c for c in cases if c in ENGINE_CASES):
+        overlap, bf16_states, nvme = ENGINE_CASES[case]
+        if nvme:
+            Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+        records.append({"case": case, **_engine_case(args, overlap, bf16_states, args.nvme_path if nvme else None)})
+    if "floor" in cases:
+        host_adam = _host_adam(params, max(2, args.steps // 2))
+        records.append({"case": "host_adam", "seconds": host_adam})
+        d2h, h2d = _copies(params, args.steps)
+        records += [{"case": "d2h", "seconds": d2h}, {"case": "h2d", "seconds": h2d}]
+        records.append({"case": "floor", "seconds": max(fwd_bwd, host_adam, d2h + h2d)})
     lines = [json.dumps({**meta, "params": params, **r}) for r in records]
     print("\n".join(lines))
     if args.out is not None:

@@ -7,6 +7,7 @@ many upstream getters read the validated config.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -99,6 +100,12 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             )
         self.sequence_parallel_size = sequence_layout.requested_size(self.config, mpu)
         sequence_layout.check_pipeline(self.sequence_parallel_size, self._is_pipeline_engine)
+        self.plan = sequence_layout.with_sequence_parallel_comm_dtype(
+            self.plan,
+            self.sequence_parallel_size,
+            config_class.seq_parallel_communication_data_type,
+            key_given="seq_parallel_communication_data_type" in self.config,
+        )
         if config_class.activation_checkpointing_config.cpu_checkpointing:
             problem = cpu_checkpointing_problem(self.module)
             if problem is not None:
@@ -518,9 +525,17 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         ls = self.plan.precision.loss_scale
         return 0.0 if ls is None or ls.dynamic else ls.static_scale
 
+    @property
     def communication_data_type(self) -> torch.dtype:
-        """dtype gradients are reduced in."""
+        """dtype gradients are reduced in (upstream: a property; under SP, ``seq_parallel_communication_data_type``)."""
         return self.plan.precision.comm_dtype
+
+    @communication_data_type.setter
+    def communication_data_type(self, value: torch.dtype) -> None:
+        # Read by what is built afterwards (the optimizers copy it when they are created).
+        self.plan = dataclasses.replace(self.plan, precision=dataclasses.replace(self.plan.precision, comm_dtype=value))
+        if hasattr(self, "_loop"):
+            self._loop.plan = self.plan
 
     def wall_clock_breakdown(self) -> bool:
         """Whether per-phase timers were requested."""
@@ -564,8 +579,6 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self._replace_batch(self.plan.batch.gradient_accumulation_steps, micro_batch_size)
 
     def _replace_batch(self, gas: int, micro: int) -> None:
-        import dataclasses
-
         batch = dataclasses.replace(
             self.plan.batch,
             gradient_accumulation_steps=gas,

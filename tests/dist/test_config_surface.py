@@ -95,6 +95,8 @@ EFFECTS: dict[str, tuple[Any, dict[str, Any], str]] = {
     "gradient_predivide_factor": (2.0, {}, "plan.grads.predivide_factor"),
     "gradient_allreduce_op": ("sum", {}, "plan.grads.reduce_op"),
     "communication_data_type": ("bf16", {}, "plan.precision.comm_dtype"),
+    # read by the engine under SP (tests/dist/test_ulysses_sp_precision.py checks the reduction dtype)
+    "seq_parallel_communication_data_type": ("bf16", {}, "seq_parallel_communication_data_type"),
     "zero_allow_untested_optimizer": (True, {}, "plan.zero_allow_untested_optimizer"),
     "zero_force_ds_cpu_optimizer": (False, {}, "plan.zero_force_ds_cpu_optimizer"),
     "optimizer.type": ("SGD", {}, "optimizer_name"),
@@ -352,7 +354,6 @@ NO_EFFECT_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
         {**_S3, _Z + "offload_optimizer.device": "cpu", "optimizer.type": "SGD", "zero_force_ds_cpu_optimizer": False},
     ),
     _Z + "cpu_offload_use_pin_memory": (True, {}),
-    "seq_parallel_communication_data_type": ("bf16", {}),
     "vocabulary_size": (50257, {}),
     "log_level": ("info", {}),
     "bf16.immediate_grad_update": (True, _BF16),

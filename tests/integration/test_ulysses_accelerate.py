@@ -6,8 +6,8 @@ attention), an SGD optimizer and a DataLoader. accelerate then calls ``UlyssesSP
 on the model, wraps the loader in ``UlyssesSPDataLoaderAdapter`` and passes the SP mpu to ``deepspeed.initialize``.
 Two SGD steps (clipping off) on the sequence's mean token loss (loss sums gathered over the SP group, as the HF
 Trainer does) must give exactly the losses and parameters of one process training on the whole sequences: this is
-full parity, not only a shape check. The test also checks that the engine got the SP mpu and that each batch is a
-half-length shard of the sequence.
+full parity, not only a shape check. Both routes run at ZeRO-2 and ZeRO-3 (parameters gathered to compare). The
+test also checks that the engine got the SP mpu and that each batch is a half-length shard of the sequence.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ LR, MICRO, SEQ, STEPS = 0.5, 1, 8, 2
 TIMEOUT = 240.0
 
 
-def _ds_config() -> dict:
+def _ds_config(stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 64, "allgather_bucket_size": 64},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
     }
@@ -40,7 +40,14 @@ def _batches() -> list[dict]:
     return [{k: v[0] for k, v in batch(20 + i, 1, SEQ).items()} for i in range(STEPS)]
 
 
-def _accelerator():
+def _full_params(engine) -> dict:
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):  # ZeRO-3: each rank holds a shard
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _accelerator(stage: int):
     from accelerate import Accelerator, PartialState
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
@@ -48,14 +55,14 @@ def _accelerator():
     PartialState(cpu=True)  # gloo process state first, as in the other accelerate tests
     handler = DeepSpeedSequenceParallelConfig(sp_seq_length=SEQ, sp_attn_implementation="sdpa")
     config = ParallelismConfig(sp_size=2, sp_backend="deepspeed", sp_handler=handler)
-    return Accelerator(parallelism_config=config, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_ds_config()))
+    return Accelerator(parallelism_config=config, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_ds_config(stage)))
 
 
-def _train_sp() -> dict:
+def _train_sp(stage: int) -> dict:
     import deepspeed.comm as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    accelerator = _accelerator()
+    accelerator = _accelerator(stage)
     model = tiny_llama("sdpa")
     loader = torch.utils.data.DataLoader(_batches(), batch_size=MICRO, shuffle=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -76,7 +83,8 @@ def _train_sp() -> dict:
         optimizer.step()
         optimizer.zero_grad()
         report["loss"].append(loss.item())
-    report["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    report["params"] = _full_params(engine)
+    report["stage"] = engine.zero_optimization_stage()
     report["rank"] = dist.get_rank()
     parallel_state_sp._release_sequence_parallel_groups()
     return report
@@ -99,11 +107,12 @@ def _reference() -> dict:
     return {"loss": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def test_accelerate_sp2_matches_whole_sequence() -> None:
-    results = run_distributed(_train_sp, 2, timeout=TIMEOUT, env=QUIET_ENV)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_sp2_matches_whole_sequence(stage: int) -> None:
+    results = run_distributed(_train_sp, 2, stage, timeout=TIMEOUT, env=QUIET_ENV)
     ref = _reference()
     for rank, got in enumerate(results):
-        assert got["mpu_is_sp"] and got["seq_parallel_size"] == 2, rank
+        assert got["mpu_is_sp"] and got["seq_parallel_size"] == 2 and got["stage"] == stage, rank
         assert got["loader_len"] == STEPS, rank
         assert got["shapes"] == [(MICRO, SEQ // 2)] * STEPS, rank
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), rank
@@ -123,7 +132,7 @@ class _Samples(torch.utils.data.Dataset):
         return self.samples[i]
 
 
-def _train_trainer(out_dir: str) -> dict:
+def _train_trainer(out_dir: str, stage: int) -> dict:
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import Trainer, TrainingArguments
@@ -132,7 +141,7 @@ def _train_trainer(out_dir: str) -> dict:
     args = TrainingArguments(
         output_dir=out_dir,
         use_cpu=True,
-        deepspeed={**_ds_config(), "gradient_clipping": "auto", "train_batch_size": "auto"},
+        deepspeed={**_ds_config(stage), "gradient_clipping": "auto", "train_batch_size": "auto"},
         parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed", sp_handler=handler),
         per_device_train_batch_size=MICRO,
         max_steps=STEPS,
@@ -150,17 +159,22 @@ def _train_trainer(out_dir: str) -> dict:
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     engine = trainer.model_wrapped
-    module = engine.module
-    params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    return {"loss": losses, "sp": engine.sequence_parallel_size, "params": params}
+    params = _full_params(engine)
+    return {
+        "loss": losses,
+        "sp": engine.sequence_parallel_size,
+        "stage": engine.zero_optimization_stage(),
+        "params": params,
+    }
 
 
-def test_hf_trainer_sp2_matches_whole_sequence(tmp_path) -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_sp2_matches_whole_sequence(tmp_path, stage: int) -> None:
     """The HF Trainer with ``TrainingArguments(parallelism_config=...)``: the same two SGD steps, the Trainer's own
     SP loss (token-weighted over the SP group), the same parameters as one process on the whole sequences."""
-    results = run_distributed(_train_trainer, 2, str(tmp_path), timeout=TIMEOUT, env=QUIET_ENV)
+    results = run_distributed(_train_trainer, 2, str(tmp_path), stage, timeout=TIMEOUT, env=QUIET_ENV)
     ref = _reference()
     for rank, got in enumerate(results):
-        assert got["sp"] == 2 and got["loss"] == pytest.approx(ref["loss"], rel=1e-4), rank
+        assert got["sp"] == 2 and got["stage"] == stage and got["loss"] == pytest.approx(ref["loss"], rel=1e-4), rank
         for name, want in ref["params"].items():
             torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")

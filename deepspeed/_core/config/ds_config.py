@@ -221,7 +221,7 @@ class DeepSpeedConfig:
 
     @property
     def seq_parallel_communication_data_type(self) -> torch.dtype:
-        """dtype for sequence-parallel communication."""
+        """dtype gradients are reduced in under sequence parallelism (replaces communication_data_type there)."""
         return to_torch_dtype(self._model.seq_parallel_communication_data_type)
 
     @property

@@ -109,7 +109,7 @@ class RootConfig(DeepSpeedLenientConfigModel):
     communication_data_type: str | None = None
     """dtype for gradient reduction (``fp16``/``bf16``/``fp32``); unset follows the working dtype."""
     seq_parallel_communication_data_type: str = "fp32"
-    """dtype for sequence-parallel communication."""
+    """dtype gradients are reduced in under sequence parallelism (replaces ``communication_data_type`` there)."""
     zero_allow_untested_optimizer: bool = False
     """Allow a client optimizer ZeRO does not know."""
     zero_force_ds_cpu_optimizer: bool = True

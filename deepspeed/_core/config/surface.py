@@ -148,7 +148,10 @@ _TOP_LEVEL: dict[str, KeyRule] = {
     "gradient_predivide_factor": _impl(),
     "gradient_allreduce_op": _impl(),
     "communication_data_type": _impl(),
-    "seq_parallel_communication_data_type": _noop("gradients under SP reduce in communication_data_type"),
+    "seq_parallel_communication_data_type": _impl(
+        "with sequence parallelism gradients are reduced in this dtype instead of communication_data_type; "
+        "without it, given at all, it warns that it does nothing"
+    ),
     "zero_allow_untested_optimizer": _impl(),
     "zero_force_ds_cpu_optimizer": _impl(),
     "vocabulary_size": _noop("not checked"),

@@ -10,18 +10,25 @@ With SP size ``sp`` the ranks form contiguous SP groups of ``sp`` (one sample's 
   losses agree, or their local means do over equal token counts), the sum of the SP ranks' gradients is ``sp``
   times the sequence's gradient (each rank's backward seeds its own loss and the exchanges carry the rest), so
   dividing the sum over all ``world`` ranks by ``world`` gives the mean over the ``world / sp`` replicas;
+* gradient communication: under SP the gradients are reduced in ``seq_parallel_communication_data_type``
+  (fp32 by default) instead of ``communication_data_type``, so a 16-bit model's SP ranks' partial gradients are
+  summed without rounding the sum to 16 bits;
 * checkpoints: model states are written by rank 0 of that all-rank group, ZeRO shards by each rank, and there is
   no model parallelism (mp rank 0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from deepspeed._core.comm import dist
 from deepspeed._core.config.base import DeepSpeedConfigError
 from deepspeed._core.sequence import groups as sp_groups
+from deepspeed._foundation.logging import logger
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,21 @@ def requested_size(config: dict, mpu: Any) -> int:
             "set them equal or leave the key out"
         )
     return size
+
+
+def with_sequence_parallel_comm_dtype(plan: Any, size: int, dtype: torch.dtype, *, key_given: bool) -> Any:
+    """``plan`` with gradients reduced in ``dtype`` (``seq_parallel_communication_data_type``) when ``size`` > 1.
+
+    Without SP the key changes nothing; when the config sets it anyway, one warning says so.
+    """
+    if size <= 1:
+        if key_given:
+            logger.warning(
+                "seq_parallel_communication_data_type has no effect without sequence parallelism "
+                "(sequence_parallel_size is 1); gradients are reduced in communication_data_type"
+            )
+        return plan
+    return dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, comm_dtype=dtype))
 
 
 def check_pipeline(size: int, pipeline: bool) -> None:
