@@ -230,8 +230,13 @@ class ParamSwapper:
             slot.buffer = slot.handle.new_cpu_locked_tensor(self.widest, torch.empty(0, dtype=torch.uint8))
         slot.owner, entry.slot, entry.loaded, entry.ahead = entry, slot, False, False
 
-    def _free(self) -> _Slot | None:
-        return next((s for s in self.slots if s.owner is None), None)
+    def _free(self, idle_only: bool = False) -> _Slot | None:
+        """A buffer nobody holds; with ``idle_only`` only one no copy on the device still reads (read-ahead must
+        not make the host wait for the device)."""
+        for slot in self.slots:
+            if slot.owner is None and (not idle_only or slot.guard is None or slot.guard.query()):
+                return slot
+        return None
 
     def _acquire(self, entry: _Entry, protect: set[int]) -> None:
         if entry.slot is not None:
@@ -318,7 +323,7 @@ class ParamSwapper:
             entry = self.entries.get(state.ds_id)
             if entry is None or entry.slot is not None:
                 continue
-            slot = self._free()
+            slot = self._free(idle_only=True)
             if slot is None:
                 break
             self._claim(slot, entry)
