@@ -4,6 +4,7 @@ footprint, checkpoints, ZeRO-1/2 ignoring the block, bad paths and damaged files
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -220,7 +221,22 @@ def test_bad_param_nvme_path_is_refused_at_stage_3_only(path: str | None, match:
     DeepSpeedConfig(cfg)
 
 
-def test_zero2_ignores_nvme_params(tmp_path: Path) -> None:
+def test_zero2_ignores_nvme_params_with_a_warning(tmp_path: Path) -> None:
+    from deepspeed._core.engine.setup import warn_param_offload_ignored
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils.logging import logger
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        warn_param_offload_ignored(DeepSpeedConfig(_config(str(tmp_path), stage=2)).plan)
+        warn_param_offload_ignored(DeepSpeedConfig(_config(str(tmp_path), stage=3)).plan)
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records if "offload_param" in r.getMessage()]
+    assert len(said) == 1 and "ZeRO stage 2" in said[0] and "'nvme'" in said[0], said
     a = run_distributed(_train, 1, 1, _config(str(tmp_path), stage=2))
     b = run_distributed(_train, 1, 1, _config(None, stage=2))
     assert not list(tmp_path.iterdir())  # nothing swapped

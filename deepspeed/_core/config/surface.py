@@ -179,8 +179,8 @@ _ZERO: dict[str, KeyRule] = {
     "load_from_fp32_weights": _impl(),
     "elastic_checkpoint": _noop("ZeRO-1/2 checkpoints load at any data-parallel size regardless"),
     "offload_param.device": _impl(
-        "ZeRO-3 only (stages 0-2 ignore offload_param, as upstream does): cpu keeps partitions in host memory, "
-        "nvme in swap files read through a pool of pinned buffers ahead of each gather"
+        "ZeRO-3 only (stages 0-2 ignore offload_param as upstream does, with a warning): cpu keeps partitions in "
+        "host memory, nvme in swap files read through a pool of pinned buffers ahead of each gather"
     ),
     "offload_param.nvme_path": _impl("required with device nvme at ZeRO-3, and a writable directory; " + _NVME_PARAM),
     "offload_param.buffer_count": _impl("pinned buffers partitions are read into before a gather; " + _NVME_PARAM),

@@ -24,6 +24,7 @@ from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed._core.optim.stage12 import ZeroOptimizer
 from deepspeed._core.params.gather import ParamTarget
 from deepspeed._core.params.manager import ParamStorage, ShardAllocation, ZeroParamManager
+from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
 
@@ -45,6 +46,19 @@ def resolve_device(local_rank: int) -> torch.device:
     return torch.device(name)
 
 
+PARAM_OFFLOAD_IGNORED = (
+    "zero_optimization.offload_param (device {device!r}) has no effect at ZeRO stage {stage}, as upstream: "
+    "parameters are offloaded only at stage 3"
+)
+
+
+def warn_param_offload_ignored(plan: RunPlan) -> None:
+    """Stages 0-2 keep the parameters whole on the device whatever ``offload_param`` says; say so once."""
+    policy = plan.zero.offload_param
+    if policy.enabled and plan.zero.stage != 3:
+        logger.warning(PARAM_OFFLOAD_IGNORED.format(device=policy.device.value, stage=plan.zero.stage))
+
+
 def prepare_module(module: torch.nn.Module, plan: RunPlan, device: torch.device | None) -> None:
     """Place the module on ``device`` (unless ``None``) in the working dtype, one tensor at a time.
 
@@ -53,6 +67,7 @@ def prepare_module(module: torch.nn.Module, plan: RunPlan, device: torch.device 
     the host-built model whole in fp32. Stage 3 leaves parameters where they are: the partitioner copies each
     rank's slice straight into its shard ([Note: zero3-init]).
     """
+    warn_param_offload_ignored(plan)
     if device is not None:
         _place_buffers(module, device)
     if plan.zero.stage == 3:
