@@ -78,7 +78,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
 
     buffer_count: int = Field(4, ge=0)
     """Host buffer sets (fp32 master and moments of one step chunk each) the NVMe swapper cycles through; reads run
-    up to ``buffer_count - 1`` chunks ahead of the step with ``pipeline_read``."""
+    up to ``buffer_count - 1`` chunks ahead of the step with ``pipeline_read`` (``buffer_count - 2`` when
+    ``pipeline_write`` is on too and there are three or more, so a chunk's write overlaps the next chunk's step)."""
 
     pin_memory: bool = True
     """Use page-locked host buffers. Default true since upstream v0.19.5. Gradient staging goes through a few fixed

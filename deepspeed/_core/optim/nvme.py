@@ -172,6 +172,15 @@ class NvmeSwapper:
             slot.reader.async_pread(buf, str(files.path(key)), chunk.start * buf.element_size())
             self.bytes_read += buf.nbytes
 
+    def reads_ahead(self) -> int:
+        """Chunks read ahead of the one stepping: every other buffer set with ``pipeline_read``, but one fewer with
+        ``pipeline_write`` too (three sets or more), so the set a chunk was just written from is not the next one
+        read into: its write then completes while the next chunk steps instead of being waited for at once."""
+        if not self.read_ahead:
+            return 0
+        keep_for_write = 2 if self.write_behind and len(self.slots) >= 3 else 1
+        return max(0, len(self.slots) - keep_for_write)
+
     def stream(self) -> Iterator[tuple[Chunk, dict[str, torch.Tensor], Any]]:
         """Yield ``(chunk, buffers, done)`` for every chunk, its master and states read; the caller steps the buffers
         in place (adding states it creates to ``buffers``) and calls ``done()``, which writes them back."""
@@ -181,7 +190,7 @@ class NvmeSwapper:
         # What exists before this step is what every chunk reads: a state the first step creates is new in every
         # chunk of that step, even after an earlier chunk has created its file.
         keys = [dict(f.dtypes) for f in self.files]
-        ahead = max(0, len(self.slots) - 1) if self.read_ahead else 0
+        ahead = self.reads_ahead()
         for i in range(min(ahead + 1, len(chunks))):
             self._start_read(self.slots[i % len(self.slots)], chunks[i], keys[chunks[i].group])
         for i, chunk in enumerate(chunks):
