@@ -99,6 +99,7 @@ def test_nvme_params_bit_equal_to_cpu_offload(world: int, opt_nvme: bool, persis
             assert torch.equal(a["weights"][k], b["weights"][k]), k
         stats = b["stats"]
         assert stats.reads > 0 and stats.writes > 0, stats
+        assert stats.overlapped_writes > 0, stats  # write-backs of consecutive partitions in flight together
         # Reads were started ahead of the gathers (trace order) and the gathers found them in a buffer.
         assert stats.read_ahead > 0 and stats.read_ahead_used > 0, stats
     for rank, r in enumerate(nvme):

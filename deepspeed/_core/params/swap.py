@@ -68,6 +68,7 @@ class SwapStats:
     read_ahead: int = 0  # of those, started by read-ahead
     read_ahead_used: int = 0  # read-ahead partitions a gather found already in a buffer
     writes: int = 0
+    overlapped_writes: int = 0  # writes started while another was still in flight
     bytes_read: int = 0
     bytes_written: int = 0
 
@@ -79,7 +80,8 @@ class _Slot:
     handle: Any
     buffer: torch.Tensor | None = None  # uint8, allocated at first use
     owner: _Entry | None = None
-    reading: bool = False
+    inflight: bool = False  # a read or write of the buffer is queued on the handle
+    wrote: _Entry | None = None  # the partition whose write may still be in flight from this buffer
     guard: Any = None  # event after the last copy that read the buffer; synchronized before it is refilled
 
 
@@ -96,6 +98,7 @@ class _Entry:
     loaded: bool = False  # the slot holds (or is reading) the file's values
     ahead: bool = False  # loaded by read-ahead and not used yet
     busy: int = 0  # uses holding the slot: a gather until its copy-out, an open block
+    write_slot: _Slot | None = None  # the buffer its last write may still be in flight from
 
     @property
     def nbytes(self) -> int:
@@ -103,9 +106,13 @@ class _Entry:
 
 
 def _settle(slot: _Slot) -> None:
-    if slot.reading:
+    """Wait for the buffer's I/O in flight and for the last device copy that read it."""
+    if slot.inflight:
         slot.handle.wait()
-        slot.reading = False
+        slot.inflight = False
+    if slot.wrote is not None:
+        slot.wrote.write_slot = None
+        slot.wrote = None
     if slot.guard is not None:
         slot.guard.synchronize()
         slot.guard = None
@@ -233,10 +240,11 @@ class ParamSwapper:
     def _free(self, idle_only: bool = False) -> _Slot | None:
         """A buffer nobody holds; with ``idle_only`` only one no copy on the device still reads (read-ahead must
         not make the host wait for the device)."""
-        for slot in self.slots:
-            if slot.owner is None and (not idle_only or slot.guard is None or slot.guard.query()):
-                return slot
-        return None
+        free = [s for s in self.slots if s.owner is None]
+        if idle_only:
+            free = [s for s in free if s.guard is None or s.guard.query()]
+        # A buffer with no I/O in flight first: taking one still writing makes the host wait for the disk.
+        return min(free, key=lambda s: s.inflight, default=None)
 
     def _acquire(self, entry: _Entry, protect: set[int]) -> None:
         if entry.slot is not None:
@@ -264,16 +272,18 @@ class ParamSwapper:
     def _drop(self, entry: _Entry) -> None:
         slot = entry.slot
         assert slot is not None and entry.busy == 0
-        _settle(slot)
+        # I/O still in flight (a read ahead, a write back) is waited for by the buffer's next user (_claim).
         slot.owner, entry.slot, entry.loaded, entry.ahead = None, None, False, False
         entry.state.shard = entry.placeholder
 
     def _start_read(self, entry: _Entry) -> None:
+        if entry.write_slot is not None:
+            _settle(entry.write_slot)  # its last write lands before the file is read
         swap_file.check_file(entry.path, entry.nbytes, f"parameter partition (ds_id {entry.state.ds_id})")
         slot = entry.slot
         assert slot is not None and slot.buffer is not None
         slot.handle.async_pread(slot.buffer[: entry.nbytes], str(entry.path), 0)
-        slot.reading, entry.loaded = True, True
+        slot.inflight, entry.loaded = True, True
         self.stats.reads += 1
         self.stats.bytes_read += entry.nbytes
 
@@ -293,9 +303,7 @@ class ParamSwapper:
         for entry in entries:
             slot = entry.slot
             assert slot is not None
-            if slot.reading:
-                slot.handle.wait()
-                slot.reading = False
+            _settle(slot)
             entry.state.shard = self._view(entry)
 
     def release(self, states: list[ZeroParam], guard: Any = None) -> None:
@@ -356,18 +364,28 @@ class ParamSwapper:
             ok = True
         finally:
             if ok and access is not ShardAccess.READ:
-                if state.full.device.type != "cpu":
-                    get_accelerator().synchronize()  # copies into the buffer may be non-blocking
-                swap_file.allocate_file(entry.path, entry.nbytes, f"{KEY}.nvme_path")
-                self._io.sync_pwrite(view, str(entry.path))
-                entry.loaded = True
-                self.stats.writes += 1
-                self.stats.bytes_written += entry.nbytes
+                self._write_back(entry, slot)
             elif not ok and access is not ShardAccess.READ:
                 entry.loaded = False  # half-written: the buffer no longer holds the file's values
             entry.busy -= 1
             if entry.busy == 0:
                 self._drop(entry)
+
+    def _write_back(self, entry: _Entry, slot: _Slot) -> None:
+        """Start writing ``slot``'s values to ``entry``'s file; the buffer's next user waits for it, and so does
+        the next read of the file."""
+        if entry.state.full.device.type != "cpu":
+            get_accelerator().synchronize()  # copies into the buffer may be non-blocking
+        if entry.write_slot is not None and entry.write_slot is not slot:
+            _settle(entry.write_slot)  # an earlier write of this partition lands first
+        if any(s.inflight and s.wrote is not None for s in self.slots):
+            self.stats.overlapped_writes += 1
+        swap_file.allocate_file(entry.path, entry.nbytes, f"{KEY}.nvme_path")
+        assert slot.buffer is not None
+        slot.handle.async_pwrite(slot.buffer[: entry.nbytes], str(entry.path), 0)
+        slot.inflight, slot.wrote, entry.write_slot = True, entry, slot
+        self.stats.writes += 1
+        self.stats.bytes_written += entry.nbytes
 
     def close(self) -> None:
         """Wait for reads in flight, free the buffers and remove this rank's swap files."""
