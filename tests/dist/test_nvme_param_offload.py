@@ -201,9 +201,10 @@ def _build(world: int, cfg: dict) -> str:
 
 
 def test_partition_larger_than_buffer_size_is_refused_before_partitioning(tmp_path: Path) -> None:
-    (message,) = run_distributed(_build, 1, 1, _config(str(tmp_path), buffer_size=1000))
-    assert "offload_param.buffer_size=1000" in message and "1081 elements" in message, message
-    assert "at least 1081" in message and "max_in_cpu" in message, message
+    # World 2: each rank raises on its own, before any collective (a rank waiting in one would hang the test).
+    for message in run_distributed(_build, 2, 2, _config(str(tmp_path), buffer_size=500)):
+        assert "offload_param.buffer_size=500" in message and "541 elements" in message, message
+        assert "at least 541" in message and "max_in_cpu" in message, message
     assert not (tmp_path / "zero_stage_3").exists()  # nothing written
 
 
