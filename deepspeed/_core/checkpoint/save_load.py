@@ -339,7 +339,6 @@ def build_model_state(
         "lr_scheduler": subject.lr_scheduler.state_dict() if subject.lr_scheduler is not None else None,
         "data_sampler": None,
         "random_ltd": None,
-        "sparse_tensor_module_names": set(),
         "skipped_steps": counters["skipped_steps"],
         "global_steps": counters["global_steps"],
         "global_samples": counters["global_samples"],
