@@ -238,6 +238,12 @@ class ShardedOptimizer(EngineOptimizer):
             state_dict_list = [state_dict_list]
         self.checkpoint_format.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
 
+    def checkpoint_check_shards(self, state_dict_list: list) -> None:
+        """Raise if the saved shards cannot be loaded (called while reading, before anything changes)."""
+        check = getattr(self.checkpoint_format, "check_shards", None)
+        if callable(check):
+            check(state_dict_list)
+
     def universal_targets(self) -> list:
         """Per flat group, the parameter pieces this rank's master holds (``UniversalTarget`` list)."""
         return self.checkpoint_format.universal_targets(self)

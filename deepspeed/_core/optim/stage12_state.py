@@ -120,6 +120,7 @@ def restore_scaler_state(opt: Any, shards: list[dict], stage_name: str) -> None:
 
 def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
     """Restore ``opt`` from every saved rank's shard (any saved world size)."""
+    check_shards(shards)
     restore_scaler_state(opt, shards, "ZeRO-1/2")
     for g, group in enumerate(opt.groups):
         layout = group.flat.layout
@@ -133,6 +134,23 @@ def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_
     if load_optimizer_states:
         _load_inner_state(opt, shards)
     opt.publish_weights()
+
+
+def check_shards(shards: list) -> None:
+    """Refuse shards this format cannot read, before anything is loaded.
+
+    Files whose flat groups pad between parameters (upstream's ``zero_optimization.parameter_alignment``) are
+    sliced differently; reading them as packed would silently misplace every value after the first padding.
+    """
+    for shard in shards:
+        paddings = (shard or {}).get(PARAM_ALIGNMENT_PADDINGS) or []
+        if any(any(group) for group in paddings):
+            raise ValueError(
+                f"the ZeRO checkpoint's '{PARAM_ALIGNMENT_PADDINGS}' are not all 0: it was saved with "
+                "zero_optimization.parameter_alignment, whose padded layout this package cannot read; save it "
+                "without that setting, or convert it with upstream's ds_to_universal and load it with "
+                "checkpoint.load_universal"
+            )
 
 
 def _partition_count(shard: dict, index: int, default: int) -> int:
