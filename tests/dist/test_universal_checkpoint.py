@@ -245,3 +245,53 @@ def test_bf16_world2_to_world1_other_stage(tmp_path: object, src: int, dst: int)
         torch.testing.assert_close(
             got["end"][name], value, rtol=0, atol=BF16_CONTINUE_ATOL, msg=lambda m, n=name: f"{n} after 2 steps: {m}"
         )
+
+
+# --- frozen parameters ----------------------------------------------------------------------------------------
+def _frozen_save(stage: int, world: int, save_dir: str, steps: int) -> None:
+    import deepspeed
+
+    cfg = _config(stage, world, universal=False)
+    engine, *_ = deepspeed.initialize(model=make_model(0, frozen_first=True), config=cfg)
+    _train(engine, range(steps), world)
+    engine.save_checkpoint(save_dir)
+
+
+def _frozen_resume(stage: int, world: int, load_dir: str, start: int, end: int) -> dict:
+    """Other init (so the frozen fc1 starts elsewhere too), load, record every weight, train to ``end``."""
+    import deepspeed
+
+    cfg = _config(stage, world, universal=True)
+    engine, *_ = deepspeed.initialize(model=make_model(123, frozen_first=True), config=cfg)
+    engine.load_checkpoint(load_dir)
+    assert engine.global_steps == start
+    loaded = _full_weights(engine, stage)
+    _train(engine, range(start, end), world)
+    return {"loaded": loaded, "end": _full_weights(engine, stage)}
+
+
+def _frozen_reference(steps: int) -> dict:
+    model = make_model(0, frozen_first=True)
+    reference_train(model, steps, GLOBAL, 1, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01), clip=1.0)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("src,dst", [((2, 2), (3, 2)), ((3, 2), (3, 1))])
+def test_frozen_parameters_under_zero3_loader(tmp_path: object, src: tuple, dst: tuple) -> None:
+    """A model with a frozen layer (fc1), converted and loaded by a ZeRO-3 engine (``(stage, world)`` pairs): the
+    frozen weights come back as saved (not the new run's initial values), the trainable ones load, and training
+    continues as the single-process reference."""
+    root = str(tmp_path)
+    run_distributed(_frozen_save, src[1], src[0], src[1], os.path.join(root, "ckpt"), 2)
+    _convert(os.path.join(root, "ckpt", "global_step2"), os.path.join(root, "univ", "u"))
+    results = run_distributed(_frozen_resume, dst[1], dst[0], dst[1], os.path.join(root, "univ"), 2, 4)
+    saved, ref = _frozen_reference(2), _frozen_reference(4)
+    fresh = make_model(123, frozen_first=True).state_dict()
+    for res in results:
+        if res["loaded"] is None:  # ZeRO-3 consolidates on rank 0 only
+            continue
+        for name in ("fc1.weight", "fc1.bias"):
+            assert torch.equal(res["loaded"][name], saved[name]) and not torch.equal(res["loaded"][name], fresh[name])
+        _assert_matches(res["loaded"], saved)
+        _assert_matches(res["end"], ref)
+    assert results[0]["loaded"] is not None
