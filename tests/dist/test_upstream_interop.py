@@ -200,10 +200,8 @@ def _load_refused(case_dir: str, meta: dict) -> dict:
     return {"error": error, "unchanged": unchanged and masters_kept}
 
 
-@pytest.mark.parametrize("case", ["zero2_fp32_ws2"])
-def test_parameter_aligned_shards_are_refused(case: str, tmp_path) -> None:
-    """A file saved with upstream's parameter_alignment (non-zero ``param_alignment_paddings``) pads between
-    parameters; it is refused on every rank, naming the key, before the engine changes."""
+def _aligned_copy(case: str, tmp_path) -> str:
+    """A copy of ``case`` whose rank-1 shard claims a padding after the second parameter (parameter_alignment)."""
     import shutil
 
     import deepspeed.runtime.engine_checkpointing  # noqa: F401 - registers ZeroStageEnum for safe loading
@@ -217,7 +215,28 @@ def test_parameter_aligned_shards_are_refused(case: str, tmp_path) -> None:
     assert paddings and not any(any(g) for g in paddings), paddings  # upstream's files: all zero
     paddings[0][1] = 4
     torch.save(state, shard)
-    results = run_distributed(_load_refused, 2, str(folder), _meta(case))
+    return str(folder)
+
+
+def test_parameter_aligned_shards_are_refused(tmp_path) -> None:
+    """A file saved with upstream's parameter_alignment (non-zero ``param_alignment_paddings``) pads between
+    parameters; it is refused on every rank, naming the key, before the engine changes."""
+    folder = _aligned_copy("zero2_fp32_ws2", tmp_path)
+    results = run_distributed(_load_refused, 2, folder, _meta("zero2_fp32_ws2"))
     for res in results:
         assert "param_alignment_paddings" in res["error"] and "parameter_alignment" in res["error"], res["error"]
         assert res["unchanged"]
+
+
+def test_parameter_aligned_shards_are_refused_by_zero_to_fp32_and_the_converter(tmp_path) -> None:
+    from deepspeed._core.checkpoint.universal import UnsupportedCheckpointError
+    from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = _aligned_copy("zero2_fp32_ws2", tmp_path)
+    with pytest.raises(ValueError, match="param_alignment_paddings"):
+        get_fp32_state_dict_from_zero_checkpoint(folder)
+    out = str(tmp_path / "univ" / "u")
+    with pytest.raises(UnsupportedCheckpointError, match="param_alignment_paddings"):
+        main(parse_arguments(["--input_folder", os.path.join(folder, "global_step2"), "--output_folder", out]))
+    assert not os.path.exists(out)
