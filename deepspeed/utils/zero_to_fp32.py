@@ -215,6 +215,18 @@ def _parse_model_file(path: str) -> ZeroModelState:
     )
 
 
+def _refuse_aligned(states: list[dict], paths: list[str]) -> None:
+    """Files saved with ``zero_optimization.parameter_alignment`` pad between parameters; read as packed, every value
+    after the first padding would land in the wrong parameter."""
+    key = "param_alignment_paddings"
+    for state, path in zip(states, paths, strict=True):
+        if any(any(group) for group in state.get(key) or []):
+            raise ValueError(
+                f"'{path}': its '{key}' are not all 0 (saved with zero_optimization.parameter_alignment); "
+                "this script cannot consolidate that layout"
+            )
+
+
 def _parse_optim_files(paths: list[str]) -> ZeroShards:
     states = [_load(p, mmap=True)[OPTIMIZER_STATE_DICT] for p in paths]
     first = states[0]
@@ -230,6 +242,7 @@ def _parse_optim_files(paths: list[str]) -> ZeroShards:
         raise ValueError(f"expected {world} optimizer files (partition_count) but found {len(paths)}: {paths}")
     groups: list[list[torch.Tensor]] | list[torch.Tensor]
     if stage <= 2:
+        _refuse_aligned(states, paths)
         groups = [list(s[SINGLE_PARTITION_OF_FP32_GROUPS]) for s in states]
     else:
         groups = [torch.cat([t.reshape(-1) for t in s[FP32_FLAT_GROUPS]]) for s in states]

@@ -129,7 +129,6 @@ def _layout_and_hf_expectations(root: str) -> None:
         "lr_scheduler",
         "data_sampler",
         "random_ltd",
-        "sparse_tensor_module_names",
         "skipped_steps",
         "global_steps",
         "global_samples",

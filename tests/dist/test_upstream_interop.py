@@ -51,7 +51,7 @@ def _step3_tolerance(meta: dict) -> dict[str, float]:
 
 
 def test_fixtures_present() -> None:
-    assert len(CASES) >= 6, f"expected the upstream fixtures under {FIXTURES}, found {CASES}"
+    assert len(CASES) >= 12, f"expected the upstream fixtures under {FIXTURES}, found {CASES}"
     for case in CASES:
         meta = _meta(case)
         assert meta["deepspeed_version"].startswith("0.19."), (case, meta["deepspeed_version"])
@@ -180,3 +180,63 @@ def test_engine_loads_upstream_elastic(case: str) -> None:
     meta = _meta(case)
     assert meta["world_size"] == 2
     _check(case, run_distributed(_load_and_step, 1, os.path.join(FIXTURES, case), meta, 1))
+
+
+def _load_refused(case_dir: str, meta: dict) -> dict:
+    """Rank body: loading must raise on every rank and leave the module and masters as they were."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=make_model(123), config=meta["config"])
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    masters = _full_fp32(engine, meta)
+    try:
+        engine.load_checkpoint(case_dir)
+    except ValueError as err:
+        error = str(err)
+    else:
+        error = ""
+    unchanged = all(torch.equal(v, before[k]) for k, v in engine.module.state_dict().items())
+    masters_kept = all(torch.equal(v, masters[k]) for k, v in _full_fp32(engine, meta).items())
+    return {"error": error, "unchanged": unchanged and masters_kept}
+
+
+def _aligned_copy(case: str, tmp_path) -> str:
+    """A copy of ``case`` whose rank-1 shard claims a padding after the second parameter (parameter_alignment)."""
+    import shutil
+
+    import deepspeed.runtime.engine_checkpointing  # noqa: F401 - registers ZeroStageEnum for safe loading
+    from deepspeed._core.checkpoint import files as checkpoint_io
+
+    folder = tmp_path / case
+    shutil.copytree(os.path.join(FIXTURES, case), folder)
+    shard = folder / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    state = checkpoint_io.load_file(str(shard), 0, checkpoint_io.LoadTrust.SAFE)
+    paddings = state["optimizer_state_dict"]["param_alignment_paddings"]
+    assert paddings and not any(any(g) for g in paddings), paddings  # upstream's files: all zero
+    paddings[0][1] = 4
+    torch.save(state, shard)
+    return str(folder)
+
+
+def test_parameter_aligned_shards_are_refused(tmp_path) -> None:
+    """A file saved with upstream's parameter_alignment (non-zero ``param_alignment_paddings``) pads between
+    parameters; it is refused on every rank, naming the key, before the engine changes."""
+    folder = _aligned_copy("zero2_fp32_ws2", tmp_path)
+    results = run_distributed(_load_refused, 2, folder, _meta("zero2_fp32_ws2"))
+    for res in results:
+        assert "param_alignment_paddings" in res["error"] and "parameter_alignment" in res["error"], res["error"]
+        assert res["unchanged"]
+
+
+def test_parameter_aligned_shards_are_refused_by_zero_to_fp32_and_the_converter(tmp_path) -> None:
+    from deepspeed._core.checkpoint.universal import UnsupportedCheckpointError
+    from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = _aligned_copy("zero2_fp32_ws2", tmp_path)
+    with pytest.raises(ValueError, match="param_alignment_paddings"):
+        get_fp32_state_dict_from_zero_checkpoint(folder)
+    out = str(tmp_path / "univ" / "u")
+    with pytest.raises(UnsupportedCheckpointError, match="param_alignment_paddings"):
+        main(parse_arguments(["--input_folder", os.path.join(folder, "global_step2"), "--output_folder", out]))
+    assert not os.path.exists(out)

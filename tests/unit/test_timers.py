@@ -159,3 +159,43 @@ def test_trim_mean() -> None:
     # 20 values, 10 % trimmed at each end: two 1s and two 100s go.
     assert trim_mean([1.0, 2.0, 3.0, 100.0] * 5, 0.1) == pytest.approx((1 * 3 + 2 * 5 + 3 * 5 + 100 * 3) / 16)
     assert trim_mean([], 0.1) == 0
+
+
+ZERO12_NAMES = ["optimizer_allgather", "optimizer_gradients", "optimizer_step"]
+
+
+def _zero_timers(stage: int, breakdown: bool) -> dict:
+    """Two optimizer steps (2 ranks) of a ZeRO run; the printed timer lines and the timers left afterwards."""
+    import deepspeed
+    from deepspeed import comm as dist
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "wall_clock_breakdown": breakdown,
+    }
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for step in range(2):
+            engine.backward(engine(*micro_batch(step, dist.get_rank())))
+            engine.step()
+    lines = [ln for ln in out.getvalue().splitlines() if "time (ms)" in ln]
+    return {"lines": lines, "names": sorted(engine.get_wall_clock_timers())}
+
+
+@pytest.mark.parametrize("stage,names", [(1, ZERO12_NAMES), (2, ZERO12_NAMES), (3, ["optimizer_step"])])
+def test_zero_optimizer_timers_follow_wall_clock_breakdown(stage: int, names: list[str]) -> None:
+    """With the switch, each ZeRO step prints and keeps upstream's ``optimizer_*`` timers (rank 0 prints);
+    without it there are neither lines nor timers."""
+    on = run_distributed(_zero_timers, 2, stage, True)
+    lines = [ln for ln in on[0]["lines"] if ln.startswith("[Rank 0] time (ms) | optimizer_")]
+    assert [_names(ln) for ln in lines] == [names, names], on[0]["lines"]  # one line per optimizer step
+    assert all(float(ln.split("optimizer_step: ")[1].split()[0]) > 0 for ln in lines), lines
+    assert on[1]["lines"] == []  # printing is rank 0's
+    for res in on:
+        assert set(names) <= set(res["names"]), res["names"]
+    off = run_distributed(_zero_timers, 2, stage, False)
+    for res in off:
+        assert res["lines"] == [] and res["names"] == [], res

@@ -60,7 +60,8 @@ class ShardedCheckpointOptimizer(Protocol):
     """What a ZeRO (stage 1-3) wrapped optimizer implements to be checkpointed.
 
     Optional extras, called when present: ``checkpoint_event_prologue()`` / ``checkpoint_event_epilogue()``
-    around save and load (ZeRO-3: make parameters partitioned and quiescent), and
+    around save and load (ZeRO-3: make parameters partitioned and quiescent),
+    ``checkpoint_check_shards(state_dict_list)`` to refuse shards it cannot read while nothing has changed yet, and
     ``checkpoint_shard_ranks(saved_dp_world_size) -> list[int]`` to read fewer than all shards (the
     list handed to ``load_state_dict`` then holds ``None`` for the shards not read).
     """
@@ -342,7 +343,6 @@ def build_model_state(
         "lr_scheduler": subject.lr_scheduler.state_dict() if subject.lr_scheduler is not None else None,
         "data_sampler": None,
         "random_ltd": None,
-        "sparse_tensor_module_names": set(),
         "skipped_steps": counters["skipped_steps"],
         "global_steps": counters["global_steps"],
         "global_samples": counters["global_samples"],
@@ -548,6 +548,9 @@ def _read_rank_files(subject: CheckpointSubject, request: LoadRequest, ckpt_dir:
         if subject.optimizer is not None and subject.topology.shards_optimizer and wants_shards:
             saved_dp = int(state.get("dp_world_size", subject.topology.dp_world_size))
             shards = _read_optimizer_shards(subject, request, ckpt_dir, saved_dp)
+            check = getattr(subject.optimizer, "checkpoint_check_shards", None)
+            if callable(check):
+                check(shards)
     except Exception as err:  # noqa: BLE001 - re-raised after the agreement below
         error = err
     # Later steps may run collectives (ZeRO load); no rank may enter them while another has failed.

@@ -58,6 +58,7 @@ STEP = "step"
 PARAM_GROUPS = "param_groups"
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 SINGLE_PARTITION = "single_partition_of_fp32_groups"
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
 BASE_STATE = "base_optimizer_state"
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 UNIVERSAL_INFO = "universal_checkpoint_info"
@@ -205,6 +206,14 @@ def _check_shards(src: _Source) -> None:
                 raise UnsupportedCheckpointError(
                     f"'{path}' holds the elastic_checkpoint optimizer format: universal conversion of it is not "
                     "supported (save with zero_optimization.elastic_checkpoint false)",
+                    path,
+                    None,
+                )
+            if any(any(group) for group in osd.get(PARAM_ALIGNMENT_PADDINGS) or []):
+                raise UnsupportedCheckpointError(
+                    f"'{path}': its '{PARAM_ALIGNMENT_PADDINGS}' are not all 0 (saved with "
+                    "zero_optimization.parameter_alignment, which pads between parameters): universal conversion "
+                    "of that layout is not supported",
                     path,
                     None,
                 )

@@ -7,7 +7,8 @@ elements of which parameters its flat masters hold (``universal_targets()``: a Z
 group, or a ZeRO-3 shard of each parameter), memory-maps each parameter's ``fp32.pt`` and moment files and
 copies just those elements. Counters, the LR scheduler and the client state come from the model-states file the
 folder carries; buffers come from its ``module`` entry and parameters the optimizer does not hold (frozen ones)
-from their ``fp32.pt``.
+from their ``fp32.pt``. Under ZeRO-3 a frozen parameter is gathered one at a time, given the file's values on
+every rank and partitioned again (a collective per frozen parameter, in the module's order on every rank).
 
 Every file is read, and every rank has agreed that its reads succeeded, before anything is changed: a missing,
 truncated or refused file raises on every rank (naming the file) and leaves the engine as it was.
@@ -38,6 +39,7 @@ from deepspeed._core.checkpoint.universal import (
 )
 from deepspeed._core.comm import dist
 from deepspeed._core.optim.universal_state import UniversalGroupState, UniversalTarget
+from deepspeed._core.params.gathered import GatheredContext, ModifierRank, collect_states
 
 
 class UniversalFolder:
@@ -265,15 +267,9 @@ def _read_frozen(
     for name, param in subject.module.named_parameters():
         if id(param) in held:
             continue
-        if subject.topology.model_file_per_dp_rank:
-            raise UnsupportedCheckpointError(
-                f"checkpoint.load_universal: the frozen parameter '{name}' cannot be restored under ZeRO-3 yet",
-                folder.root,
-                folder.rank,
-            )
         if not os.path.isfile(folder.path(name, FP32)) and not request.module_strict:
             continue
-        out[name] = folder.values(name, FP32, param.numel())
+        out[name] = folder.values(name, FP32, _full_numel(param))
     return out
 
 
@@ -285,6 +281,19 @@ def _apply(subject: ckpt.CheckpointSubject, request: ckpt.LoadRequest, reads: _R
             module.get_buffer(name).copy_(value)
         params = dict(module.named_parameters())
         for name, value in reads.frozen.items():
-            params[name].copy_(value.view(params[name].shape))
+            _set_full_value(params[name], value)
     subject.optimizer.load_universal_state(reads.groups, reads.global_state)
     ckpt._apply_scheduler(subject, request, reads.state)
+
+
+def _set_full_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Give ``param`` the full ``value``; a ZeRO-3 partitioned parameter is gathered, written and partitioned again.
+
+    Every rank read the same file, so rank 0's copy (broadcast on leaving the context) equals everyone's.
+    """
+    states = collect_states(param)
+    if not states:
+        param.copy_(value.view(param.shape))
+        return
+    with GatheredContext(states, ModifierRank(0)):
+        param.data.copy_(value.view(param.data.shape))

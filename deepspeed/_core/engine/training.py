@@ -59,6 +59,8 @@ class TrainingLoop:
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
         self.memory = MemoryReporter(plan, n_params, plan.batch.dp_world_size, analyser)
         self.observer = StepObserver(plan, self.memory.floor.device)
+        if hasattr(optimizer, "timers"):  # ZeRO optimizers time their phases on the engine's timers
+            optimizer.timers = self.observer.timers  # type: ignore[union-attr]
         if plan.zero.offload_optimizer.enabled and hasattr(optimizer, "host_state_bytes"):
             self.memory.host_probe = optimizer.host_state_bytes  # type: ignore[union-attr]
         self.global_steps = 0

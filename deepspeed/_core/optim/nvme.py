@@ -39,6 +39,7 @@ from deepspeed._core.layout import swap_file
 from deepspeed._core.optim import stage3_state
 from deepspeed._core.optim.chunked_step import step_in_chunks
 from deepspeed._core.optim.master import open_shard_of
+from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed._core.optim.stage3_access import Region
 from deepspeed._core.params.param import ShardAccess
@@ -435,7 +436,9 @@ class NvmeStage3Optimizer(Stage3Optimizer):
         return ParkedWindow(acc, regions, bufs, self._step_chunk_numel, grp.master.numel())
 
     def _update(self, coef: Coef) -> None:
-        swap_update(self, coef)
+        # Swapping states in and out is part of the step here (upstream times it under two more names).
+        with self.timed(OPTIMIZER_STEP_TIMER):
+            swap_update(self, coef)
         self.parked.forget()  # the shards now hold the new values in place of any parked gradient
 
     def write_back(self) -> None:

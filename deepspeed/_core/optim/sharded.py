@@ -21,7 +21,9 @@ or when the overflow check is on and the optimizer cannot skip on a flag.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
@@ -32,6 +34,12 @@ import torch
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.comm.streams import record_current
 from deepspeed._core.optim.base import EngineOptimizer
+
+# Phase timers of ``wall_clock_breakdown`` (upstream's names): ZeRO-1/2 time all three, ZeRO-3 the step.
+OPTIMIZER_ALLGATHER_TIMER = "optimizer_allgather"
+OPTIMIZER_GRADIENTS_TIMER = "optimizer_gradients"
+OPTIMIZER_STEP_TIMER = "optimizer_step"
+OPTIMIZER_TIMERS = [OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_GRADIENTS_TIMER, OPTIMIZER_STEP_TIMER]
 
 
 def package_version() -> str:
@@ -109,10 +117,31 @@ class ShardedOptimizer(EngineOptimizer):
     """
 
     checkpoint_format: ModuleType
+    # The engine's phase timers (``SynchronizedWallClockTimer``, or ``NoopTimer`` without wall_clock_breakdown);
+    # ``None`` until an engine adopts the optimizer, so a bare optimizer times nothing.
+    timers: Any = None
     dp_group: Any
     world_size: int
     check_overflow: bool
     plan: Any
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Time the enclosed code under the phase timer ``name`` (nothing without the engine's timers)."""
+        timers = self.timers
+        if timers is None:
+            yield
+            return
+        timers(name).start()
+        try:
+            yield
+        finally:
+            timers(name).stop()
+
+    def log_timers(self, names: list[str]) -> None:
+        """Print and reset the named phase timers (``[Rank 0] time (ms) | name: …``), as upstream's step does."""
+        if self.timers is not None:
+            self.timers.log(names)
 
     def _decide_step(self, local_sq: torch.Tensor) -> StepDecision:
         """All-reduce this rank's squared norm, then derive overflow, the unscaled norm and the coefficient."""
@@ -237,6 +266,12 @@ class ShardedOptimizer(EngineOptimizer):
         if isinstance(state_dict_list, dict):
             state_dict_list = [state_dict_list]
         self.checkpoint_format.load_shards(self, state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def checkpoint_check_shards(self, state_dict_list: list) -> None:
+        """Raise if the saved shards cannot be loaded (called while reading, before anything changes)."""
+        check = getattr(self.checkpoint_format, "check_shards", None)
+        if callable(check):
+            check(state_dict_list)
 
     def universal_targets(self) -> list:
         """Per flat group, the parameter pieces this rank's master holds (``UniversalTarget`` list)."""

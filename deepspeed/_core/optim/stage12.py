@@ -33,7 +33,13 @@ from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
 from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.optim.master import MasterPlacement, MasterShard
-from deepspeed._core.optim.sharded import ShardedOptimizer
+from deepspeed._core.optim.sharded import (
+    OPTIMIZER_ALLGATHER_TIMER,
+    OPTIMIZER_GRADIENTS_TIMER,
+    OPTIMIZER_STEP_TIMER,
+    OPTIMIZER_TIMERS,
+    ShardedOptimizer,
+)
 from deepspeed.accelerator import get_accelerator
 
 
@@ -196,17 +202,25 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def step(self, closure: Any = None) -> bool:
         """Overflow check + global norm (one all-reduce), unscale and clip, inner step, write back, all-gather."""
-        parts = [self._grad_partition(g) for g in self.groups]
-        # The scalar travels on the communication device even when the partitions live on the host.
-        counted = [p for p in parts if p is not None]
-        if any(not counts_in_norm(p) for g in self.groups for p in g.params):  # pipeline tied-weight copies
-            counted = self._norm_pieces(parts)
-        sq = local_sq_norm(counted).to(self.groups[0].flat.device)
-        del counted
-        on_device = self._device_step(sq, {g.master.device for g in self.groups})
+        try:
+            return self._timed_step()
+        finally:
+            self.log_timers(OPTIMIZER_TIMERS)
+
+    def _timed_step(self) -> bool:
+        with self.timed(OPTIMIZER_GRADIENTS_TIMER):
+            parts = [self._grad_partition(g) for g in self.groups]
+            # The scalar travels on the communication device even when the partitions live on the host.
+            counted = [p for p in parts if p is not None]
+            if any(not counts_in_norm(p) for g in self.groups for p in g.params):  # pipeline tied-weight copies
+                counted = self._norm_pieces(parts)
+            sq = local_sq_norm(counted).to(self.groups[0].flat.device)
+            del counted
+            on_device = self._device_step(sq, {g.master.device for g in self.groups})
+            decision = self._decide_step(sq) if on_device is None else None
         if on_device is not None:  # [Note: device step]
             return self._run_device_step(on_device, lambda coef: self._update(parts, coef))
-        decision = self._decide_step(sq)
+        assert decision is not None
         self.overflow = decision.overflow
         if decision.overflow:
             return self._skip_step()
@@ -224,12 +238,14 @@ class ZeroOptimizer(ShardedOptimizer):
         if self.host_step is not None:
             self._overlapped_update(parts, coef)
             return
-        for index in range(len(self.groups)):
-            self._step_group(index, self.groups[index], parts[index], coef)
+        with self.timed(OPTIMIZER_STEP_TIMER):
+            for index in range(len(self.groups)):
+                self._step_group(index, self.groups[index], parts[index], coef)
         parts.clear()
         # Gradients go before the all-gather, so its staging never coexists with them (the N=8 step peak).
         self._clear_grads()
-        self.publish_weights()
+        with self.timed(OPTIMIZER_ALLGATHER_TIMER):
+            self.publish_weights()
 
     def _overlapped_update(self, parts: list[torch.Tensor | None], coef: Coef) -> None:
         """:meth:`_update` with the host step overlapped with the write-back ([Note: overlapped host step])."""
@@ -241,11 +257,13 @@ class ZeroOptimizer(ShardedOptimizer):
             stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
             steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
         parts.clear()
-        self.host_step.run(steps, coef)
+        with self.timed(OPTIMIZER_STEP_TIMER):  # the write-back overlaps the step: both count here
+            self.host_step.run(steps, coef)
         steps.clear()
         self._clear_grads()
-        for group in self.groups:
-            group.master.writer.after_publish()
+        with self.timed(OPTIMIZER_ALLGATHER_TIMER):
+            for group in self.groups:
+                group.master.writer.after_publish()
 
     def _norm_pieces(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """The partition gradients, less the ranges of tied-weight copies another stage counts

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.config.zero import ZeroStageEnum
 from deepspeed._core.layout.shards import GroupLayout
+from deepspeed._core.optim.loss_scaling import LossScaler
 from deepspeed._core.optim.universal_state import UniversalGroupState, UniversalSlice, UniversalTarget, install
 
 
@@ -32,20 +34,32 @@ fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
 BASE_OPTIMIZER_STATE = "base_optimizer_state"
 BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
+
+
+def saved_loss_scaler(opt: Any) -> LossScaler:
+    """The scaler object a shard records: the live one, or a fixed scale of 1 when the run has none (fp32, bf16).
+
+    Upstream always pickles a scaler object here and reads its attributes on load, so ``None`` would not do.
+    """
+    return opt.loss_scaler if opt.loss_scaler is not None else LossScaler(1.0)
 
 
 def shard_state_dict(opt: Any, version: str) -> dict:
     """This rank's ZeRO-1/2 shard of ``opt`` (a ``ZeroOptimizer``) with upstream's keys."""
     groups = opt.groups
     return {
-        "loss_scaler": opt.loss_scaler,
+        "loss_scaler": saved_loss_scaler(opt),
         "dynamic_loss_scale": bool(getattr(opt.loss_scaler, "dynamic", False)),
         "overflow": opt.overflow,
         "clip_grad": opt.plan.grads.clip_norm,
         BASE_OPTIMIZER_STATE: opt.optimizer.state_dict(),
         SINGLE_PARTITION_OF_FP32_GROUPS: [_valid(g.flat.layout, g.rank, g.master.param.data) for g in groups],
-        "zero_stage": opt.plan.zero.stage,
+        "zero_stage": ZeroStageEnum(opt.plan.zero.stage),
         "group_paddings": [g.flat.layout.upstream_group_padding(g.rank) for g in groups],
+        # Per group, the padding put after each parameter to align it: none here (parameters are packed
+        # back to back). Upstream's reader refuses a file whose list differs from its own layout's.
+        PARAM_ALIGNMENT_PADDINGS: [[0] * len(g.names) for g in groups],
         # MoE groups are partitioned over their expert-data-parallel group, hence a count per group.
         "partition_count": [g.flat.layout.world_size for g in groups],
         "ds_version": version,
@@ -106,6 +120,7 @@ def restore_scaler_state(opt: Any, shards: list[dict], stage_name: str) -> None:
 
 def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
     """Restore ``opt`` from every saved rank's shard (any saved world size)."""
+    check_shards(shards)
     restore_scaler_state(opt, shards, "ZeRO-1/2")
     for g, group in enumerate(opt.groups):
         layout = group.flat.layout
@@ -119,6 +134,23 @@ def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_
     if load_optimizer_states:
         _load_inner_state(opt, shards)
     opt.publish_weights()
+
+
+def check_shards(shards: list) -> None:
+    """Refuse shards this format cannot read, before anything is loaded.
+
+    Files whose flat groups pad between parameters (upstream's ``zero_optimization.parameter_alignment``) are
+    sliced differently; reading them as packed would silently misplace every value after the first padding.
+    """
+    for shard in shards:
+        paddings = (shard or {}).get(PARAM_ALIGNMENT_PADDINGS) or []
+        if any(any(group) for group in paddings):
+            raise ValueError(
+                f"the ZeRO checkpoint's '{PARAM_ALIGNMENT_PADDINGS}' are not all 0: it was saved with "
+                "zero_optimization.parameter_alignment, whose padded layout this package cannot read; save it "
+                "without that setting, or convert it with upstream's ds_to_universal and load it with "
+                "checkpoint.load_universal"
+            )
 
 
 def _partition_count(shard: dict, index: int, default: int) -> int:

@@ -39,7 +39,7 @@ from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, s
 from deepspeed._core.optim.clipping import local_sq_norm
 from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.master import MasterShard
-from deepspeed._core.optim.sharded import ShardedOptimizer
+from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER, ShardedOptimizer
 from deepspeed._core.optim.stage3_access import Region, ShardIndex, Stage3ParamAccess
 from deepspeed._core.params.manager import ZeroParamManager
 from deepspeed._core.params.param import ShardedState, ZeroParam, zero_state
@@ -330,6 +330,12 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
     # --- step ---------------------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
         """Overflow check and global norm (one all-reduce), unscale and clip, inner step, shards written back."""
+        try:
+            return self._timed_step()
+        finally:
+            self.log_timers([OPTIMIZER_STEP_TIMER])
+
+    def _timed_step(self) -> bool:
         self.flush()
         accs = [chunk for grp in self.groups if grp.accumulator is not None for chunk in grp.accumulator.allocated()]
         # The scalar is reduced on the compute device, where the gathered parameters live.
@@ -356,8 +362,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         if self.host_step is not None:
             self._overlapped_update(coef)
             return
-        for index, grp in enumerate(self.groups):
-            self._step_group(index, grp, coef)
+        with self.timed(OPTIMIZER_STEP_TIMER):
+            for index, grp in enumerate(self.groups):
+                self._step_group(index, grp, coef)
         self.write_back()
         self.parked.forget()  # the write-back replaced every parked gradient with the new values
 
@@ -372,7 +379,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             dtype = grp.states[0].shard.dtype if grp.states else self.plan.precision.param_dtype
             steps.append(GroupStep(stepper, self._group_grad(index, grp), grp.master.writer.publish, dtype, True))
         try:
-            self.host_step.run(steps, coef)
+            with self.timed(OPTIMIZER_STEP_TIMER):  # the write-back overlaps the step: both count here
+                self.host_step.run(steps, coef)
         finally:
             steps.clear()
             self._release_window_buffers()

@@ -12,24 +12,26 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.config.zero import ZeroStageEnum
 from deepspeed._core.layout.shards import Range, Stage3ParamLayout
-from deepspeed._core.optim.stage12_state import restore_scaler_state
+from deepspeed._core.optim.stage12_state import restore_scaler_state, saved_loss_scaler
 from deepspeed._core.optim.universal_state import UniversalGroupState, UniversalSlice, UniversalTarget, install
 
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 
 
 def shard_state_dict(opt: Any, version: str) -> dict:
-    """This rank's ZeRO-3 shard of ``opt`` (a ``Stage3Optimizer``) with upstream's keys."""
+    """This rank's ZeRO-3 shard of ``opt`` (a ``Stage3Optimizer``) with upstream's keys (no ``ds_version``:
+    the file's top level carries it)."""
+    del version
     return {
-        "zero_stage": 3,
-        "loss_scaler": opt.loss_scaler,
+        "zero_stage": ZeroStageEnum.weights,
+        "loss_scaler": saved_loss_scaler(opt),
         "dynamic_loss_scale": bool(getattr(opt.loss_scaler, "dynamic", False)),
         "overflow": opt.overflow,
         "partition_count": opt.world_size,
         "optimizer_state_dict": opt.optimizer.state_dict(),
         FP32_FLAT_GROUPS: [grp.master.data.detach().cpu().clone() for grp in opt.groups],
-        "ds_version": version,
     }
 
 

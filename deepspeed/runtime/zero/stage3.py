@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER  # noqa: F401 - upstream name, re-exported
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 

@@ -28,10 +28,22 @@ from deepspeed._core.optim.loss_scaling import (
     from_policy,
 )
 from deepspeed._core.optim.nvme import NVME_AS_CPU_WARNING
+from deepspeed._core.optim.sharded import (
+    OPTIMIZER_ALLGATHER_TIMER,
+    OPTIMIZER_GRADIENTS_TIMER,
+    OPTIMIZER_STEP_TIMER,
+    OPTIMIZER_TIMERS,
+)
 from deepspeed._core.optim.stage12 import ZeroOptimizer
 from deepspeed._foundation.logging import logger
 
-__all__ = ["DeepSpeedZeroOptimizer"]
+__all__ = [
+    "OPTIMIZER_ALLGATHER_TIMER",
+    "OPTIMIZER_GRADIENTS_TIMER",
+    "OPTIMIZER_STEP_TIMER",
+    "OPTIMIZER_TIMERS",
+    "DeepSpeedZeroOptimizer",
+]
 
 
 def _unsupported(argument: str, value: Any, why: str) -> NotImplementedError:
@@ -159,7 +171,8 @@ def build_plan(init_optimizer: torch.optim.Optimizer, dp_group: Any, kw: Mapping
 class DeepSpeedZeroOptimizer(ZeroOptimizer):
     """ZeRO stage 1/2 optimizer with upstream's constructor (see ``docs/compat.md`` for accepted values).
 
-    ``timers``, ``verbose`` and ``optimizer_params`` are accepted and ignored; ``mpu`` supplies the
+    ``timers`` (a ``SynchronizedWallClockTimer``, a ``NoopTimer`` or None) receives the ``optimizer_*`` phase
+    timers; ``verbose`` and ``optimizer_params`` are accepted and ignored; ``mpu`` supplies the
     data-parallel group when ``dp_process_group`` is None. With ``has_moe_layers=True`` the groups marked
     ``moe`` are partitioned over ``expert_data_parallel_group[name]`` (``{name: group}`` dicts, as upstream).
     ``zenflow_config``, ``bf16_master_weights_and_gradients=True`` without ``bf16_optimizer_states=True`` (states
@@ -214,6 +227,7 @@ class DeepSpeedZeroOptimizer(ZeroOptimizer):
         plan, scaler = build_plan(init_optimizer, dp_process_group, kw)
         experts = _expert_groups(init_optimizer, kw)
         super().__init__(init_optimizer, plan, scaler, dp_process_group, param_names, experts)
+        self.timers = timers
         attach_hp_mapping(self)
 
     @classmethod
