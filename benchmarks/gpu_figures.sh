@@ -69,3 +69,27 @@ if want largest; then
   # must both fit the machine's disk).
   part universal 100 python3 benchmarks/universal_convert_gpu.py --layers 18 --out "$WORK/universal.json"
 fi
+
+if want more; then
+  # Second pass on the same machine: upstream's ALST row at 128K, the plain row's bracket (after a short warm-up
+  # step), NVMe with time for its swaps, and the overlapped/synchronous host step in the other order.
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/long_more.jsonl"
+  part long_more_upstream 130 $LC --impl upstream --tile-mlp 8 --tile-loss 16 --act-offload --warmup-seq 4096 \
+    --lengths 32768,131072 --budget-s 400
+  part long_more_plain 70 $LC --impl ours --warmup-seq 4096 --lengths 16384,24576,32768,49152 --budget-s 400
+  cp "$WORK/long_more.jsonl" "$OUT/"
+  part offload_order 100 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_off,overlap_on --out "$WORK/offload_order.jsonl"
+  part offload_nvme 180 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
+    --cases overlap_on,nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme.jsonl"
+fi
+
+if want final; then
+  # One trial each on either side of the 2x line (ours with 16-bit states at 14.2 B parameters, upstream with
+  # fp32 states at 7.1 B), then the universal conversion.
+  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest.jsonl"
+  part largest_ours 170 $LM --impl ours --states bf16 --bisect 180,230 --budget-s 160
+  part largest_upstream 120 $LM --impl upstream --states fp32 --bisect 88,110 --budget-s 110
+  cp "$WORK/largest.jsonl" "$OUT/"
+  part universal 95 python3 benchmarks/universal_convert_gpu.py --layers 18 --out "$WORK/universal.json"
+fi

@@ -10,8 +10,9 @@ counts as a failure like a device out-of-memory): the Qwen2-shaped decoder of ``
 checkpointing, ZeRO-3 with the optimizer offloaded to pinned host memory (``--states fp32``: fp32 master and Adam
 moments on the host; ``--states bf16``: ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``; ``--states
 nvme``: the optimizer states in swap files under ``--nvme-path``), one training step at ``--seq`` tokens. The
-bisection keeps the largest layer count that completed and the smallest that failed, and stops when they meet or
-when the next trial would not fit in what is left of ``--budget-s`` (estimated from the slowest trial so far).
+bisection keeps the largest layer count that completed and the smallest that ran out of memory (a trial that
+times out or fails otherwise settles nothing and ends the search), and stops when they meet or when the next
+trial would not fit in what is left of ``--budget-s`` (estimated from the slowest trial so far).
 One JSON record per trial: ``{"layers", "params", "status", "seconds", "host_rss_gib", "peak_alloc_gib"}``.
 """
 
@@ -112,11 +113,13 @@ def bisect(args: argparse.Namespace) -> None:
             print(json.dumps(record), file=sink, flush=True)
             print(record, flush=True)
             slowest = max(slowest, record["seconds"])
+            if record["status"] in ("timeout", "error"):
+                break  # no verdict on this size: neither bound moves
             if record["status"] == "ok":
                 good = layers
             else:
                 bad = layers
-            if good is None or record["status"] in ("timeout", "error"):
+            if good is None:
                 break
             if bad is None:
                 layers = hi if layers < hi else layers * 2

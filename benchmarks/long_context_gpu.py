@@ -101,7 +101,11 @@ def _step(trainer: Any, manager: Any, cfg: Any, seq: int) -> dict:
         trainer.step()
     if cuda:
         torch.cuda.synchronize()
-    out = {"step_s": round(time.perf_counter() - start, 3), "loss": float(loss), "host_rss_gib": sampler.peak / GiB}
+    out = {
+        "step_s": round(time.perf_counter() - start, 3),
+        "loss": float(loss.detach()),
+        "host_rss_gib": sampler.peak / GiB,
+    }
     if manager is not None:  # what the offloader did (upstream's counters, same names here)
         out["offload_stats"] = {k: v for k, v in vars(manager.stats).items() if isinstance(v, (int, float))}
     if cuda:
