@@ -121,6 +121,13 @@ class RssSampler:
         self.peak = max(self.peak, self.end_rss)
 
 
+def one_rank_env(port: int | None = None) -> None:
+    """The environment both packages read for a one-rank process group, where a launcher has not set it."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(port or 29500 + os.getpid() % 1000))
+
+
 def single_worker_env(impl: str, upstream_target: str, extra_site: str | None, port: int, cpu_only: bool) -> dict:
     """Environment of a one-rank worker process: upstream's package or this repository first on the path,
     its own rendezvous port, no op built ahead of time; ``cpu_only`` pins the CPU accelerator (smoke runs)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -48,10 +47,10 @@ def _config(args: argparse.Namespace) -> dict:
 
 def trial(args: argparse.Namespace) -> dict:
     """One training step of the ``args.layers``-layer model; the record of how it went."""
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     sys.path.insert(0, str(BENCH))
+    from _harness import one_rank_env
+
+    one_rank_env()
     sys.path.insert(0, args.upstream_target if args.impl == "upstream" else str(BENCH.parent))
     import dataclasses
 

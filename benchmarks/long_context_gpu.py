@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -38,12 +37,11 @@ GiB = float(1 << 30)
 
 
 def _paths(args: argparse.Namespace) -> None:
-    # One rank, without a launcher: the environment both packages read for their process group.
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     # Upstream's package must come before this repository on the path; ours needs the repository root.
     sys.path.insert(0, str(BENCH))
+    from _harness import one_rank_env
+
+    one_rank_env()
     sys.path.insert(0, args.upstream_target if args.impl == "upstream" else str(BENCH.parent))
 
 

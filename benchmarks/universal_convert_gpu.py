@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -90,10 +89,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/universal_bench"))
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", "29533")
     sys.path.insert(0, str(BENCH))
+    from _harness import one_rank_env
+
+    one_rank_env(29533)
     shutil.rmtree(args.work, ignore_errors=True)
     ckpt, universal = args.work / "ckpt", args.work / "universal"
     params, save_s = _save(args, ckpt)

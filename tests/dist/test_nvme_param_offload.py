@@ -13,6 +13,7 @@ import torch
 
 from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 from tests._harness import run_distributed
+from tests.dist.test_nvme_offload import _resume, _weights
 from tests.reference.models import make_model, micro_batch
 from tests.reference.zero_oracle import engine_micro_index
 
@@ -43,13 +44,6 @@ def _config(param_path: str | None, opt_path: str | None = None, stage: int = 3,
             "offload_optimizer": offload_opt,
         },
     }
-
-
-def _weights(engine) -> dict:
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
 
 
 def _swapper(engine):
@@ -154,30 +148,6 @@ def test_host_memory_is_the_pool_plus_max_in_cpu(tmp_path: Path) -> None:
     assert r["pool"] <= count * BUFFER * 2 and r["resident"] <= max_in_cpu * 2
     assert r["samples"] and max(r["samples"]) <= bound, (r["samples"], bound)
     assert max(r["samples"]) < r["all"], (r["samples"], r["all"])  # not every partition in memory
-
-
-def _resume(world: int, cfg: dict, save_dir: str) -> dict:
-    """Train, save, train on; then a fresh engine loads the save and trains the same steps again."""
-    import deepspeed
-    from deepspeed import comm as dist
-
-    def steps(engine, first: int, count: int) -> None:
-        for step in range(first, first + count):
-            engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
-            engine.step()
-
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
-    steps(engine, 0, 2)
-    engine.save_checkpoint(save_dir, tag="t")
-    steps(engine, 2, 2)
-    straight = _weights(engine)
-    engine.destroy()
-    engine, *_ = deepspeed.initialize(model=make_model(1), config=cfg)
-    engine.load_checkpoint(save_dir, tag="t")
-    steps(engine, 2, 2)
-    resumed = _weights(engine)
-    engine.destroy()
-    return {"straight": straight, "resumed": resumed}
 
 
 @pytest.mark.parametrize(("world", "opt_nvme"), [(1, False), (2, True)])
