@@ -36,6 +36,7 @@ from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, StepR
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.optim.master import MasterPlacement, MasterShard
 from deepspeed._core.optim.sharded import ShardedOptimizer
+from deepspeed._core.optim.zenflow import ZenFlowUpdate
 from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
@@ -122,9 +123,23 @@ class ZeroOptimizer(ShardedOptimizer):
         overlap = plan.zero.offload_optimizer.enabled and plan.zero.lean.overlap_offload_step
         self.host_step = OverlappedHostStep(self.pinned) if overlap else None
         self._plan_early_step()
+        self.zenflow = self._build_zenflow()
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
+    def _build_zenflow(self) -> ZenFlowUpdate | None:
+        """[Note: zenflow]: the split update when ``zero_optimization.zenflow`` is given."""
+        policy = self.plan.zero.zenflow
+        if policy is None:
+            return None
+        if any(g.process_group is not self.dp_group for g in self.groups):
+            raise ValueError("zero_optimization.zenflow with MoE expert parameter groups is not implemented")
+        layouts = [
+            (g.partition.start, g.master.numel(), [(slot.offset, slot.shape) for slot in g.grads.layout.slots])
+            for g in self.groups
+        ]
+        return ZenFlowUpdate(self.optimizer, policy, layouts, self.dp_group)
+
     def _plan_early_step(self) -> None:
         """[Note: early host step]: which step chunks wait on which buckets; armed per boundary in
         prepare_backward."""
@@ -203,6 +218,7 @@ class ZeroOptimizer(ShardedOptimizer):
         ``gradient_clipping``, no fp16 loss scale, no bf16 overflow check)."""
         return (
             self.host_step is not None
+            and self.plan.zero.zenflow is None
             and self.plan.grads.clip_norm <= 0
             and self.loss_scaler is None
             and not self.check_overflow
@@ -289,6 +305,12 @@ class ZeroOptimizer(ShardedOptimizer):
 
         Takes ``parts`` over: the list is emptied, so no reference to views of the accumulators outlives the step.
         """
+        if self.zenflow is not None:  # [Note: zenflow]
+            self.zenflow.step(parts, coef)
+            parts.clear()
+            self._clear_grads()
+            self.publish_weights()
+            return
         if self.host_step is not None:
             self._overlapped_update(parts, coef)
             return
@@ -405,6 +427,8 @@ class ZeroOptimizer(ShardedOptimizer):
         self._clear_grads()
         if self.host_step is not None:
             self.host_step.shutdown()
+        if self.zenflow is not None:
+            self.zenflow.shutdown()
         self.pinned.clear()
         detach_hp_mapping(self)
 
