@@ -149,6 +149,7 @@ class ZenFlowUpdate:
             )
         self.scalars = [PathScalars() for _ in self.groups]
         self.steps = 0
+        self.epoch_steps = policy.steps_per_epoch
         self.accumulated = 0
         self.selected_once = False
         self._select_requested = False
@@ -158,6 +159,7 @@ class ZenFlowUpdate:
         self._worker: ThreadPoolExecutor | None = None
         self._twin: torch.optim.Optimizer | None = None
         self.host_updates = 0  # for tests: host updates applied
+        self.selections = 0  # for tests: column selections made
 
     def _pieces(self, start: int, numel: int, params: list) -> list[ColumnPiece]:
         pieces = []
@@ -178,7 +180,12 @@ class ZenFlowUpdate:
         every = 1 if policy.select_strategy == "auto" else int(policy.select_interval)
         if policy.select_strategy == "step":
             return every
-        return every * policy.steps_per_epoch if policy.steps_per_epoch else 0
+        return every * self.epoch_steps if self.epoch_steps else 0
+
+    def use_epoch_length(self, steps: int) -> None:
+        """Optimizer steps per epoch of the training data loader, unless ``steps_per_epoch`` was given."""
+        if self.policy.steps_per_epoch is None and steps > 0:
+            self.epoch_steps = steps
 
     def _selection_due(self) -> bool:
         """A selection is asked for every select interval and runs at the first step after it at which the
@@ -254,6 +261,7 @@ class ZenFlowUpdate:
                 mask.mask[piece.local : piece.local + piece.numel] = column_pattern(keep, piece.first, piece.numel)
         self._chosen = chosen
         self.selected_once, self._select_requested = True, False
+        self.selections += 1
 
     def _accumulate(self, fp32: Sequence[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
         """Add this step's gradient of the masked-out elements into the accumulators."""
