@@ -188,3 +188,36 @@ def test_zenflow_at_stage_3_and_super_offload_are_refused_naming_zenflow() -> No
     del cfg["zero_optimization"]["offload_optimizer"]
     with pytest.raises(Exception, match="zenflow needs offload_optimizer.device"):
         DeepSpeedConfig(cfg)
+
+
+def _train_bf16_auto(world: int) -> dict:
+    import deepspeed
+    from deepspeed import comm as dist
+
+    cfg = _config(2, {"topk_ratio": 0.2, "update_interval": "auto", "overlap_step": True})
+    cfg.update({"bf16": {"enabled": True}, "gradient_accumulation_steps": 2})
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    losses = []
+    for step in range(6):
+        for micro in range(2):
+            loss = engine(*micro_batch(step, engine_micro_index(micro, dist.get_rank(), world)))
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss))
+    zen = engine.optimizer.zenflow
+    out = {
+        "losses": losses,
+        "host_updates": zen.host_updates,
+        "weights": {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()},
+    }
+    engine.destroy()
+    return out
+
+
+def test_zenflow_bf16_with_accumulation_and_auto_interval_on_two_ranks() -> None:
+    ranks = run_distributed(_train_bf16_auto, 2, 2)
+    for rank in ranks:
+        assert all(math.isfinite(x) for x in rank["losses"])
+        assert rank["host_updates"] > 0  # the auto rule fired at least once
+    for k in ranks[0]["weights"]:  # every rank holds the same gathered weights
+        assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k

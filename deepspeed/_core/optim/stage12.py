@@ -287,7 +287,8 @@ class ZeroOptimizer(ShardedOptimizer):
             counted = self._norm_pieces(parts)
         sq = local_sq_norm(counted).to(self.groups[0].flat.device)
         del counted
-        on_device = self._device_step(sq, {g.master.device for g in self.groups})
+        # ZenFlow decides on the host: an overflow must also keep its gradients out of the accumulator.
+        on_device = None if self.zenflow is not None else self._device_step(sq, {g.master.device for g in self.groups})
         if on_device is not None:  # [Note: device step]
             return self._run_device_step(on_device, lambda coef: self._update(parts, coef))
         decision = self._decide_step(sq)
