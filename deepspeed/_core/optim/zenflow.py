@@ -19,6 +19,7 @@ the same operations as the plain offloaded step.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -365,6 +366,9 @@ class ZenFlowUpdate:
             for attr, name in (("adam_w_mode", "adamw_mode"), ("fp32_optimizer_states", "fp32_optimizer_states")):
                 if hasattr(self.optimizer, attr):
                     kwargs[name] = getattr(self.optimizer, attr)
+            accepted = inspect.signature(type(self.optimizer)).parameters
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+                kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # e.g. AdamW's fixed decoupling flag
             placeholder = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
             try:
                 self._twin = type(self.optimizer)([placeholder], **kwargs)

@@ -69,3 +69,22 @@ def test_auto_update_interval_applies_the_rest_once_it_has_caught_up() -> None:
         update.step([grad], 1.0)
     # Each rest column receives a quarter of the selected norm per step: due every 4 steps.
     assert update.host_updates == 3
+
+
+def test_overlapped_host_update_runs_on_a_second_optimizer_and_lands_one_step_late() -> None:
+    master = torch.nn.Parameter(torch.randn(24))
+    optimizer = torch.optim.AdamW([master], lr=0.1)  # its defaults hold a key its constructor does not take
+    policy = ZenFlowPolicy(
+        topk_ratio=0.2, select_strategy="step", select_interval=100, update_interval=2, overlap_step=True
+    )
+    update = ZenFlowUpdate(optimizer, policy, [(0, 24, [(0, (4, 6))])], group=None)
+    seen = []
+    for _ in range(4):
+        before = master.detach().clone()
+        update.step([torch.linspace(-1, 1, 24)], 1.0)
+        rest = ~update.groups[0].mask
+        seen.append((update.host_updates, bool((master.detach()[rest] != before[rest]).any())))
+    # Submitted after steps 1 and 3; the first lands at step 2, the second is still in flight after step 3.
+    assert seen == [(0, False), (0, False), (1, True), (1, False)]
+    update.shutdown()  # settles the one in flight
+    assert update.host_updates == 2
