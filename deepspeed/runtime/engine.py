@@ -75,6 +75,9 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         )
         self._apply_flops_profiler()
         self.training_dataloader = self._build_dataloader(training_data, collate_fn) if training_data else None
+        zenflow = getattr(self._stepped_optimizer, "zenflow", None)
+        if zenflow is not None and self.training_dataloader is not None:  # select_strategy "epoch"
+            zenflow.use_epoch_length(len(self.training_dataloader) // max(1, self.gradient_accumulation_steps()))
         self._loop.memory.report("after initialize")
         log_dist(
             f"DeepSpeedEngine ready: stage={self.zero_optimization_stage()} dtype={self.plan.precision.param_dtype} "

@@ -188,6 +188,8 @@ JOINT = (
 CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
     "data_types.param_dtype": ("fp16", _BF16),  # must agree with the precision blocks
     "sequence_parallel_size": (2, {}),  # must divide the world size (1 here)
+    # strictly between 0 and 1
+    _Z + "zenflow.topk_ratio": (1.0, {_Z + "stage": 2, _Z + "offload_optimizer.device": "cpu"}),
 }
 
 
@@ -242,7 +244,6 @@ REFUSALS: dict[str, tuple[Any, dict[str, Any]]] = {
     _Z + "zeropp_loco_param": ({"err_beta": 0.8, "reset_T": 1024}, _S3),
     _Z + "mics_shard_size": (2, _S3),
     _Z + "mics_hierarchical_params_gather": (True, _S3),
-    _Z + "zenflow": ({"topk_ratio": 0.1}, {_Z + "stage": 2}),
     "data_types.grad_accum_dtype": ("fp32", _BF16),
     "bf16.bf16_master_weights_and_grads": (True, _BF16),
     "checkpoint.load_universal": (True, {}),
@@ -361,6 +362,18 @@ NO_EFFECT_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "compile": ({"free_activation": True}, {}),
     "tensor_parallel": ({"tp_grain_size": 64}, {}),
     "data_parallel_size": (1, {}),
+    **{
+        _Z + f"zenflow.{k}": (
+            v,
+            {
+                _Z + "stage": 2,
+                _Z + "offload_optimizer.device": "cpu",
+                "optimizer.type": "SGD",
+                "zero_force_ds_cpu_optimizer": False,
+            },
+        )
+        for k, v in (("offload", True), ("pt_reserved_cores_perc", 0.25))
+    },
 }
 
 

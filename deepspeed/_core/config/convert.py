@@ -18,6 +18,7 @@ Keys that change nothing in this package have no plan field; what users are told
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import MISSING
 from typing import Any, TypeVar
 
 import torch
@@ -91,7 +92,9 @@ def fill(policy: type[_Policy], model: BaseModel | None, **computed: Any) -> _Po
             values[item.name] = meta[CONVERT](value) if meta[CONVERT] is not None else value
         elif NESTED in meta:
             block, nested_policy = meta[NESTED]
-            values[item.name] = fill(nested_policy, read_key(model, block))
+            sub = read_key(model, block)
+            if sub is not None or item.default is MISSING:
+                values[item.name] = fill(nested_policy, sub)
         elif DERIVED in meta:
             raise TypeError(f"{policy.__name__}.{item.name} is derived from {meta[DERIVED]}; pass it to fill()")
     return policy(**values)

@@ -279,6 +279,20 @@ class Stage3Policy:
 
 
 @dataclass(frozen=True)
+class ZenFlowPolicy:
+    """``zero_optimization.zenflow`` (docs/offload.md); ``"auto"`` intervals stay the string ``"auto"``."""
+
+    topk_ratio: float = key("topk_ratio", 0.1)
+    select_strategy: str = key("select_strategy", "auto")
+    select_interval: int | str = key("select_interval", "auto")
+    update_interval: int | str = key("update_interval", "auto")
+    overlap_step: bool = key("overlap_step", False)
+    auto_ratio: float = key("auto_ratio", 0.99)
+    full_warm_up_rounds: int = key("full_warm_up_rounds", 0)
+    steps_per_epoch: int | None = key("steps_per_epoch", None)
+
+
+@dataclass(frozen=True)
 class ZeroPlan:
     """Everything the ZeRO optimizers need, resolved from ``zero_optimization``."""
 
@@ -288,6 +302,7 @@ class ZeroPlan:
     offload_param: ParamOffloadPolicy = nested("offload_param", ParamOffloadPolicy)
     lean: LeanPolicy = nested("", LeanPolicy)
     stage3: Stage3Policy = nested("", Stage3Policy)
+    zenflow: ZenFlowPolicy | None = nested("zenflow", ZenFlowPolicy, default=None)
     load_from_fp32_weights: bool = key("load_from_fp32_weights", True)
     sub_group_size: int = key("sub_group_size", 1_000_000_000)
     """NVMe optimizer offload: at most this many elements per swapped step chunk."""

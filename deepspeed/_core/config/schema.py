@@ -192,6 +192,8 @@ class RootConfig(DeepSpeedLenientConfigModel):
             )
         if self.gradient_allreduce_op == ReduceOp.SUM and self.zero_optimization.stage == ZeroStageEnum.weights:
             raise ValueError("gradient_allreduce_op='sum' is not supported with zero_optimization.stage 3; use 'mean'")
+        if self.gradient_allreduce_op == ReduceOp.SUM and self.zero_optimization.zenflow is not None:
+            raise ValueError("gradient_allreduce_op='sum' is not supported with zero_optimization.zenflow; use 'mean'")
         return self
 
 

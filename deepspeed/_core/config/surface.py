@@ -199,7 +199,10 @@ _ZERO: dict[str, KeyRule] = {
     "offload_optimizer.pipeline_write": _impl(_NVME_OPT_KEY),
     "offload_optimizer.fast_init": _noop("the initial NVMe state is written once, chunk by chunk"),
     "offload_optimizer.ratio": _noop("all optimizer state is offloaded (partial offload is not implemented)"),
-    "offload_optimizer.super_offload": _refused("SuperOffload is not implemented", "false"),
+    "offload_optimizer.super_offload": _refused(
+        "SuperOffload is not implemented; the delayed-update mode available is zero_optimization.zenflow",
+        "false, or a zero_optimization.zenflow block (stages 1 and 2)",
+    ),
     "offload_optimizer.cpuadam_cores_perc": _noop("the CPU step uses torch's thread pool"),
     "sub_group_size": _impl(
         "NVMe optimizer offload: elements per swapped step chunk (at most the step chunk); the step chunk itself "
@@ -237,7 +240,21 @@ _ZERO: dict[str, KeyRule] = {
     "leaf_module.classes": _impl(),
     "leaf_module.names": _impl(),
     "leaf_module.name_suffixes": _impl(),
-    "zenflow": _refused("ZenFlow is not implemented", "null", _given),
+    **{
+        f"zenflow.{k}": _impl("stages 1 and 2 with offload_optimizer cpu; stage 3 is refused")
+        for k in (
+            "topk_ratio",
+            "select_strategy",
+            "select_interval",
+            "update_interval",
+            "overlap_step",
+            "auto_ratio",
+            "full_warm_up_rounds",
+            "steps_per_epoch",
+        )
+    },
+    "zenflow.offload": _noop("all optimizer state already lives with the host master"),
+    "zenflow.pt_reserved_cores_perc": _noop("the host update uses torch's thread pool"),
     "lean_inplace_flatten": _impl(),
     "lean_eager_grad_release": _impl(),
     "lean_stream_ordered_release": _impl(),
@@ -359,7 +376,9 @@ _RAW_BLOCKS: dict[str, KeyRule] = {
     "tensor_parallel.autotp_size": _refused("AutoTP tensor parallelism is not implemented", "1 (off)", _above(1)),
     "data_parallel_size": _noop("the data-parallel size comes from the process group (or the mpu)"),
     "quantize_training": _refused("quantization-aware training is not implemented", "enabled: false", _enabled),
-    "zenflow": _refused("ZenFlow is not implemented", "no zenflow block", _given),
+    "zenflow": _refused(
+        "ZenFlow is configured inside zero_optimization", "zero_optimization.zenflow (stages 1 and 2)", _given
+    ),
     "pipeline": KeyRule(Status.PIPELINE, "read by the pipeline engine"),
     "use_data_before_expert_parallelism": KeyRule(Status.MOE, "read by the MoE layer"),
     "expert_parallel": KeyRule(Status.MOE, "read by the MoE layer"),

@@ -20,6 +20,7 @@ from deepspeed._core.config.offload import (
     check_nvme_path,
 )
 from deepspeed._core.config.plan import DEFAULT_LEAF_MODULE_CLASSES
+from deepspeed._core.config.zenflow import ZenFlowConfig
 
 ZERO_OPTIMIZATION = "zero_optimization"
 
@@ -242,8 +243,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """ZeRO-3 leaf modules (fetched and released as one unit with their subtree, no hooks below), selected when the
     parameter manager starts, before hooks are installed; see ``zero_optimization.leaf_module``."""
 
-    zenflow: dict[str, Any] | None = None
-    """ZenFlow sub-config (accepted as a raw dict; not implemented by deepspeed-lean)."""
+    zenflow: ZenFlowConfig | None = None
+    """ZenFlow: the important columns of each 2-D weight are updated every step, the rest of the gradients
+    accumulate and are applied by the host optimizer every ``update_interval`` steps, optionally one step late
+    (docs/offload.md). Stages 1 and 2 with ``offload_optimizer.device: "cpu"``."""
 
     lean_inplace_flatten: bool = True
     """deepspeed-lean: ZeRO-1/2 flatten parameters into their flat buffer on the accelerator, chunk by chunk,
@@ -322,9 +325,24 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             )
         if self.stage == 3 and self.offload_param is not None:
             check_nvme_path(self.offload_param)  # stages 0-2 ignore offload_param, as upstream does
+        if self.zenflow is not None:
+            _check_zenflow(self)
         if self.stage in (1, 2) and self.allgather_bucket_size % 2:
             raise ValueError(f"allgather_bucket_size must be even for stages 1 and 2; got {self.allgather_bucket_size}")
         return self
+
+
+def _check_zenflow(zero: DeepSpeedZeroConfig) -> None:
+    """``zenflow`` runs at stages 1 and 2 with the optimizer offloaded to the cpu."""
+    if zero.stage == 3:
+        raise ValueError(
+            "zenflow is implemented at stages 1 and 2 only; stage is 3 (remove the zenflow block or use stage 1 or 2)"
+        )
+    if zero.stage == 0:
+        raise ValueError("zenflow needs ZeRO stage 1 or 2 with offload_optimizer; stage is 0")
+    device = zero.offload_optimizer.device if zero.offload_optimizer is not None else OffloadDeviceEnum.none
+    if device != OffloadDeviceEnum.cpu:
+        raise ValueError(f"zenflow needs offload_optimizer.device 'cpu'; got {getattr(device, 'value', device)!r}")
 
 
 def read_zero_config_deprecated(param_dict: dict) -> dict:

@@ -177,6 +177,9 @@ class PartitionGrads:
         self._direct = self._folds_directly(self._path)
         comm_bytes = torch.empty((), dtype=reducer.comm_dtype).element_size()
         self.host = HostTransfers(slot_bytes_for(reducer.bucket_numel * comm_bytes))
+        # Told ``landed(bucket)`` once a bucket's owned values are in this rank's partition gradient (host copies
+        # possibly still in flight: :meth:`HostTransfers.drain` settles them); the early host step listens here.
+        self.landed: Callable[[Bucket], None] | None = None
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
         ]
@@ -270,6 +273,7 @@ class PartitionGrads:
     def wire(self, bucket: Bucket) -> torch.Tensor | None:
         """The bucket's values in the wire dtype (``None`` on one rank under lean ZeRO-2: already folded)."""
         if self._direct:
+            self._notify(bucket)  # its gradients were folded straight into the partition
             return None
         path, grads, config = self._path, self.groups[bucket.group], self.reducer.config
         if path is GradPath.STAGE1_ACCUMULATE:
@@ -309,6 +313,11 @@ class PartitionGrads:
         """Fold the owned part into the partition gradient (or the lean ZeRO-1 accumulator)."""
         grads = self.groups[bucket.group]
         self._sink(grads, bucket.range.intersect(grads.partition), kept)
+        self._notify(bucket)
+
+    def _notify(self, bucket: Bucket) -> None:
+        if self.landed is not None:
+            self.landed(bucket)
 
     def _sink(self, grads: GroupGrads, owned: Range, piece: torch.Tensor) -> None:
         path = self._path

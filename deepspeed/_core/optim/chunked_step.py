@@ -46,6 +46,12 @@ def step_chunk_numel(master_dtype: torch.dtype, master_numel: int = 0) -> int:
     return max(1, (1 << (clamped.bit_length() - 1)) // master_bytes)
 
 
+def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of ``chunk_numel`` elements (the last one shorter) that cover ``numel``."""
+    step = max(1, chunk_numel)
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+
 def _is_per_element(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
 
@@ -104,8 +110,7 @@ class ChunkStepper:
 
     def ranges(self) -> list[tuple[int, int]]:
         """The ``[start, end)`` ranges of the master, in order."""
-        numel = self.master.numel()
-        return [(a, min(a + self.chunk_numel, numel)) for a in range(0, numel, self.chunk_numel)]
+        return chunk_ranges(self.master.numel(), self.chunk_numel)
 
     def _buffer(self) -> torch.Tensor:
         if self.convert is None:

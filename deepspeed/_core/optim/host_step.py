@@ -11,11 +11,12 @@ pageable-memory work is the host-side conversion itself.
 
 Exactness: every chunk goes through :meth:`~deepspeed._core.optim.chunked_step.ChunkStepper.step_range`, the
 same operations on the same values as the synchronous loop, and each chunk's conversion is elementwise, so the
-result is bit-identical whatever the timing. The step starts once the global gradient norm is known: clipping,
-the fp16 loss scale and the bf16 overflow check all need every gradient before any chunk may change, so the
-norm is reduced first (the reduction itself is one scalar) and the worker starts on the first chunk right
-after. Switch: ``zero_optimization.lean_overlap_offload_step``; ``false`` steps every chunk first and writes the
-weights back afterwards (the synchronous order).
+result is bit-identical whatever the timing. Where clipping, the fp16 loss scale or the bf16 overflow check
+needs every gradient before any chunk may change, the step starts once the global norm is known (the reduction
+itself is one scalar) and the worker starts on the first chunk right after; where nothing does, a ZeRO-1/2 chunk
+may be submitted during the backward, as soon as its own gradient is final ([Note: early host step]).
+Switch: ``zero_optimization.lean_overlap_offload_step``; ``false`` steps every chunk first and writes the weights
+back afterwards (the synchronous order).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class OverlappedHostStep:
         self.pool = pool
         self._worker: ThreadPoolExecutor | None = None
         self.chunks_published = 0  # for tests: chunks that took the overlapped route
+        # For tests: called on the worker as ``log("host_step", group, start)`` right before a range steps.
+        self.log: Callable[[str, int, int], None] | None = None
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._worker is None:
@@ -89,46 +92,21 @@ class OverlappedHostStep:
             )
         return self._worker
 
+    def begin(self, groups: Sequence[GroupStep], coef: Coef) -> StepRun:
+        """Open one update of ``groups``: ranges are then handed to the worker with :meth:`StepRun.submit` (as soon
+        as their gradients are final, possibly while the backward still runs, [Note: early host step]) and
+        published with :meth:`StepRun.publish`."""
+        return StepRun(self, groups, coef)
+
     def run(self, groups: Sequence[GroupStep], coef: Coef) -> None:
         """Step every group's chunks in order on the worker; publish each as soon as it is stepped.
 
         Returns once every copy up has completed. Each stepper is closed (its state back in the optimizer),
         also when a chunk raises.
         """
-        worker = self._executor()
-        jobs: list[tuple[GroupStep, int, int, Future]] = []
-        for group in groups:
-            for start, end in group.stepper.ranges():
-                job = worker.submit(group.stepper.step_range, start, end, group.grad, coef, group.consume)
-                jobs.append((group, start, end, job))
-        slots: list[torch.Tensor] = []
-        in_flight: list[Any] = [None, None]
-        try:
-            for index, (group, start, end, job) in enumerate(jobs):
-                job.result()
-                slot = index % 2
-                if in_flight[slot] is not None:
-                    in_flight[slot].synchronize()  # that buffer's previous copy has left it
-                    in_flight[slot] = None
-                while len(slots) <= slot:
-                    slots.append(self.pool.acquire(_widest_bytes(jobs), torch.uint8))
-                piece = _staging_view(slots[slot], end - start, group.working_dtype)
-                piece.copy_(group.stepper.master.data[start:end])
-                group.publish(start, piece)
-                in_flight[slot] = record_current()
-                self.chunks_published += 1
-                if end == group.stepper.master.numel():
-                    group.stepper.close()
-        finally:
-            for _, _, _, job in jobs:
-                _wait_quietly(job)
-            for event in in_flight:
-                if event is not None:
-                    event.synchronize()
-            for group in groups:
-                group.stepper.close()
-            for slot_buffer in slots:
-                self.pool.release(slot_buffer)
+        update = self.begin(groups, coef)
+        update.submit_rest()
+        update.publish()
 
     def shutdown(self) -> None:
         """Stop the worker thread (the engine is being destroyed)."""
@@ -137,13 +115,83 @@ class OverlappedHostStep:
             self._worker = None
 
 
+class StepRun:
+    """One overlapped update in progress: ranges go to the worker in any order, each once, and are published in
+    the order they were submitted. Made by :meth:`OverlappedHostStep.begin`."""
+
+    def __init__(self, owner: OverlappedHostStep, groups: Sequence[GroupStep], coef: Coef) -> None:
+        self.owner, self.groups, self.coef = owner, list(groups), coef
+        self.jobs: list[tuple[int, int, int, Future]] = []
+        self.submitted: set[tuple[int, int]] = set()
+        self.done = False
+
+    def submit(self, group_index: int, start: int, end: int) -> None:
+        """Hand range ``[start, end)`` (one of the stepper's ranges) of group ``group_index`` to the worker."""
+        if (group_index, start) in self.submitted:
+            return
+        self.submitted.add((group_index, start))
+        job = self.owner._executor().submit(self._step, group_index, start, end)
+        self.jobs.append((group_index, start, end, job))
+
+    def _step(self, group_index: int, start: int, end: int) -> None:
+        if self.owner.log is not None:
+            self.owner.log("host_step", group_index, start)
+        group = self.groups[group_index]
+        group.stepper.step_range(start, end, group.grad, self.coef, group.consume)
+
+    def submit_rest(self) -> None:
+        """Submit every range not submitted yet, group by group, in order."""
+        for index, group in enumerate(self.groups):
+            for start, end in group.stepper.ranges():
+                self.submit(index, start, end)
+
+    def publish(self) -> None:
+        """Wait for each submitted range in turn and publish it; returns once every copy up has completed and every
+        stepper is closed (also when a chunk raises). Every range must have been submitted."""
+        slots: list[torch.Tensor] = []
+        in_flight: list[Any] = [None, None]
+        left = [len(g.stepper.ranges()) for g in self.groups]
+        try:
+            for index, (gi, start, end, job) in enumerate(self.jobs):
+                job.result()
+                group = self.groups[gi]
+                slot = index % 2
+                if in_flight[slot] is not None:
+                    in_flight[slot].synchronize()  # that buffer's previous copy has left it
+                    in_flight[slot] = None
+                while len(slots) <= slot:
+                    slots.append(self.owner.pool.acquire(self._widest_bytes(), torch.uint8))
+                piece = _staging_view(slots[slot], end - start, group.working_dtype)
+                piece.copy_(group.stepper.master.data[start:end])
+                group.publish(start, piece)
+                in_flight[slot] = record_current()
+                self.owner.chunks_published += 1
+                left[gi] -= 1
+                if not left[gi]:
+                    group.stepper.close()
+        finally:
+            self.abandon()
+            for event in in_flight:
+                if event is not None:
+                    event.synchronize()
+            for slot_buffer in slots:
+                self.owner.pool.release(slot_buffer)
+
+    def abandon(self) -> None:
+        """Wait for every submitted range and close every stepper, publishing nothing (the update is over)."""
+        for _, _, _, job in self.jobs:
+            _wait_quietly(job)
+        for group in self.groups:
+            group.stepper.close()
+        self.done = True
+
+    def _widest_bytes(self) -> int:
+        """Bytes of the widest chunk in its working dtype: the size of each staging buffer."""
+        return max((end - start) * _element_size(self.groups[gi].working_dtype) for gi, start, end, _ in self.jobs)
+
+
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _widest_bytes(jobs: Sequence[tuple[GroupStep, int, int, Future]]) -> int:
-    """Bytes of the widest chunk in its working dtype: the size of each staging buffer."""
-    return max((end - start) * _element_size(group.working_dtype) for group, start, end, _ in jobs)
 
 
 def _staging_view(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

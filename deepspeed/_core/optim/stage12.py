@@ -10,6 +10,7 @@ place, steps the inner optimizer, writes the masters back and all-gathers the bi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,8 @@ from deepspeed._core.optim import stage12_state as stage12_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
-from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
+from deepspeed._core.optim.early_step import GroupSpan, LandingPlan, LazyPartitionGrad
+from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, StepRun, pinning_of, pool_for_step
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.optim.master import MasterPlacement, MasterShard
 from deepspeed._core.optim.sharded import (
@@ -40,6 +42,8 @@ from deepspeed._core.optim.sharded import (
     OPTIMIZER_TIMERS,
     ShardedOptimizer,
 )
+from deepspeed._core.optim.zenflow import ZenFlowUpdate
+from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
 
@@ -124,9 +128,33 @@ class ZeroOptimizer(ShardedOptimizer):
         self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
         overlap = plan.zero.offload_optimizer.enabled and plan.zero.lean.overlap_offload_step
         self.host_step = OverlappedHostStep(self.pinned) if overlap else None
+        self._plan_early_step()
+        self.zenflow = self._build_zenflow()
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition
 
     # --- set-up ---------------------------------------------------------------------------------------
+    def _build_zenflow(self) -> ZenFlowUpdate | None:
+        """[Note: zenflow]: the split update when ``zero_optimization.zenflow`` is given."""
+        policy = self.plan.zero.zenflow
+        if policy is None:
+            return None
+        if any(g.process_group is not self.dp_group for g in self.groups):
+            raise ValueError("zero_optimization.zenflow with MoE expert parameter groups is not implemented")
+        layouts = [
+            (g.partition.start, g.master.numel(), [(slot.offset, slot.shape) for slot in g.grads.layout.slots])
+            for g in self.groups
+        ]
+        return ZenFlowUpdate(self.optimizer, policy, layouts, self.dp_group)
+
+    def _plan_early_step(self) -> None:
+        """[Note: early host step]: which step chunks wait on which buckets; armed per boundary in
+        prepare_backward."""
+        spans = [GroupSpan(i, g.partition, g.master.numel()) for i, g in enumerate(self.groups)]
+        self._landing = LandingPlan(spans, self.reducer.buckets, self._step_chunk_numel)
+        self._early: StepRun | None = None  # the update started during this boundary's backward
+        self._early_armed = False
+        self.early_chunks = 0  # for tests: chunks handed to the host worker before the backward ended
+
     def _build_group(self, param_group: dict, names: dict[torch.nn.Parameter, str]) -> ZeroGroup:
         params = _trainable_unique(param_group["params"])
         if not params:
@@ -187,7 +215,63 @@ class ZeroOptimizer(ShardedOptimizer):
     def prepare_backward(self, kind: MicroStepKind) -> None:
         """Arm the reducer (stage 2 reduces every micro-step; stage 1 only at the boundary)."""
         self._cleared_after_step = False
+        self._arm_early(kind is MicroStepKind.REDUCE and self.steps_during_backward())
         self.grad_pipeline.begin(kind)
+
+    def steps_during_backward(self) -> bool:
+        """Whether an offloaded update may start while the boundary backward runs ([Note: early host step]): the
+        overlapped host step is on and nothing needs the global gradient norm before a chunk may change (no
+        ``gradient_clipping``, no fp16 loss scale, no bf16 overflow check)."""
+        return (
+            self.host_step is not None
+            and self.plan.zero.zenflow is None
+            and self.plan.grads.clip_norm <= 0
+            and self.loss_scaler is None
+            and not self.check_overflow
+        )
+
+    def _arm_early(self, armed: bool) -> None:
+        """Listen for landed buckets during this backward (the boundary's), or stop listening."""
+        self._settle_early()
+        self._early_armed = armed
+        if armed:
+            self._landing.reset()
+        self.grad_pipeline.landed = self._on_landed if armed else None
+
+    def _on_landed(self, bucket: Any) -> None:
+        """A bucket is in the partition gradients: hand every chunk it completed to the host worker."""
+        ready = self._landing.land(bucket.index)
+        if not ready:
+            return
+        self.grad_pipeline.host.drain()  # the chunk's host copies must have been folded before it is read
+        run = self._early_run()
+        for group_index, start, end in ready:
+            run.submit(group_index, start, end)
+            self.early_chunks += 1
+
+    def _early_run(self) -> StepRun:
+        """This boundary's update, opened on first use; its gradients are read when each chunk steps."""
+        assert self.host_step is not None
+        if self._early is None:
+            steps = []
+            for index, group in enumerate(self.groups):
+                grad = LazyPartitionGrad(functools.partial(self._grad_partition, group), group.master.dtype)
+                stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
+                steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
+            self._early = self.host_step.begin(steps, 1.0)
+        return self._early
+
+    def _settle_early(self) -> None:
+        """An update started early that no step took over (the run is being torn down): wait for it and hand the
+        optimizer its state back."""
+        if self._early is not None:
+            if self._early.jobs:
+                logger.warning(
+                    "the offloaded update started during the boundary backward was not completed by step(): the "
+                    "host masters of its first chunks are updated, the working weights are not"
+                )
+            self._early.abandon()
+            self._early = None
 
     def finish_backward(self) -> None:
         """Flush this backward's buckets into the partition gradients."""
@@ -216,7 +300,9 @@ class ZeroOptimizer(ShardedOptimizer):
                 counted = self._norm_pieces(parts)
             sq = local_sq_norm(counted).to(self.groups[0].flat.device)
             del counted
-            on_device = self._device_step(sq, {g.master.device for g in self.groups})
+            # ZenFlow decides on the host: an overflow must also keep its gradients out of the accumulator.
+            devices = {g.master.device for g in self.groups}
+            on_device = None if self.zenflow is not None else self._device_step(sq, devices)
             decision = self._decide_step(sq) if on_device is None else None
         if on_device is not None:  # [Note: device step]
             return self._run_device_step(on_device, lambda coef: self._update(parts, coef))
@@ -235,6 +321,12 @@ class ZeroOptimizer(ShardedOptimizer):
 
         Takes ``parts`` over: the list is emptied, so no reference to views of the accumulators outlives the step.
         """
+        if self.zenflow is not None:  # [Note: zenflow]
+            self.zenflow.step(parts, coef)
+            parts.clear()
+            self._clear_grads()
+            self.publish_weights()
+            return
         if self.host_step is not None:
             self._overlapped_update(parts, coef)
             return
@@ -250,16 +342,25 @@ class ZeroOptimizer(ShardedOptimizer):
     def _overlapped_update(self, parts: list[torch.Tensor | None], coef: Coef) -> None:
         """:meth:`_update` with the host step overlapped with the write-back ([Note: overlapped host step])."""
         assert self.host_step is not None
-        steps = []
-        for index, group in enumerate(self.groups):
-            part = parts[index]
-            grad = torch.zeros_like(group.master.param) if part is None else part
-            stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
-            steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
+        if self._early_armed:  # [Note: early host step]: some chunks may be stepped already
+            if float(coef) != 1.0:  # steps_during_backward() rules out every coefficient but 1
+                raise RuntimeError(f"an update started during the backward cannot take coefficient {float(coef)}")
+            run = self._early_run()
+            self._early, self._early_armed = None, False
+            self.grad_pipeline.landed = None
+        else:
+            steps = []
+            for index, group in enumerate(self.groups):
+                part = parts[index]
+                grad = torch.zeros_like(group.master.param) if part is None else part
+                stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
+                steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
+            run = self.host_step.begin(steps, coef)
         parts.clear()
         with self.timed(OPTIMIZER_STEP_TIMER):  # the write-back overlaps the step: both count here
-            self.host_step.run(steps, coef)
-        steps.clear()
+            run.submit_rest()
+            run.publish()
+        del run
         self._clear_grads()
         with self.timed(OPTIMIZER_ALLGATHER_TIMER):
             for group in self.groups:
@@ -334,16 +435,20 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient buffer of the current window (partition gradients and ``.grad``)."""
+        self._arm_early(False)
         self.grad_pipeline.discard()
         self._clear_grads()
 
     def destroy(self) -> None:
         """Remove hooks and drop gradient buffers."""
+        self._arm_early(False)
         self.grad_pipeline.discard()
         self.grad_pipeline.remove_hooks()
         self._clear_grads()
         if self.host_step is not None:
             self.host_step.shutdown()
+        if self.zenflow is not None:
+            self.zenflow.shutdown()
         self.pinned.clear()
         detach_hp_mapping(self)
 

@@ -128,6 +128,25 @@ def test_plan_keys_walks_a_policy() -> None:
 # Every keyed field: setting its key (to a value other than the default) changes the plan field it names.
 
 BASE = {"train_micro_batch_size_per_gpu": 1}
+# A zenflow block needs stage 1/2 with the optimizer offloaded; it is given (auto_ratio 0.5) in "before" too.
+_ZENFLOW = {
+    "zero_optimization.stage": 2,
+    "zero_optimization.offload_optimizer.device": "cpu",
+    "zero_optimization.zenflow.auto_ratio": 0.5,
+    "zero_optimization.zenflow.select_strategy": "step",
+    "zero_optimization.zenflow.select_interval": 6,
+    "zero_optimization.zenflow.update_interval": 2,
+}
+_ZENFLOW_VALUES = {
+    "topk_ratio": 0.3,
+    "select_strategy": "epoch",
+    "select_interval": 8,
+    "update_interval": 3,
+    "overlap_step": True,
+    "auto_ratio": 0.9,
+    "full_warm_up_rounds": 2,
+    "steps_per_epoch": 10,
+}
 # Keys whose effect needs another key set, or whose automatic value is not valid: key -> (value, context).
 OVERRIDES: dict[str, tuple[Any, dict[str, Any]]] = {
     "fp16.loss_scale": (128.0, {"fp16.enabled": True}),
@@ -160,6 +179,7 @@ OVERRIDES: dict[str, tuple[Any, dict[str, Any]]] = {
     "comet.online": (False, {}),
     "comet.mode": ("get", {}),
     "flops_profiler.output_file": ("flops.txt", {}),
+    **{f"zero_optimization.zenflow.{k}": (v, _ZENFLOW) for k, v in _ZENFLOW_VALUES.items()},
 }
 
 
@@ -187,7 +207,7 @@ def _other_value(name: str) -> tuple[Any, dict[str, Any]]:
 
 def _read(plan: Any, path: str) -> Any:
     for part in path.split("."):
-        plan = getattr(plan, part)
+        plan = getattr(plan, part) if plan is not None else None  # an absent optional block reads as None
     return plan
 
 

@@ -1,0 +1,420 @@
+"""ZenFlow at ZeRO-1/2 with the optimizer offloaded: important columns every step, the rest accumulated and late.
+
+[Note: zenflow] Each rank's fp32 master partition is split by a boolean mask. *Selected* elements are stepped
+every step with that step's gradient: the ``ceil(topk_ratio * C)`` columns of largest gradient norm of every 2-D
+weight (``C`` columns; the norms are summed over the ranks' rows with one all-reduce, so every rank selects the
+same columns), and every element of a parameter that is not 2-D. The other elements' gradients are added into an
+fp32 accumulator; every ``update_interval`` steps (or, ``"auto"``, when the accumulated mass has caught up, see
+:class:`AutoInterval`) the host optimizer steps them once with the mean accumulated gradient. With
+``overlap_step`` that host update is computed on a worker thread while the next forward and backward run, and it
+is written into the master (and so into the working weights) at the next step boundary: one step late. The
+columns are selected again only when the accumulator is empty (just after a host update was applied).
+
+Each path keeps its own scalar optimizer state (Adam's step count), so that bias correction counts the updates an
+element actually received; the per-element moments are the master's. The first ``full_warm_up_rounds`` steps
+select every element; the delayed path then starts from the step count they reached. A path's update goes through
+the inner optimizer on a packed copy of its elements (masked select, step, masked scatter), which are elementwise
+the same operations as the plain offloaded step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepspeed._core.comm.collectives import sum_over
+from deepspeed._core.config.plan import ZenFlowPolicy
+from deepspeed._core.grads.convert import Coef, scales
+
+
+@dataclass(frozen=True)
+class ColumnPiece:
+    """This rank's piece of one 2-D weight: ``numel`` elements from ``local`` in the partition, starting at element
+    ``first`` of the weight (row-major, ``cols`` columns), its norms at ``norm_offset`` of the norm vector."""
+
+    local: int
+    first: int
+    numel: int
+    cols: int
+    norm_offset: int
+
+
+@dataclass
+class GroupMask:
+    """One flat group's split: the pieces of its 2-D weights, its mask (``True``: stepped every step) and the
+    accumulated gradient of the other elements."""
+
+    numel: int
+    pieces: list[ColumnPiece]
+    mask: torch.Tensor
+    acc: torch.Tensor | None = None
+
+
+@dataclass
+class PendingUpdate:
+    """A host update computed in the background: new values of the masked-out elements, applied at the next step."""
+
+    job: Future
+    masks: list[torch.Tensor]
+
+
+def column_sq(piece: torch.Tensor, first: int, cols: int) -> torch.Tensor:
+    """Per-column sums of squares of ``piece`` (fp32), elements ``first..`` of a row-major weight of ``cols``
+    columns."""
+    out = torch.zeros(cols, dtype=torch.float32)
+    n, start = piece.numel(), first % cols
+    head = min(n, (cols - start) % cols)
+    out[start : start + head] += piece[:head].float().square()
+    rows = (n - head) // cols
+    if rows:
+        out += piece[head : head + rows * cols].float().view(rows, cols).square().sum(0)
+    tail = n - head - rows * cols
+    if tail:
+        out[:tail] += piece[n - tail :].float().square()
+    return out
+
+
+def column_pattern(selected: torch.Tensor, first: int, numel: int) -> torch.Tensor:
+    """The ``numel`` mask values of elements ``first..`` of a row-major weight whose columns ``selected`` are set."""
+    cols = selected.numel()
+    start = first % cols
+    head = min(numel, (cols - start) % cols)
+    rows = (numel - head) // cols
+    tail = numel - head - rows * cols
+    return torch.cat([selected[start : start + head], selected.repeat(rows), selected[:tail]])
+
+
+class AutoInterval:
+    """``update_interval: "auto"``: a weight is due once the mean column norm accumulated in its unselected
+    columns since the last host update reaches the mean norm of its selected columns per step (averaged over the
+    same steps); the host update runs once at least ``auto_ratio`` of the 2-D weights are due."""
+
+    def __init__(self, ratio: float, weights: int) -> None:
+        self.ratio, self.weights = ratio, weights
+        self.selected = torch.zeros(weights, dtype=torch.float64)
+        self.rest = torch.zeros(weights, dtype=torch.float64)
+        self.steps = 0
+
+    def observe(self, norms: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:
+        """One step's column norms and selections, one per 2-D weight."""
+        for i, (norm, chosen) in enumerate(zip(norms, masks, strict=True)):
+            self.selected[i] += norm[chosen].mean().double() if chosen.any() else 0.0
+            self.rest[i] += norm[~chosen].mean().double() if (~chosen).any() else 0.0
+        self.steps += 1
+
+    def due(self) -> bool:
+        """Whether enough weights are due for a host update."""
+        if not self.weights or not self.steps:
+            return False
+        ready = int((self.rest >= self.selected / self.steps).sum())
+        return ready >= max(1, math.ceil(self.ratio * self.weights))
+
+    def reset(self) -> None:
+        """A host update was applied."""
+        self.selected.zero_()
+        self.rest.zero_()
+        self.steps = 0
+
+
+@dataclass
+class PathScalars:
+    """The scalar optimizer state (step count) of the every-step path and of the host path."""
+
+    selected: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
+
+
+class ZenFlowUpdate:
+    """The ZenFlow update of a ZeRO-1/2 optimizer's offloaded masters ([Note: zenflow]).
+
+    Args:
+        optimizer: the inner optimizer (one master parameter per group).
+        policy: the ``zenflow`` block.
+        layouts: per group, ``(partition start, partition numel, [(flat offset, shape) per parameter])``.
+        group: the process group the partitions are spread over.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, policy: ZenFlowPolicy, layouts: list, group: Any) -> None:
+        self.optimizer, self.policy, self.group = optimizer, policy, group
+        self.groups: list[GroupMask] = []
+        self.widths: list[int] = []  # columns of every 2-D weight, in norm-vector order
+        for start, numel, params in layouts:
+            self.groups.append(
+                GroupMask(numel, self._pieces(start, numel, params), torch.ones(numel, dtype=torch.bool))
+            )
+        self.scalars = [PathScalars() for _ in self.groups]
+        self.steps = 0
+        self.epoch_steps = policy.steps_per_epoch
+        self.accumulated = 0
+        self.selected_once = False
+        self._select_requested = False
+        self._chosen: list[torch.Tensor] = []
+        self.auto = AutoInterval(policy.auto_ratio, len(self.widths)) if policy.update_interval == "auto" else None
+        self.pending: PendingUpdate | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._twin: torch.optim.Optimizer | None = None
+        self.host_updates = 0  # for tests: host updates applied
+        self.selections = 0  # for tests: column selections made
+
+    def _pieces(self, start: int, numel: int, params: list) -> list[ColumnPiece]:
+        pieces = []
+        for offset, shape in params:
+            if len(shape) != 2:
+                continue
+            cols = int(shape[1])
+            lo, hi = max(offset, start), min(offset + int(shape[0]) * cols, start + numel)
+            if hi > lo:
+                pieces.append(ColumnPiece(lo - start, lo - offset, hi - lo, cols, sum(self.widths)))
+            self.widths.append(cols)
+        return pieces
+
+    # --- schedule ---------------------------------------------------------------------------------------
+    def _select_interval(self) -> int:
+        """Steps between selections (0: select once)."""
+        policy = self.policy
+        every = 1 if policy.select_strategy == "auto" else int(policy.select_interval)
+        if policy.select_strategy == "step":
+            return every
+        return every * self.epoch_steps if self.epoch_steps else 0
+
+    def use_epoch_length(self, steps: int) -> None:
+        """Optimizer steps per epoch of the training data loader, unless ``steps_per_epoch`` was given."""
+        if self.policy.steps_per_epoch is None and steps > 0:
+            self.epoch_steps = steps
+
+    def _selection_due(self) -> bool:
+        """A selection is asked for every select interval and runs at the first step after it at which the
+        accumulator is empty (the accumulated gradients belong to the current split)."""
+        interval = self._select_interval()
+        since = self.steps - self.policy.full_warm_up_rounds
+        if interval > 0 and since > 0 and since % interval == 0:
+            self._select_requested = True
+        return not self.accumulated and (not self.selected_once or self._select_requested)
+
+    def _host_due(self) -> bool:
+        if not self.accumulated:
+            return False
+        if self.auto is not None:
+            return self.auto.due()
+        return self.accumulated >= int(self.policy.update_interval)
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def step(self, grads: Sequence[torch.Tensor | None], coef: Coef) -> None:
+        """Apply one ZenFlow step with the partition gradients ``grads`` (one per group) scaled by ``coef``."""
+        self.settle()
+        fp32 = [self._fp32(g, mask.numel, coef) for g, mask in zip(grads, self.groups, strict=True)]
+        warm = self.steps < self.policy.full_warm_up_rounds
+        select = not warm and self._selection_due()
+        norms = self._column_norms(fp32) if select or (not warm and self.auto is not None) else None
+        if select:
+            assert norms is not None
+            self._select(norms)
+        for index, (grad, mask) in enumerate(zip(fp32, self.groups, strict=True)):
+            chosen = mask.mask
+            self._step_masked(index, chosen, grad[chosen], self.scalars[index], selected=True)
+        if not warm:
+            self._accumulate(fp32, norms)
+        if self.steps + 1 == self.policy.full_warm_up_rounds:
+            for scalars in self.scalars:  # every element had every warm-up update: the host path starts there
+                scalars.host = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.selected.items()}
+        self.steps += 1
+        if self._host_due():
+            self._host_update()
+
+    def _fp32(self, grad: torch.Tensor | None, numel: int, coef: Coef) -> torch.Tensor:
+        if grad is None:
+            return torch.zeros(numel, dtype=torch.float32)
+        out = grad.to(torch.float32, copy=True)
+        if scales(coef):
+            out.mul_(coef)
+        return out
+
+    def _column_norms(self, fp32: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Every 2-D weight's column norms of this step's gradient, summed over the ranks."""
+        total = torch.zeros(sum(self.widths), dtype=torch.float32)
+        for grad, mask in zip(fp32, self.groups, strict=True):
+            for piece in mask.pieces:
+                part = grad[piece.local : piece.local + piece.numel]
+                total[piece.norm_offset : piece.norm_offset + piece.cols] += column_sq(part, piece.first, piece.cols)
+        if self.group is not None or torch.distributed.is_initialized():
+            sum_over(total, self.group)
+        return list(total.sqrt().split(self.widths)) if self.widths else []
+
+    def _select(self, norms: list[torch.Tensor]) -> None:
+        """Choose the columns stepped every step (the same on every rank) and rebuild the masks."""
+        chosen = []
+        for norm in norms:
+            keep = torch.zeros(norm.numel(), dtype=torch.bool)
+            count = min(norm.numel(), max(1, math.ceil(self.policy.topk_ratio * norm.numel())))
+            keep[torch.topk(norm, count, sorted=False).indices] = True
+            chosen.append(keep)
+        offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        for mask in self.groups:
+            mask.mask.fill_(True)
+            for piece in mask.pieces:
+                keep = chosen[offsets.index(piece.norm_offset)]
+                mask.mask[piece.local : piece.local + piece.numel] = column_pattern(keep, piece.first, piece.numel)
+        self._chosen = chosen
+        self.selected_once, self._select_requested = True, False
+        self.selections += 1
+
+    def _accumulate(self, fp32: Sequence[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
+        """Add this step's gradient of the masked-out elements into the accumulators."""
+        if all(bool(m.mask.all()) for m in self.groups):
+            return
+        for grad, mask in zip(fp32, self.groups, strict=True):
+            if mask.acc is None:
+                mask.acc = torch.zeros(mask.numel, dtype=torch.float32)
+            mask.acc.add_(grad.masked_fill_(mask.mask, 0.0))
+        self.accumulated += 1
+        if self.auto is not None and norms is not None:
+            self.auto.observe(norms, self._chosen)
+
+    def _host_update(self) -> None:
+        """Step the masked-out elements once with the mean accumulated gradient (now, or in the background)."""
+        count = self.accumulated
+        inputs = []
+        for index, mask in enumerate(self.groups):
+            assert mask.acc is not None
+            rest = ~mask.mask
+            inputs.append((index, rest, mask.acc[rest].div_(count)))
+            mask.acc.zero_()
+        self.accumulated = 0
+        if self.auto is not None:
+            self.auto.reset()
+        if not self.policy.overlap_step:
+            for index, rest, grad in inputs:
+                self._step_masked(index, rest, grad, self.scalars[index], selected=False)
+            self.host_updates += 1
+            return
+        packed = [(index, rest, grad, *self._pack(index, rest)) for index, rest, grad in inputs]
+        snapshot = [dict(g) for g in self.optimizer.param_groups]  # this step's hyperparameters
+        job = self._executor().submit(self._background, packed, snapshot)
+        self.pending = PendingUpdate(job, [rest for _, rest, _ in inputs])
+
+    def settle(self) -> None:
+        """Apply the background host update of the previous step, if any (waits for it)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        for index, rest, values, state, scalars in pending.job.result():
+            master = self.optimizer.param_groups[index]["params"][0]
+            master.data.masked_scatter_(rest, values)
+            self._scatter_state(index, rest, state)
+            self.scalars[index].host = scalars
+        self.host_updates += 1
+
+    # --- masked steps -----------------------------------------------------------------------------------
+    def _pack(self, index: int, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Copies of the master's and its per-element state's values under ``mask``."""
+        master = self.optimizer.param_groups[index]["params"][0]
+        state = self.optimizer.state.get(master, {})
+        per_element = {k: v[mask] for k, v in state.items() if _per_element(v, master.numel())}
+        return master.data[mask], per_element
+
+    def _scatter_state(self, index: int, mask: torch.Tensor, packed: dict) -> None:
+        master = self.optimizer.param_groups[index]["params"][0]
+        state = self.optimizer.state.setdefault(master, {})
+        for key, value in packed.items():
+            if key not in state:
+                state[key] = torch.zeros(master.numel(), dtype=value.dtype)
+            state[key].masked_scatter_(mask, value)
+
+    def _step_masked(
+        self, index: int, mask: torch.Tensor, grad: torch.Tensor, scalars: PathScalars, selected: bool
+    ) -> None:
+        """Step the elements of group ``index`` under ``mask`` with ``grad`` (packed) on the training thread."""
+        if not grad.numel():
+            return
+        values, state = self._pack(index, mask)
+        own = scalars.selected if selected else scalars.host
+        new_values, new_state, new_scalars = _step_packed(self.optimizer, index, values, state, own, grad)
+        master = self.optimizer.param_groups[index]["params"][0]
+        master.data.masked_scatter_(mask, new_values)
+        self._scatter_state(index, mask, new_state)
+        if selected:
+            scalars.selected = new_scalars
+            # The optimizer's own state of the master carries the every-step path's scalars (what a checkpoint saves).
+            self.optimizer.state[master].update(
+                {k: v.clone() if torch.is_tensor(v) else v for k, v in new_scalars.items()}
+            )
+        else:
+            scalars.host = new_scalars
+
+    def _background(self, packed: list, snapshot: list[dict]) -> list:
+        """Worker: step every group's packed masked-out elements on the twin optimizer with ``snapshot``'s
+        hyperparameters."""
+        twin = self._twin_optimizer()
+        out = []
+        for index, rest, grad, values, state in packed:
+            twin.param_groups[0].update({k: v for k, v in snapshot[index].items() if k != "params"})
+            new_values, new_state, new_scalars = _step_packed(twin, 0, values, state, self.scalars[index].host, grad)
+            out.append((index, rest, new_values, new_state, new_scalars))
+        return out
+
+    def _twin_optimizer(self) -> torch.optim.Optimizer:
+        """A second instance of the inner optimizer's class for the worker, so that the training thread's
+        optimizer (and a scheduler changing its learning rate) is never touched from the worker."""
+        if self._twin is None:
+            kwargs = dict(self.optimizer.defaults)
+            for attr, name in (("adam_w_mode", "adamw_mode"), ("fp32_optimizer_states", "fp32_optimizer_states")):
+                if hasattr(self.optimizer, attr):
+                    kwargs[name] = getattr(self.optimizer, attr)
+            accepted = inspect.signature(type(self.optimizer)).parameters
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+                kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # e.g. AdamW's fixed decoupling flag
+            placeholder = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+            try:
+                self._twin = type(self.optimizer)([placeholder], **kwargs)
+            except TypeError as err:
+                raise ValueError(
+                    f"zero_optimization.zenflow.overlap_step needs a second {type(self.optimizer).__name__} built "
+                    f"from its defaults, which failed ({err}); set overlap_step false"
+                ) from err
+        return self._twin
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds-zenflow")
+        return self._worker
+
+    def shutdown(self) -> None:
+        """Finish a pending host update and stop the worker."""
+        self.settle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def _per_element(value: Any, numel: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
+
+
+def _step_packed(
+    optimizer: torch.optim.Optimizer, index: int, values: torch.Tensor, state: dict, scalars: dict, grad: torch.Tensor
+) -> tuple[torch.Tensor, dict, dict]:
+    """One optimizer step of a packed parameter: returns its new values, per-element state and scalars. With no
+    scalars yet the optimizer creates the state afresh (zero moments), as on its first step."""
+    group = optimizer.param_groups[index]
+    view = torch.nn.Parameter(values, requires_grad=False)
+    if scalars:
+        optimizer.state[view] = {**state, **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
+    saved = group["params"]
+    try:
+        view.grad = grad
+        group["params"] = [view]
+        optimizer.step()
+        new = optimizer.state.pop(view, {})
+    finally:
+        view.grad = None
+        group["params"] = saved
+        optimizer.state.pop(view, None)
+    numel = values.numel()
+    per_element = {k: v for k, v in new.items() if _per_element(v, numel)}
+    return view.data, per_element, {k: v for k, v in new.items() if k not in per_element}

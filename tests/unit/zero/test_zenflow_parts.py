@@ -1,0 +1,90 @@
+"""The pieces of the ZenFlow update ([Note: zenflow]) on their own: per-column norms and masks of a weight cut at
+any element (a ZeRO partition boundary falls mid-row), the ``"auto"`` interval rule and the selection schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from deepspeed._core.config.plan import ZenFlowPolicy
+from deepspeed._core.optim.zenflow import AutoInterval, ZenFlowUpdate, column_pattern, column_sq
+
+
+def test_column_sums_and_masks_of_a_weight_cut_mid_row() -> None:
+    weight = torch.randn(7, 5)
+    flat = weight.reshape(-1)
+    chosen = torch.tensor([True, False, False, True, False])
+    for first, last in ((0, 35), (3, 35), (0, 12), (6, 29), (11, 13), (2, 4)):
+        rows = torch.arange(first, last) // 5
+        cols = torch.arange(first, last) % 5
+        expected = torch.zeros(5).index_add_(0, cols, flat[first:last].square())
+        assert torch.allclose(column_sq(flat[first:last], first, 5), expected), (first, last)
+        assert torch.equal(column_pattern(chosen, first, last - first), chosen[cols]), (first, last)
+        assert rows.numel() == last - first
+
+
+def test_auto_interval_waits_until_enough_weights_are_due() -> None:
+    rule = AutoInterval(ratio=0.5, weights=2)
+    chosen = [torch.tensor([True, False, False, False])] * 2
+    norms = [torch.tensor([4.0, 1.0, 1.0, 1.0]), torch.tensor([4.0, 0.5, 0.5, 0.5])]
+    due = []
+    for _ in range(5):
+        rule.observe(norms, chosen)
+        due.append(rule.due())
+    # Weight 0 catches up (rest mass 1 per step against 4 selected) after 4 steps, weight 1 after 8.
+    assert due == [False, False, False, True, True]
+    rule.reset()
+    assert not rule.due()
+
+
+def _update(policy: ZenFlowPolicy) -> ZenFlowUpdate:
+    model = torch.nn.Linear(6, 4, bias=False)
+    master = torch.nn.Parameter(model.weight.detach().reshape(-1).clone())
+    optimizer = torch.optim.SGD([master], lr=0.1)
+    return ZenFlowUpdate(optimizer, policy, [(0, 24, [(0, (4, 6))])], group=None)
+
+
+def test_columns_are_selected_again_only_with_an_empty_accumulator() -> None:
+    policy = ZenFlowPolicy(topk_ratio=0.4, select_strategy="step", select_interval=3, update_interval=2)
+    update = _update(policy)
+    selected_at, columns = [], []
+    for step in range(8):
+        grad = torch.arange(1, 25, dtype=torch.float32) * 1e-3
+        grad.view(4, 6)[:, step % 6] = 10.0  # a different dominant column every step
+        before = update.selections
+        update.step([grad], 1.0)
+        if update.selections > before:
+            selected_at.append(step)
+            columns.append(update.groups[0].mask.view(4, 6)[0].nonzero().flatten().tolist())
+    # Asked for at steps 3 and 6; run at the first step from there with the accumulator empty (4 and 6).
+    assert selected_at == [0, 4, 6]
+    assert columns == [[0, 4, 5], [3, 4, 5], [0, 4, 5]]
+    assert update.host_updates == 4  # after steps 1, 3, 5 and 7
+
+
+def test_auto_update_interval_applies_the_rest_once_it_has_caught_up() -> None:
+    update = _update(ZenFlowPolicy(topk_ratio=0.1, update_interval="auto", auto_ratio=1.0))
+    for _ in range(12):
+        grad = torch.ones(24) * 0.5
+        grad.view(4, 6)[:, 0] = 2.0  # the selected column's norm is 4x the others'
+        update.step([grad], 1.0)
+    # Each rest column receives a quarter of the selected norm per step: due every 4 steps.
+    assert update.host_updates == 3
+
+
+def test_overlapped_host_update_runs_on_a_second_optimizer_and_lands_one_step_late() -> None:
+    master = torch.nn.Parameter(torch.randn(24))
+    optimizer = torch.optim.AdamW([master], lr=0.1)  # its defaults hold a key its constructor does not take
+    policy = ZenFlowPolicy(
+        topk_ratio=0.2, select_strategy="step", select_interval=100, update_interval=2, overlap_step=True
+    )
+    update = ZenFlowUpdate(optimizer, policy, [(0, 24, [(0, (4, 6))])], group=None)
+    seen = []
+    for _ in range(4):
+        before = master.detach().clone()
+        update.step([torch.linspace(-1, 1, 24)], 1.0)
+        rest = ~update.groups[0].mask
+        seen.append((update.host_updates, bool((master.detach()[rest] != before[rest]).any())))
+    # Submitted after steps 1 and 3; the first lands at step 2, the second is still in flight after step 3.
+    assert seen == [(0, False), (0, False), (1, True), (1, False)]
+    update.shutdown()  # settles the one in flight
+    assert update.host_updates == 2
