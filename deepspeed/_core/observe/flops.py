@@ -1,10 +1,11 @@
 """The FLOPs profiler: floating-point operations, multiply-accumulates, parameters and latency of each module of a
 model's forward pass.
 
-Operations are counted by ``torch.utils.flop_counter.FlopCounterMode``, which sees every aten matrix product,
-convolution and attention kernel the forward runs, whichever Python function called it; each of those is a
-multiply-accumulate kernel, so a module's MACs are half its flops. Element-wise work (activations, norms, softmax) is
-not counted. Latency comes from forward hooks around every module. Counts are stored on the modules under upstream's
+Operations are counted by ``torch.utils.flop_counter.FlopCounterMode``, which sees every aten op the forward runs,
+whichever Python function called it. Its own formulas count the matrix products, convolutions and attention kernels
+(multiply-accumulate kernels: a module's MACs are half their flops); the formulas of ``flop_rules`` add the
+element-wise work (activations, norms, softmax, arithmetic, pooling, ...) as flops without MACs, as upstream's
+profiler does. Latency comes from forward hooks around every module. Counts are stored on the modules under upstream's
 attribute names (``__flops__``, ``__macs__``, ``__params__``, ``__duration__``, ...), each module's own share, so
 that ``get_module_flops`` sums a subtree. ``deepspeed.profiling.flops_profiler`` re-exports this module's names.
 """
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from deepspeed._core.moe.params import is_moe_param
+from deepspeed._core.observe.flop_rules import MATMUL_OPS, counter_mapping
 from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
@@ -130,7 +132,7 @@ class FlopsProfiler:
             if not isinstance(module, self._ignored):
                 self._handles.append(module.register_forward_pre_hook(_start_clock(sync)))
                 self._handles.append(module.register_forward_hook(_stop_clock(sync)))
-        self._counter = FlopCounterMode(display=False)
+        self._counter = FlopCounterMode(display=False, custom_mapping=counter_mapping())
         self._counter.__enter__()
         self.started = True
         self.func_patched = True
@@ -171,22 +173,23 @@ class FlopsProfiler:
         logger.info("Flops profiler finished")
 
     def _collect(self) -> None:
-        """Store each module's own flops (its count less its submodules') from the counter's per-module totals."""
+        """Store each module's own flops and MACs (its count less its submodules') from the counter's totals."""
         if self._counter is None:
             return
         counts = self._counter.get_flop_counts()
         root = type(self.model).__name__
-        inclusive: dict[nn.Module, int] = {}
+        inclusive: dict[nn.Module, tuple[int, int]] = {}
         for name, module in self.model.named_modules():
-            key = f"{root}.{name}" if name else root
-            inclusive[module] = int(sum(counts.get(key, {}).values()))
-        for mod, total in inclusive.items():
+            per_op = counts.get(f"{root}.{name}" if name else root, {})
+            flops = int(sum(per_op.values()))
+            inclusive[module] = (flops, int(sum(n for op, n in per_op.items() if op in MATMUL_OPS)) // 2)
+        for mod, (flops, macs) in inclusive.items():
             counted: Any = mod  # the counts live in attributes torch.nn.Module does not declare
             if isinstance(counted, self._ignored):
-                total = 0
-            own = total - sum(inclusive.get(child, 0) for child in counted.children())
-            counted.__flops__ = max(own, 0)
-            counted.__macs__ = counted.__flops__ // 2
+                flops, macs = 0, 0
+            children = [inclusive.get(child, (0, 0)) for child in counted.children()]
+            counted.__flops__ = max(flops - sum(c[0] for c in children), 0)
+            counted.__macs__ = max(macs - sum(c[1] for c in children), 0)
 
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the whole model."""
@@ -242,7 +245,7 @@ def _prime_counter() -> None:
     """Pay the counter's one-off set-up (seconds: lazy imports at its first dispatch) outside the timed forward."""
     global _PRIMED
     if not _PRIMED:
-        with FlopCounterMode(display=False):
+        with FlopCounterMode(display=False, custom_mapping=counter_mapping()):
             torch.mm(torch.ones(1, 1), torch.ones(1, 1))
         _PRIMED = True
 
