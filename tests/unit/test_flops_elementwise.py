@@ -205,3 +205,36 @@ def test_transformer_block_total_is_the_sum_of_its_ops(training: bool) -> None:
     assert prof.get_total_macs() == total_macs
     assert prof.get_total_flops() == 2 * total_macs + sum(elementwise.values()) + residual_adds
     prof.end_profile()
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, rnn: nn.RNNBase | nn.RNNCellBase) -> None:
+        super().__init__()
+        self.rnn, self.head = rnn, nn.Linear(rnn.hidden_size * 2, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.rnn(x)
+        return self.head(out[0] if isinstance(out, tuple) else out.repeat(1, 2))
+
+
+def _layer(gates: int, inputs: int, hidden: int, gate_arithmetic: int) -> tuple[int, int]:
+    """(flops, MACs) of one step of one layer: two biased products, then the gates' arithmetic."""
+    macs = gates * (inputs + hidden)
+    return 2 * macs - 2 * gates + 2 * gates + gate_arithmetic * hidden, macs
+
+
+def test_recurrent_modules_are_counted_per_step_by_their_hook() -> None:
+    hidden = 16
+    lstm = nn.LSTM(8, hidden, num_layers=2, bidirectional=True, batch_first=True)
+    steps = 3 * 5
+    layers = [_layer(4 * hidden, 8, hidden, 10), _layer(4 * hidden, 2 * hidden, hidden, 10)]
+    flops, macs = (2 * steps * sum(c[i] for c in layers) for i in (0, 1))
+    head = 3 * 5 * 2 * hidden * 3
+    assert _profile(_Recurrent(lstm), torch.randn(3, 5, 8)) == (flops + 2 * head, macs + head)
+    # A cell runs as separate kernels on this device: counted once, by its hook, not also by its kernels.
+    cell_flops, cell_macs = _layer(3 * hidden, 8, hidden, 7)
+    head = 4 * 2 * hidden * 3
+    assert _profile(_Recurrent(nn.GRUCell(8, hidden)), torch.randn(4, 8)) == (
+        4 * cell_flops + 2 * head,
+        4 * cell_macs + head,
+    )

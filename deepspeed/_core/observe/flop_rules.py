@@ -12,7 +12,9 @@ also counts element-wise work, each op as a number of flops on its tensors' size
 * out-of-place arithmetic on floating tensors (``+ - * /``, ``pow``, ``sqrt``, ``rsqrt``, ``exp``, ``log``, ...):
   the elements of the (broadcast) result; reductions ``sum``/``mean``: the elements reduced. In-place forms
   (``x += y``) are not counted: kernels built of other kernels use them for their internal bookkeeping;
-* pooling: ``n``; upsampling/interpolation: the elements of the output; embedding lookups: nothing.
+* pooling: ``n``; upsampling/interpolation: the elements of the output; embedding lookups: nothing;
+* recurrent modules (RNN, GRU, LSTM and their cells) by a per-step estimate (:func:`recurrent_counts`), taken from a
+  forward hook on the module rather than from the kernels it runs, which differ by device.
 
 These are estimates of the element-wise work, not a model of each kernel. They add flops but no multiply-accumulates:
 a module's MACs stay the matrix work (half the flops of the ops in :data:`MATMUL_OPS`).
@@ -28,6 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 aten = torch.ops.aten
@@ -242,3 +245,39 @@ def counter_mapping() -> dict[Any, Formula]:
         for name in packet.overloads():
             mapping[getattr(packet, name)] = formula
     return mapping
+
+
+# Element-wise flops per hidden unit and step besides the gate pre-activations: RNN adds its two products; GRU its
+# reset product, three additions and the update's products and sums; LSTM four additions and six products/sums.
+_RECURRENT_EXTRA = {nn.RNN: 1, nn.RNNCell: 1, nn.GRU: 7, nn.GRUCell: 7, nn.LSTM: 10, nn.LSTMCell: 10}
+RECURRENT_TYPES: tuple[type, ...] = tuple(_RECURRENT_EXTRA)
+
+
+def _recurrent_step(module: Any, suffix: str) -> tuple[int, int]:
+    """(flops, MACs) of one step of one layer of ``module`` for one sequence; ``suffix`` names the layer's weights."""
+    w_ih, w_hh = getattr(module, f"weight_ih{suffix}"), getattr(module, f"weight_hh{suffix}")
+    gates = int(w_ih.shape[0])
+    macs = int(w_ih.numel() + w_hh.numel())
+    flops = 2 * macs - 2 * gates  # a dot product of length k is k products and k - 1 sums
+    flops += _RECURRENT_EXTRA[next(t for t in RECURRENT_TYPES if isinstance(module, t))] * int(module.hidden_size)
+    if module.bias:
+        flops += int(getattr(module, f"bias_ih{suffix}").shape[0] + getattr(module, f"bias_hh{suffix}").shape[0])
+    return flops, macs
+
+
+def recurrent_counts(module: Any, inputs: tuple[Any, ...]) -> tuple[int, int]:
+    """(flops, MACs) of one forward of a recurrent module (``RECURRENT_TYPES``) on ``inputs``.
+
+    Per step of each layer: the input and hidden products (``2k - 1`` flops per output of a length-``k`` dot product),
+    the biases, and the gate arithmetic; times the steps of every sequence (the rows of a packed sequence), doubled
+    when bidirectional. MACs are the products' multiply-accumulates.
+    """
+    data = inputs[0]
+    data = data.data if isinstance(data, nn.utils.rnn.PackedSequence) else data
+    steps = int(data.numel()) // max(int(data.shape[-1]), 1)  # batch x sequence, or rows of a packed sequence
+    if isinstance(module, nn.RNNCellBase):
+        flops, macs = _recurrent_step(module, "")
+        return flops * steps, macs * steps
+    directions = 2 if module.bidirectional else 1
+    layers = [_recurrent_step(module, f"_l{layer}") for layer in range(module.num_layers)]
+    return (sum(f for f, _ in layers) * steps * directions, sum(m for _, m in layers) * steps * directions)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from deepspeed._core.moe.params import is_moe_param
-from deepspeed._core.observe.flop_rules import MATMUL_OPS, counter_mapping
+from deepspeed._core.observe.flop_rules import MATMUL_OPS, RECURRENT_TYPES, counter_mapping, recurrent_counts
 from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
@@ -35,6 +35,8 @@ _PROFILE_ATTRS = (
     "__model_expert_params__",
     "__duration__",
     "__start_time__",
+    "__hook_flops__",
+    "__hook_macs__",
 )
 _UNITS = {"T": 1e12, "G": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
 
@@ -132,6 +134,8 @@ class FlopsProfiler:
             if not isinstance(module, self._ignored):
                 self._handles.append(module.register_forward_pre_hook(_start_clock(sync)))
                 self._handles.append(module.register_forward_hook(_stop_clock(sync)))
+                if type(module) in MODULE_HOOK_MAPPING:
+                    self._handles.append(module.register_forward_hook(MODULE_HOOK_MAPPING[type(module)]))
         self._counter = FlopCounterMode(display=False, custom_mapping=counter_mapping())
         self._counter.__enter__()
         self.started = True
@@ -159,6 +163,8 @@ class FlopsProfiler:
             module.__expert_params__ = sum(_numel(p) for p in own if is_moe_param(p))
             module.__model_expert_params__ = module.__expert_params__
             module.__duration__ = 0.0
+            if type(module) in MODULE_HOOK_MAPPING:
+                module.__hook_flops__, module.__hook_macs__ = 0, 0
 
     def end_profile(self) -> None:
         """Stop counting and remove the counts from the modules."""
@@ -190,6 +196,8 @@ class FlopsProfiler:
             children = [inclusive.get(child, (0, 0)) for child in counted.children()]
             counted.__flops__ = max(flops - sum(c[0] for c in children), 0)
             counted.__macs__ = max(macs - sum(c[1] for c in children), 0)
+            if hasattr(counted, "__hook_flops__"):  # a module counted by its MODULE_HOOK_MAPPING hook instead
+                counted.__flops__, counted.__macs__ = counted.__hook_flops__, counted.__hook_macs__
 
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the whole model."""
@@ -237,6 +245,17 @@ class FlopsProfiler:
         self._collect()
         sys.stdout.write("\n".join(aggregated_lines(self.model, module_depth, top_modules)) + "\n")
 
+
+def _recurrent_hook(module: Any, inputs: tuple[Any, ...], _output: Any) -> None:
+    flops, macs = recurrent_counts(module, inputs)
+    module.__hook_flops__ += flops
+    module.__hook_macs__ += macs
+
+
+#: Module types counted by a forward hook (``hook(module, inputs, output)`` adding to the module's
+#: ``__hook_flops__``/``__hook_macs__``) instead of by the kernels they run: the recurrent modules, whose kernels
+#: differ by device (fused on CPU and GPU, element by element elsewhere).
+MODULE_HOOK_MAPPING: dict[type, Any] = dict.fromkeys(RECURRENT_TYPES, _recurrent_hook)
 
 _PRIMED = False
 
