@@ -88,7 +88,9 @@ def test_counts_are_attributed_to_the_module_that_ran_them() -> None:
     prof.stop_profile()
     assert get_module_flops(model[0]) == 2 * 5 * 8 * 16
     assert get_module_flops(model[2]) == 2 * 5 * 16 * 4
-    assert prof.get_total_flops() == 2 * 5 * (8 * 16 + 16 * 4)
+    assert get_module_flops(model[1]) == 5 * 16  # the ReLU: one flop per element, no MACs
+    assert prof.get_total_flops() == 2 * 5 * (8 * 16 + 16 * 4) + 5 * 16
+    assert prof.get_total_macs() == 5 * (8 * 16 + 16 * 4)
     assert model[0].__params__ == 8 * 16 + 16 and prof.get_total_params() == 8 * 16 + 16 + 16 * 4 + 4
     assert prof.get_total_duration() > 0
     prof.end_profile()
@@ -118,7 +120,8 @@ def test_report_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     ):
         assert label in text, label
     line = next(ln for ln in text.splitlines() if ln.startswith("fwd flops per GPU: "))
-    assert line == "{:<70}  {:<8}".format("fwd flops per GPU: ", number_to_string(2 * 5 * (8 * 16 + 16 * 4)))
+    flops = 2 * 5 * (8 * 16 + 16 * 4) + 5 * 16  # the two linears and the ReLU
+    assert line == "{:<70}  {:<8}".format("fwd flops per GPU: ", number_to_string(flops))
     assert "world size: " not in text  # engine lines only with an engine
     assert "MFU: " in text and "not computed" in text  # the CPU accelerator knows no peak
 
@@ -160,6 +163,8 @@ def test_engine_writes_the_profile_at_profile_step(tmp_path: Path) -> None:
     assert "Profile Summary at step 2:" in text
     tokens, hidden, vocab = 3 * 5, 23, 37
     flops = 2 * tokens * (hidden * (2 * hidden + 1) * 2 + hidden * vocab)  # fc1, fc2, head
+    # relu, the residual add, layer norm (5 per element with its weight), the loss's log-softmax
+    flops += tokens * (2 * hidden + 1) + tokens * hidden + 5 * tokens * hidden + tokens * vocab
     # Value lines: the label left-aligned in 70 columns, two spaces, the value.
     values = {ln[:70].strip(): ln[72:].strip() for ln in text.splitlines() if len(ln) > 72 and ln[70:72] == "  "}
     assert values["fwd flops per GPU:"] == number_to_string(flops)

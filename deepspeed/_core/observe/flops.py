@@ -1,10 +1,11 @@
 """The FLOPs profiler: floating-point operations, multiply-accumulates, parameters and latency of each module of a
 model's forward pass.
 
-Operations are counted by ``torch.utils.flop_counter.FlopCounterMode``, which sees every aten matrix product,
-convolution and attention kernel the forward runs, whichever Python function called it; each of those is a
-multiply-accumulate kernel, so a module's MACs are half its flops. Element-wise work (activations, norms, softmax) is
-not counted. Latency comes from forward hooks around every module. Counts are stored on the modules under upstream's
+Operations are counted by ``torch.utils.flop_counter.FlopCounterMode``, which sees every aten op the forward runs,
+whichever Python function called it. Its own formulas count the matrix products, convolutions and attention kernels
+(multiply-accumulate kernels: a module's MACs are half their flops); the formulas of ``flop_rules`` add the
+element-wise work (activations, norms, softmax, arithmetic, pooling, ...) as flops without MACs, as upstream's
+profiler does. Latency comes from forward hooks around every module. Counts are stored on the modules under upstream's
 attribute names (``__flops__``, ``__macs__``, ``__params__``, ``__duration__``, ...), each module's own share, so
 that ``get_module_flops`` sums a subtree. ``deepspeed.profiling.flops_profiler`` re-exports this module's names.
 """
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from deepspeed._core.moe.params import is_moe_param
+from deepspeed._core.observe.flop_rules import MATMUL_OPS, RECURRENT_TYPES, counter_mapping, recurrent_counts
 from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
@@ -33,6 +35,8 @@ _PROFILE_ATTRS = (
     "__model_expert_params__",
     "__duration__",
     "__start_time__",
+    "__hook_flops__",
+    "__hook_macs__",
 )
 _UNITS = {"T": 1e12, "G": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
 
@@ -130,7 +134,9 @@ class FlopsProfiler:
             if not isinstance(module, self._ignored):
                 self._handles.append(module.register_forward_pre_hook(_start_clock(sync)))
                 self._handles.append(module.register_forward_hook(_stop_clock(sync)))
-        self._counter = FlopCounterMode(display=False)
+                if type(module) in MODULE_HOOK_MAPPING:
+                    self._handles.append(module.register_forward_hook(MODULE_HOOK_MAPPING[type(module)]))
+        self._counter = FlopCounterMode(display=False, custom_mapping=counter_mapping())
         self._counter.__enter__()
         self.started = True
         self.func_patched = True
@@ -157,6 +163,8 @@ class FlopsProfiler:
             module.__expert_params__ = sum(_numel(p) for p in own if is_moe_param(p))
             module.__model_expert_params__ = module.__expert_params__
             module.__duration__ = 0.0
+            if type(module) in MODULE_HOOK_MAPPING:
+                module.__hook_flops__, module.__hook_macs__ = 0, 0
 
     def end_profile(self) -> None:
         """Stop counting and remove the counts from the modules."""
@@ -171,22 +179,25 @@ class FlopsProfiler:
         logger.info("Flops profiler finished")
 
     def _collect(self) -> None:
-        """Store each module's own flops (its count less its submodules') from the counter's per-module totals."""
+        """Store each module's own flops and MACs (its count less its submodules') from the counter's totals."""
         if self._counter is None:
             return
         counts = self._counter.get_flop_counts()
         root = type(self.model).__name__
-        inclusive: dict[nn.Module, int] = {}
+        inclusive: dict[nn.Module, tuple[int, int]] = {}
         for name, module in self.model.named_modules():
-            key = f"{root}.{name}" if name else root
-            inclusive[module] = int(sum(counts.get(key, {}).values()))
-        for mod, total in inclusive.items():
+            per_op = counts.get(f"{root}.{name}" if name else root, {})
+            flops = int(sum(per_op.values()))
+            inclusive[module] = (flops, int(sum(n for op, n in per_op.items() if op in MATMUL_OPS)) // 2)
+        for mod, (flops, macs) in inclusive.items():
             counted: Any = mod  # the counts live in attributes torch.nn.Module does not declare
             if isinstance(counted, self._ignored):
-                total = 0
-            own = total - sum(inclusive.get(child, 0) for child in counted.children())
-            counted.__flops__ = max(own, 0)
-            counted.__macs__ = counted.__flops__ // 2
+                flops, macs = 0, 0
+            children = [inclusive.get(child, (0, 0)) for child in counted.children()]
+            counted.__flops__ = max(flops - sum(c[0] for c in children), 0)
+            counted.__macs__ = max(macs - sum(c[1] for c in children), 0)
+            if hasattr(counted, "__hook_flops__"):  # a module counted by its MODULE_HOOK_MAPPING hook instead
+                counted.__flops__, counted.__macs__ = counted.__hook_flops__, counted.__hook_macs__
 
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the whole model."""
@@ -235,6 +246,17 @@ class FlopsProfiler:
         sys.stdout.write("\n".join(aggregated_lines(self.model, module_depth, top_modules)) + "\n")
 
 
+def _recurrent_hook(module: Any, inputs: tuple[Any, ...], _output: Any) -> None:
+    flops, macs = recurrent_counts(module, inputs)
+    module.__hook_flops__ += flops
+    module.__hook_macs__ += macs
+
+
+#: Module types counted by a forward hook (``hook(module, inputs, output)`` adding to the module's
+#: ``__hook_flops__``/``__hook_macs__``) instead of by the kernels they run: the recurrent modules, whose kernels
+#: differ by device (fused on CPU and GPU, element by element elsewhere).
+MODULE_HOOK_MAPPING: dict[type, Any] = dict.fromkeys(RECURRENT_TYPES, _recurrent_hook)
+
 _PRIMED = False
 
 
@@ -242,7 +264,7 @@ def _prime_counter() -> None:
     """Pay the counter's one-off set-up (seconds: lazy imports at its first dispatch) outside the timed forward."""
     global _PRIMED
     if not _PRIMED:
-        with FlopCounterMode(display=False):
+        with FlopCounterMode(display=False, custom_mapping=counter_mapping()):
             torch.mm(torch.ones(1, 1), torch.ones(1, 1))
         _PRIMED = True
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from deepspeed._core.observe.flops import (
     DEFAULT_PRECISION,
+    MODULE_HOOK_MAPPING,
     FlopsProfiler,
     bytes_to_string,
     duration_to_string,
@@ -22,6 +23,7 @@ from deepspeed._core.observe.flops import (
 
 __all__ = [
     "DEFAULT_PRECISION",
+    "MODULE_HOOK_MAPPING",
     "FlopsProfiler",
     "bytes_to_string",
     "duration_to_string",
