@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspeed._core.observe.flops import (
+from deepspeed._core.observe.flops_units import (
     DEFAULT_PRECISION,
     duration_to_string,
     flops_to_string,
