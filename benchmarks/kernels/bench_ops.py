@@ -235,40 +235,51 @@ def bench_fused_adam(modules: dict, copy_gbs: float, args: argparse.Namespace, d
 
 
 def bench_cpu_adam(args: argparse.Namespace) -> None:
-    """DeepSpeedCPUAdam vs torch CPU AdamW variants, same thread count, fp32, one big + many small params."""
+    """DeepSpeedCPUAdam vs torch CPU AdamW variants, same thread count, one big + many small params: fp32, and
+    bf16 parameters with bf16 states (the 16-bit offloaded state)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     torch.set_num_threads(args.cpu_threads)
     sizes = [args.cpu_numel] + [4096] * 64
 
-    def setup() -> list[torch.nn.Parameter]:
+    def setup(dtype: torch.dtype) -> list[torch.nn.Parameter]:
         gen = torch.Generator().manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+        ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
         for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
         return ps
 
+    bf16 = torch.bfloat16
     variants = {
-        "ours_DeepSpeedCPUAdam": lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, weight_decay=0.01),
-        "torch_AdamW_default": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
-        "torch_AdamW_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, foreach=True),
-        "torch_AdamW_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True),
+        "ours_DeepSpeedCPUAdam": (torch.float32, lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, weight_decay=0.01)),
+        "torch_AdamW_default": (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01)),
+        "torch_AdamW_foreach": (
+            torch.float32,
+            lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, foreach=True),
+        ),
+        "torch_AdamW_fused": (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)),
+        "ours_DeepSpeedCPUAdam_bf16_states": (
+            bf16,
+            lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, weight_decay=0.01, fp32_optimizer_states=False),
+        ),
+        "torch_AdamW_fused_bf16": (bf16, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)),
     }
     timings = {}
-    for name, make in variants.items():
-        opt = make(setup())
+    for name, (dtype, make) in variants.items():
+        opt = make(setup(dtype))
         if name.startswith("ours") and opt.ds_opt_adam is None:
             record("cpu_adam", name, ok=False, error="native kernel not loaded")
             continue
         try:
-            timings[name] = cpu_time_ms(opt.step, 2, args.cpu_reps)
+            timings[name] = (dtype, cpu_time_ms(opt.step, 2, args.cpu_reps))
         except Exception as err:  # noqa: BLE001 (older torch may lack a variant)
             record("cpu_adam", name, ok=False, error=f"{type(err).__name__}: {err}")
-    base = timings.get("torch_AdamW_default")
-    for name, ms in timings.items():
+    base = timings.get("torch_AdamW_default", (None, None))[1]
+    for name, (dtype, ms) in timings.items():
         record(
             "cpu_adam",
             name,
+            dtype=str(dtype).split(".")[-1],
             threads=args.cpu_threads,
             numel=sum(sizes),
             ms=round(ms, 3),

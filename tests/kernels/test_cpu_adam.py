@@ -128,6 +128,33 @@ def test_cpu_adam_low_precision_params(cpu_adam_op: object, dtype: torch.dtype, 
     _assert_rel(native, ref, 3e-2 if dtype == torch.bfloat16 else 5e-3)
 
 
+def test_cpu_adam_bf16_stores_round_like_torch(cpu_adam_op: object) -> None:
+    """The native kernel's bf16 stores are torch's rounding to the bit (nearest-even, NaN canonical, inf kept).
+
+    With lr 0 the parameter comes back unchanged, and after one step from zero moments the moments are single fp32
+    products of the gradient, m = (1 - beta1)·g and v = (1 - beta2)·g², so torch computes the same fp32 values and
+    rounds them with its own conversion. One million random values cross many rounding ties.
+    """
+    gen = torch.Generator().manual_seed(11)
+    g = (torch.randn(1 << 20, generator=gen) * torch.exp(torch.randn(1 << 20, generator=gen) * 4)).bfloat16()
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 3.0e38], dtype=torch.bfloat16)
+    p = torch.nn.Parameter(torch.cat([g, specials]))
+    before = p.detach().clone()
+    p.grad = torch.cat([g, torch.ones(len(specials), dtype=torch.bfloat16)])
+    opt = DeepSpeedCPUAdam([p], lr=0.0, betas=(0.9, 0.999), fp32_optimizer_states=False)
+    opt.step()
+    state = opt.state[p]
+    assert state["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(p.detach().view(torch.int16), before.view(torch.int16).where(~before.isnan(), 0x7FC0))
+    gf = p.grad.float()
+    one_minus_beta1 = torch.tensor(1.0 - 0.9, dtype=torch.float32)
+    one_minus_beta2 = torch.tensor(1.0 - 0.999, dtype=torch.float32)
+    assert torch.equal(state["exp_avg"].view(torch.int16), (one_minus_beta1 * gf).bfloat16().view(torch.int16))
+    assert torch.equal(
+        state["exp_avg_sq"].view(torch.int16), (one_minus_beta2 * (gf * gf)).bfloat16().view(torch.int16)
+    )
+
+
 def test_cpu_adam_state_layout_and_reload(cpu_adam_op: object) -> None:
     p = torch.nn.Parameter(torch.randn(33, dtype=torch.bfloat16))
     opt = DeepSpeedCPUAdam([p], lr=1e-2)
