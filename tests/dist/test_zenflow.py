@@ -221,3 +221,31 @@ def test_zenflow_bf16_with_accumulation_and_auto_interval_on_two_ranks() -> None
         assert rank["host_updates"] > 0  # the auto rule fired at least once
     for k in ranks[0]["weights"]:  # every rank holds the same gathered weights
         assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
+
+
+def _save_warnings(world: int, zenflow: dict | None, save_dir: str) -> list[str]:
+    import logging
+
+    import deepspeed
+    from deepspeed.utils.logging import logger
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(2, zenflow))
+    engine.backward(engine(*micro_batch(0, engine_micro_index(0, 0, world))))
+    engine.step()
+    logger.addHandler(handler)
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    finally:
+        logger.removeHandler(handler)
+    engine.destroy()
+    return [r.getMessage() for r in records if "zenflow" in r.getMessage()]
+
+
+def test_a_checkpoint_with_zenflow_says_what_it_leaves_out(tmp_path) -> None:
+    """Saving names what a ZenFlow checkpoint does not hold (the accumulator, an update in flight), not silently."""
+    said = run_distributed(_save_warnings, 1, 1, {**_SPLIT, "update_interval": 2}, str(tmp_path / "z"))[0]
+    assert len(said) == 1 and "accumulated gradients" in said[0], said
+    assert run_distributed(_save_warnings, 1, 1, None, str(tmp_path / "plain"))[0] == []

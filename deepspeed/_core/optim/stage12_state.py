@@ -18,6 +18,14 @@ from deepspeed._core.config.zero import ZeroStageEnum
 from deepspeed._core.layout.shards import GroupLayout
 from deepspeed._core.optim.loss_scaling import LossScaler
 from deepspeed._core.optim.universal_state import UniversalGroupState, UniversalSlice, UniversalTarget, install
+from deepspeed._foundation.logging import logger
+
+ZENFLOW_SAVE_WARNING = (
+    "zero_optimization.zenflow: this checkpoint holds the weights and the shared Adam moments, but not ZenFlow's "
+    "accumulated gradients, an update still in flight or the unselected group's step count; a run resumed from it "
+    "starts those afresh and differs from an uninterrupted run"
+)
+_warned_zenflow_save = False
 
 
 @dataclass
@@ -47,6 +55,10 @@ def saved_loss_scaler(opt: Any) -> LossScaler:
 
 def shard_state_dict(opt: Any, version: str) -> dict:
     """This rank's ZeRO-1/2 shard of ``opt`` (a ``ZeroOptimizer``) with upstream's keys."""
+    global _warned_zenflow_save
+    if getattr(opt, "zenflow", None) is not None and not _warned_zenflow_save:
+        _warned_zenflow_save = True
+        logger.warning(ZENFLOW_SAVE_WARNING)
     groups = opt.groups
     return {
         "loss_scaler": saved_loss_scaler(opt),
