@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-import torch
 
 from tests._harness import run_distributed
+from tests.dist.test_offload_overlap import assert_bit_equal, optimizer_snapshot
 from tests.reference.models import make_model, micro_batch
 from tests.reference.zero_oracle import engine_micro_index
 
@@ -82,9 +82,7 @@ def _train(world: int, stage: int, gas: int, overlap: bool, clip: float) -> dict
         if opt.host_step is not None:
             early_before_last.append(log.first_step_before_last_reduce())
     result = {
-        "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
-        "masters": [g.master.data.clone() for g in opt.groups],
-        "state": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()],
+        **optimizer_snapshot(engine),
         "early_chunks": opt.early_chunks,
         "early_before_last": early_before_last,
         "chunks": sum(-(-g.master.numel() // CHUNK) for g in opt.groups),
@@ -112,13 +110,7 @@ def test_offloaded_step_starts_during_backward_and_is_bit_identical(world: int, 
         assert early["early_chunks"] > 0
         assert all(early["early_before_last"]), early["early_before_last"]
         assert early["seconds"] < STEPS * WAIT_S  # the held backward never had to wait the timeout out
-        for a, b in zip(early["masters"], sync["masters"], strict=True):
-            assert torch.equal(a, b)
-        for k in sync["weights"]:
-            assert torch.equal(early["weights"][k], sync["weights"][k]), k
-        for sa, sb in zip(early["state"], sync["state"], strict=True):
-            for k in sb:
-                assert torch.equal(sa[k], sb[k]), k
+        assert_bit_equal(early, sync)
         # Clipping needs the global norm first: the update waits for the backward, as before.
         assert clipped["early_chunks"] == 0
         assert not any(clipped["early_before_last"]), clipped["early_before_last"]

@@ -31,6 +31,35 @@ def _config(stage: int, overlap: bool) -> dict:
     }
 
 
+def optimizer_snapshot(engine) -> dict:
+    """The weights (gathered at ZeRO-3), the masters and the inner optimizer's tensor states of ``engine``."""
+    from contextlib import nullcontext
+
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    gather = deepspeed.zero.GatheredParameters(params) if any(hasattr(p, "ds_id") for p in params) else nullcontext()
+    with gather:
+        weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    opt = engine.optimizer
+    return {
+        "weights": weights,
+        "masters": [g.master.data.clone() for g in opt.groups],
+        "state": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()],
+    }
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    """Two :func:`optimizer_snapshot` results hold the same bits."""
+    for x, y in zip(a["masters"], b["masters"], strict=True):
+        assert torch.equal(x, y)
+    for k in b["weights"]:
+        assert torch.equal(a["weights"][k], b["weights"][k]), k
+    for sa, sb in zip(a["state"], b["state"], strict=True):
+        for k in sb:
+            assert torch.equal(sa[k], sb[k]), k
+
+
 def _train(world: int, stage: int, overlap: bool) -> dict:
     import deepspeed
     import deepspeed._core.optim.stage3 as stage3
@@ -46,20 +75,9 @@ def _train(world: int, stage: int, overlap: bool) -> dict:
         engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
         engine.step()
         allocations.append(opt.pinned.allocations)
-    if stage == 3:
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    else:
-        weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    state = [
-        {k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()
-    ]
-    masters = [g.master.data.clone() for g in opt.groups]
     published = opt.host_step.chunks_published if opt.host_step is not None else 0
     result = {
-        "weights": weights,
-        "state": state,
-        "masters": masters,
+        **optimizer_snapshot(engine),
         "published": published,
         "allocations": allocations,
         "held": opt.pinned.held_bytes,
@@ -79,13 +97,7 @@ def test_overlapped_offload_step_is_bit_identical_to_the_synchronous_one(world: 
         assert over["chunks"] > 2  # several chunks per step, so the pipeline really interleaves
         assert over["published"] == STEPS * over["chunks"], "the overlapped route did not run"
         assert sync["published"] == 0
-        for a, b in zip(over["masters"], sync["masters"], strict=True):
-            assert torch.equal(a, b)
-        for k in sync["weights"]:
-            assert torch.equal(over["weights"][k], sync["weights"][k]), k
-        for sa, sb in zip(over["state"], sync["state"], strict=True):
-            for k in sb:
-                assert torch.equal(sa[k], sb[k]), k
+        assert_bit_equal(over, sync)
         # The pool allocates its staging buffers on the first step only, within its bound.
         allocs = over["allocations"]
         assert allocs[0] > 0 and allocs == [allocs[0]] * STEPS, allocs

@@ -190,6 +190,7 @@ def test_upstream_universal_folder_loads(case: str, stage: int) -> None:
 # parameters by 2e-2 to 3e-2.
 BF16_CONTINUE_ATOL = 3e-4
 
+
 def _bf16_config(stage: int, world: int, universal: bool) -> dict:
     return dict(_config(stage, world, universal), bf16={"enabled": True})
 
