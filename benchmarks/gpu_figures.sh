@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for the figures of docs/long_context.md, docs/offload.md and docs/observability.md, and the main
 # job's memory plot on a GPU. Run through the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh [long|offload|all]
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh [long|offload|more|final|all]   (each group fits one call)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -49,9 +49,6 @@ if want offload; then
   # Offloaded step of the 3B model at 8192 tokens: overlapped, synchronous and 16-bit states, beside the floor.
   part offload_3b 190 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
     --cases overlap_on,overlap_off,bf16_states,floor --out "$WORK/offload_3b.jsonl"
-  # NVMe against CPU offload on a 1.1B model of the same shape (its swap files fit the machine's disk).
-  part offload_nvme 100 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
-    --cases overlap_on,nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme.jsonl"
   # Upstream 0.19.8 and FSDP2 with CPU offload on the same 3B step.
   part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
     --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
@@ -61,22 +58,11 @@ if want offload; then
   part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
 fi
 
-if want largest; then
-  # The largest model that trains one step with the host's memory (benchmarks/largest_model_gpu.py): the first
-  # trial of each row is where its host-memory floor says it should still fit (ours, 16-bit offloaded states) or
-  # no longer fit (upstream, fp32 states); later trials bisect while the part's time allows.
-  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest.jsonl"
-  part largest_ours 250 $LM --impl ours --states bf16 --bisect 180,230 --budget-s 240
-  part largest_upstream 180 $LM --impl upstream --states fp32 --bisect 88,110 --budget-s 170
-  cp "$WORK/largest.jsonl" "$OUT/"
-  # Universal conversion of a real ZeRO-3 checkpoint (1.7 B parameters: the checkpoint and its universal copy
-  # must both fit the machine's disk).
-  part universal 100 python3 benchmarks/universal_convert_gpu.py --layers 18 --out "$WORK/universal.json"
-fi
-
 if want more; then
   # Second pass on the same machine: upstream's ALST row at 128K, the plain row's bracket (after a short warm-up
-  # step), NVMe with time for its swaps, and the overlapped/synchronous host step in the other order.
+  # step), the overlapped/synchronous host step in the other order, and NVMe against CPU offload on a 1.2B model
+  # of the same shape (its swap files fit the machine's disk; it needs more than 100 s with the async I/O op's
+  # build).
   LC="python3 benchmarks/long_context_gpu.py --out $WORK/long_more.jsonl"
   part long_more_upstream 130 $LC --impl upstream --tile-mlp 8 --tile-loss 16 --act-offload --warmup-seq 4096 \
     --lengths 32768,131072 --budget-s 400
