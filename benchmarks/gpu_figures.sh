@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU call for the figures of docs/long_context.md, docs/offload.md and docs/observability.md, and the main
-# job's memory plot on a GPU. Run through the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh [long|offload|more|final|all]   (each group fits one call)
+# The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
+# docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
+# the device entry point, which installs the carried wheels first:
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final   (no argument: all, in turn)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
