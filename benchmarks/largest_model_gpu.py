@@ -61,7 +61,8 @@ def trial(args: argparse.Namespace) -> dict:
     from models import MODELS, build_model
 
     MODELS["largest"] = dataclasses.replace(MODELS[args.model], layers=args.layers, seq=args.seq)
-    Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    if args.states == "nvme":
+        Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model("largest", device, torch.bfloat16)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
