@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final   (no argument: all, in turn)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag   (no argument: all, in turn)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -73,6 +73,14 @@ if want more; then
     --cases overlap_off,overlap_on --out "$WORK/offload_order.jsonl"
   part offload_nvme 180 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
     --cases overlap_on,nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme.jsonl"
+fi
+
+if want diag; then
+  # Where the offloaded step's time goes: forward, backward and step apart, the optimizer's phases per thread and
+  # one profiled step, for the overlapped and the synchronous host step.
+  part offload_diag 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,overlap_off --breakdown --breakdown-dir "$WORK/offload_diag_prof" --out "$WORK/offload_diag.jsonl"
+  part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
 fi
 
 if want final; then

@@ -18,6 +18,11 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
 - ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
   overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3).
 
+With ``--breakdown`` each engine case also records where the host time of its step goes: wall seconds per thread
+in the optimizer's phases (gradient flush, norm, each chunk's gradient fetch, the inner optimizer, the
+write-back's conversion and copies), summed over the timed steps, and one profiled step's operator table
+(``--breakdown-dir``).
+
 Engine cases also record host bytes per parameter (the optimizer's own count and the process's resident set) and
 the disk bytes read and written per step (the process's I/O counters). ``--cases`` picks what runs.
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -81,6 +87,102 @@ def _median(run: Callable[[], None], steps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+# (module, owner attribute path, method): the optimizer's phases that --breakdown times.
+PHASES = [
+    ("deepspeed._core.optim.stage3", "Stage3Optimizer", "flush"),
+    ("deepspeed._core.optim.stage3", "Stage3Optimizer", "_decide_step"),
+    ("deepspeed._core.optim.stage3", "Stage3Optimizer", "_update"),
+    ("deepspeed._core.optim.stage3", "Stage3Optimizer", "write_back"),
+    ("deepspeed._core.optim.stage3", "Stage3Optimizer", "_clear_grads"),
+    ("deepspeed._core.optim.stage3", None, "local_sq_norm"),
+    ("deepspeed._core.optim.chunked_step", "ChunkStepper", "_grad_of"),
+    ("deepspeed._core.optim.chunked_step", "ChunkStepper", "step_range"),
+    ("deepspeed._core.optim.chunked_step", None, "convert_scaled"),
+    ("deepspeed._core.optim.chunked_step", None, "_merge_back"),
+    ("deepspeed._core.optim.host_step", "StepRun", "publish"),
+    ("deepspeed._core.optim.host_step", "StepRun", "_step"),
+    ("deepspeed._core.grads.parked", "ParkedWindow", "_staged"),
+    ("deepspeed._core.grads.parked", "ParkedWindow", "_fill"),
+    ("deepspeed.ops.adam.cpu_adam", "DeepSpeedCPUAdam", "step"),
+]
+
+
+class _Spans:
+    """Wall time per (thread, phase) of the wrapped methods; nested phases each count their whole span."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.threading = threading
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.undo: list[tuple[object, str, object]] = []
+
+    def wrap_all(self) -> None:
+        import importlib
+
+        for module_name, owner_name, attr in PHASES:
+            module = importlib.import_module(module_name)
+            owner = getattr(module, owner_name) if owner_name else module
+            original = vars(owner).get(attr)  # None: inherited, so the wrapper is removed again afterwards
+            self.undo.append((owner, attr, original))
+            setattr(owner, attr, self._timed(getattr(owner, attr), attr))
+
+    def _timed(self, original: Callable, label: str) -> Callable:
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                name = self.threading.current_thread().name.split("_")[0]
+                self.spans.append((name, label, start, time.perf_counter()))
+
+        return timed
+
+    def unwrap(self) -> None:
+        for owner, attr, original in reversed(self.undo):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self.undo.clear()
+
+    def sums(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for thread, label, start, end in self.spans:
+            key = f"{thread}:{label}"
+            out[key] = out.get(key, 0.0) + end - start
+        return {k: round(v, 4) for k, v in sorted(out.items())}
+
+
+def _timed_phases(step_parts: Callable[[], list[float]], steps: int, spans: _Spans) -> dict:
+    """Run warm-up and timed steps; per timed step the synchronised forward/backward/step seconds."""
+    for _ in range(2):
+        step_parts()
+    spans.spans.clear()
+    rows = [step_parts() for _ in range(steps)]
+    return {
+        "fwd_s": statistics.median(r[0] for r in rows),
+        "bwd_s": statistics.median(r[1] for r in rows),
+        "step_s": statistics.median(r[2] for r in rows),
+        "phase_seconds_per_step": {k: round(v / steps, 4) for k, v in spans.sums().items()},
+    }
+
+
+def _profile_one(run: Callable[[], object], path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    path.write_text(
+        table.table(sort_by="self_cpu_time_total", row_limit=40)
+        + "\n\n"
+        + table.table(sort_by="self_device_time_total", row_limit=25)
+    )
+    prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
+
+
 def _engine_case(args: argparse.Namespace, overlap: bool, bf16_states: bool, nvme: str | None) -> dict:
     import psutil
 
@@ -111,11 +213,15 @@ def _engine_case(args: argparse.Namespace, overlap: bool, bf16_states: bool, nvm
         engine.backward(loss)
         engine.step()
 
+    breakdown: dict = {}
+    if args.breakdown:
+        breakdown = _breakdown(args, engine, batch, overlap)
     io_before = psutil.Process().io_counters()
     seconds = _median(step, args.steps)
     io_after = psutil.Process().io_counters()
     steps = args.steps + 2  # the warm-up steps move the same bytes
     out = {
+        **breakdown,
         "seconds": seconds,
         "host_bytes_per_param": engine.optimizer.host_state_bytes() / params,
         "host_rss_bytes_per_param": psutil.Process().memory_info().rss / params,
@@ -125,6 +231,34 @@ def _engine_case(args: argparse.Namespace, overlap: bool, bf16_states: bool, nvm
     engine.destroy()
     gc.collect()
     torch.cuda.empty_cache()
+    return out
+
+
+def _breakdown(args: argparse.Namespace, engine: object, batch: dict, overlap: bool) -> dict:
+    """Forward, backward and step each timed apart (synchronised), with the optimizer's phases per thread."""
+
+    def parts() -> list[float]:
+        marks = [time.perf_counter()]
+        loss = engine(**batch)
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        engine.step()
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        return [b - a for a, b in itertools.pairwise(marks)]
+
+    spans = _Spans()
+    spans.wrap_all()
+    try:
+        out = _timed_phases(parts, args.steps, spans)
+    finally:
+        spans.unwrap()
+    if args.breakdown_dir is not None:
+        args.breakdown_dir.mkdir(parents=True, exist_ok=True)
+        _profile_one(parts, args.breakdown_dir / f"profile_overlap_{int(overlap)}.txt")
     return out
 
 
@@ -208,6 +342,8 @@ def main() -> None:
     parser.add_argument("--cases", default="overlap_on,overlap_off,bf16_states,floor", help=", ".join(ENGINE_CASES))
     parser.add_argument("--nvme-path", default="/tmp/nvme_swap", help="swap folder of the nvme case")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--breakdown", action="store_true", help="time the step's phases per thread")
+    parser.add_argument("--breakdown-dir", type=Path, default=None, help="profiled step's tables and trace")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("offload_overlap_gpu.py needs a CUDA device")
