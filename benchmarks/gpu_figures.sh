@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag   (no argument: all, in turn)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -91,4 +91,13 @@ if want final; then
   part largest_upstream 120 $LM --impl upstream --states fp32 --bisect 88,110 --budget-s 110
   cp "$WORK/largest.jsonl" "$OUT/"
   part universal 95 python3 benchmarks/universal_convert_gpu.py --layers 18 --out "$WORK/universal.json"
+fi
+
+if want spfake; then
+  # Ulysses sequence parallelism at SP=8 on one GPU: rank 0 of PyTorch's fake 8-rank group (collectives move no
+  # data, so its allocations are one rank's), the 3B model with ALST, ZeRO-3 and the optimizer offloaded; per-rank
+  # peaks beside the floor at each total length (benchmarks/sp_fake_group_gpu.py).
+  part sp_fake 150 python3 benchmarks/sp_fake_group_gpu.py --tile-mlp 8 --tile-loss 16 --act-offload \
+    --lengths 131072,262144,524288 --budget-s 140 --out "$WORK/sp_fake.jsonl"
+  cp "$WORK/sp_fake.jsonl" "$OUT/"
 fi
