@@ -194,7 +194,7 @@ def test_unsplittable_heads_raise_on_every_rank(uneven_results: tuple) -> None:
 
 def _standalone_round_trip() -> dict:
     import deepspeed.comm as dist
-    from deepspeed.sequence.layer import _SeqAllToAll
+    from deepspeed.sequence.layer import _SeqAllToAll, single_all_to_all, uneven_heads_all2all
 
     group, rank = dist.new_group([0, 1]), dist.get_rank()
     whole = torch.randn(SEQ, BATCH, 3, DIM, generator=torch.Generator().manual_seed(7))
@@ -203,12 +203,20 @@ def _standalone_round_trip() -> dict:
     heads = _SeqAllToAll.apply(group, mine, 2, 0, 1)  # all tokens, this rank's heads
     back = _SeqAllToAll.apply(group, heads, 0, 2, 1)
     (back * weight.chunk(SP, dim=0)[rank]).sum().backward()
+    plain = [single_all_to_all(mine.detach(), 2, 0, 1, group), uneven_heads_all2all(heads.detach(), 0, 2, 1, group)]
     try:
         _SeqAllToAll.apply(group, torch.zeros(SEQ // SP, BATCH, 1, DIM), 2, 0, 1)
         refused = ""
     except ValueError as err:
         refused = str(err)
-    return {"heads": heads.detach(), "back": back.detach(), "grad": mine.grad, "refused": refused}
+    try:
+        single_all_to_all(mine.detach(), 2, 0, 1, group, async_op=True)
+        refused_async = ""
+    except ValueError as err:
+        refused_async = str(err)
+    return dict(
+        heads=heads.detach(), back=back.detach(), grad=mine.grad, plain=plain, refused=refused, refused_async=refused_async
+    )
 
 
 def test_seq_all_to_all_spreads_uneven_heads_and_returns() -> None:
@@ -219,5 +227,8 @@ def test_seq_all_to_all_spreads_uneven_heads_and_returns() -> None:
         assert torch.equal(got["heads"], whole[:, :, first : first + count]), rank
         assert torch.equal(got["back"], whole.chunk(SP, dim=0)[rank]), rank
         assert torch.equal(got["grad"], weight.chunk(SP, dim=0)[rank]), rank
+        # Upstream's plain-function forms of the same exchanges.
+        assert torch.equal(got["plain"][0], got["heads"]) and torch.equal(got["plain"][1], got["back"]), rank
+        assert "async_op" in got["refused_async"], got["refused_async"]
         for words in ("attention heads (1)", "sequence parallel size (2)"):
             assert words in got["refused"], got["refused"]

@@ -132,6 +132,45 @@ def _agreed_split(x: torch.Tensor, group: Any) -> tuple | None:
     return None if len(set(split)) == 1 else split
 
 
+def _standalone_split(x: torch.Tensor, group: Any, scatter_idx: int) -> tuple | None:
+    """The head split of an exchange called on its own: worked out from ``x`` when heads are scattered, agreed on
+    with the other ranks when they are gathered (each rank's count is all it knows then)."""
+    if x.dim() != 4:
+        raise ValueError(f"sequence all-to-all expects a 4-D [.., .., heads, dim] tensor; got shape {tuple(x.shape)}")
+    if scatter_idx < 2:
+        return _agreed_split(x, group)
+    return _plain_split(x.shape[HEAD_DIM], dist.get_world_size(group=group))
+
+
+def single_all_to_all(
+    input: torch.Tensor,
+    scatter_idx: int,
+    gather_idx: int,
+    batch_dim_idx: int,
+    group: Any,
+    async_op: bool = False,
+    handle: Any = None,
+    type: Any = None,
+) -> torch.Tensor:
+    """One exchange without autograd, upstream's signature; uneven head counts are spread as in the module docstring.
+
+    ``handle`` and ``type`` belong to upstream's overlapped exchange and are not used; ``async_op=True`` (that
+    overlap) is refused, since the exchange here always completes before it returns.
+    """
+    if async_op:
+        raise ValueError("single_all_to_all: async_op=True is not supported; the exchange completes before returning")
+    split = _standalone_split(input, group, scatter_idx)
+    return seq_all_to_all(input, group, scatter_idx, batch_dim_idx, split)
+
+
+def uneven_heads_all2all(
+    input: torch.Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int, group: Any
+) -> torch.Tensor:
+    """Upstream's exchange for head counts the group size does not divide: :func:`single_all_to_all` handles
+    those (and even ones) alike."""
+    return single_all_to_all(input, scatter_idx, gather_idx, batch_dim_idx, group)
+
+
 class SplitAllToAll(torch.autograd.Function):
     """:func:`seq_all_to_all` with a known head ``split`` as an autograd function (backward: the opposite one)."""
 
@@ -171,14 +210,7 @@ class SeqAllToAll(torch.autograd.Function):
         type: Any = None,
         is_fwd: bool = True,
     ) -> torch.Tensor:
-        if input.dim() != 4:
-            raise ValueError(
-                f"sequence all-to-all expects a 4-D [.., .., heads, dim] tensor; got shape {tuple(input.shape)}"
-            )
-        if scatter_idx < 2:
-            split = _agreed_split(input, group)
-        else:
-            split = _plain_split(input.shape[HEAD_DIM], dist.get_world_size(group=group))
+        split = _standalone_split(input, group, scatter_idx)
         ctx.args = (group, gather_idx, scatter_idx, batch_dim_idx, split)
         return seq_all_to_all(input, group, scatter_idx, batch_dim_idx, split)
 
