@@ -6,7 +6,8 @@ buckets are reduced the same way: one of
 :func:`start_all_reduce`, :func:`start_reduce_to_owners` or :func:`start_reduce_scatter` issues the asynchronous
 collective and returns a :class:`ReduceResult`; :func:`finish_reduce` waits for it. The blocking ones (a squared
 norm's sum, the post-step all-gather of partitions, an agreed flag, a tied weight's broadcast, the MoE exchange)
-are :func:`sum_over`, :func:`gather_rows`, :func:`max_over`, :func:`broadcast_tensor` and :func:`exchange`.
+are :func:`sum_over`, :func:`gather_rows`, :func:`max_over`, :func:`broadcast_tensor`, :func:`exchange` and
+:func:`exchange_split` (the same with a different amount to and from each rank).
 Point-to-point transfers live with the pipeline's transport (``pipe/p2p.py``) and object collectives with the
 control-plane checks that agree on Python values. The flat buffer's lifetime rules are in [Note: streams-flat]
 (``docs/design/streams.md``): it comes from the pool of the stream that frees it, and is dropped only once that
@@ -224,6 +225,14 @@ def exchange(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
     """Blocking equal-split all-to-all along dim 0: chunk ``r`` of ``input`` goes to rank ``r``, and ``output``'s
     chunk ``r`` comes from rank ``r``."""
     dist.all_to_all_single(output, input, group=group)
+
+
+def exchange_split(
+    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any
+) -> None:
+    """Blocking all-to-all along dim 0 with per-rank amounts: the ``input_splits[r]`` rows after the first ``r``
+    pieces of ``input`` go to rank ``r``, and ``output``'s ``r``-th piece (``output_splits[r]`` rows) comes from it."""
+    dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
 
 
 def gather_rows(gathered: torch.Tensor, mine: torch.Tensor, group: Any) -> None:

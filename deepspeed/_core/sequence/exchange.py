@@ -6,6 +6,9 @@ the slices received, ``out[j]`` coming from rank ``j``. The exchange is its own 
 
 It is a torch custom op (``torch.ops.deepspeed.dim_zero_all_to_all``) taking the group by name, so compiled graphs
 can hold it; :func:`register_all_to_all_group` makes a group known under its name first.
+
+:func:`blocks_all_to_all` is the plain (not differentiable) exchange of blocks whose sizes differ by rank, for
+head counts the group size does not divide.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.comm import dist
-from deepspeed._core.comm.collectives import exchange
+from deepspeed._core.comm.collectives import exchange, exchange_split
 
 _GROUPS: dict[str, Any] = {}
 
@@ -67,3 +70,16 @@ def dim_zero_all_to_all(group: Any, tensor: torch.Tensor) -> torch.Tensor:
     if name not in _GROUPS:
         register_all_to_all_group(group)
     return _dim_zero_all_to_all_op(tensor, name)
+
+
+def blocks_all_to_all(group: Any, blocks: list[torch.Tensor], shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """All-to-all of blocks that may differ in size from rank to rank (no autograd of its own).
+
+    ``blocks[j]`` goes to rank ``j``; the result's ``r``-th tensor, of shape ``shapes[r]``, is what rank ``r`` sent
+    here. Every block travels once, packed back to back, so nothing is padded to the largest block.
+    """
+    sent = torch.cat([b.reshape(-1) for b in blocks])
+    received_sizes = [shape.numel() for shape in shapes]
+    received = sent.new_empty(sum(received_sizes))
+    exchange_split(received, sent, received_sizes, [b.numel() for b in blocks], group)
+    return [piece.view(shape) for piece, shape in zip(received.split(received_sizes), shapes, strict=True)]
