@@ -78,8 +78,8 @@ fi
 if want diag; then
   # Where the offloaded step's time goes: forward, backward and step apart, the optimizer's phases per thread and
   # one profiled step, for the overlapped and the synchronous host step.
-  part offload_diag 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
-    --cases overlap_on,overlap_off --breakdown --breakdown-dir "$WORK/offload_diag_prof" --out "$WORK/offload_diag.jsonl"
+  part offload_diag 300 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,overlap_on_long_route,overlap_off,floor --breakdown --breakdown-dir "$WORK/offload_diag_prof" --out "$WORK/offload_diag.jsonl"
   part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
 fi
 

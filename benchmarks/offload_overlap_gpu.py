@@ -15,6 +15,9 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
   of ``DeepSpeedCPUAdam`` over an fp32 master with a bf16 gradient, as the engine steps it), ``d2h`` / ``h2d``
   (the bf16 gradients down and the bf16 weights up through two pinned buffers of one step chunk);
   ``floor`` = max(fwd_bwd, host_adam, d2h + h2d);
+- ``overlap_on_long_route``: ``overlap_on`` with the host Adam's scaled step turned off (each chunk's gradient
+  converted to fp32 and scaled in passes of its own, the copy up rounded from the master afterwards), for the
+  same-call ratio of that one-pass form;
 - ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
   overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3).
 
@@ -32,6 +35,7 @@ Each line of the output is one JSON record: ``{"case": ..., "seconds": ..., "par
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -39,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ENGINE_CASES = {
     "overlap_on": (True, False, False),
     "overlap_off": (False, False, False),
+    "overlap_on_long_route": (True, False, False),
     "bf16_states": (True, True, False),
     "nvme": (True, False, True),
 }
@@ -183,7 +188,7 @@ def _profile_one(run: Callable[[], object], path: Path) -> None:
     prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
 
 
-def _engine_case(args: argparse.Namespace, overlap: bool, bf16_states: bool, nvme: str | None) -> dict:
+def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_states: bool, nvme: str | None) -> dict:
     import psutil
 
     import deepspeed
@@ -215,7 +220,7 @@ def _engine_case(args: argparse.Namespace, overlap: bool, bf16_states: bool, nvm
 
     breakdown: dict = {}
     if args.breakdown:
-        breakdown = _breakdown(args, engine, batch, overlap)
+        breakdown = _breakdown(args, engine, batch, label)
     io_before = psutil.Process().io_counters()
     seconds = _median(step, args.steps)
     io_after = psutil.Process().io_counters()
@@ -234,7 +239,7 @@ def _engine_case(args: argparse.Namespace, overlap: bool, bf16_states: bool, nvm
     return out
 
 
-def _breakdown(args: argparse.Namespace, engine: object, batch: dict, overlap: bool) -> dict:
+def _breakdown(args: argparse.Namespace, engine: object, batch: dict, label: str) -> dict:
     """Forward, backward and step each timed apart (synchronised), with the optimizer's phases per thread."""
 
     def parts() -> list[float]:
@@ -258,8 +263,22 @@ def _breakdown(args: argparse.Namespace, engine: object, batch: dict, overlap: b
         spans.unwrap()
     if args.breakdown_dir is not None:
         args.breakdown_dir.mkdir(parents=True, exist_ok=True)
-        _profile_one(parts, args.breakdown_dir / f"profile_overlap_{int(overlap)}.txt")
+        _profile_one(parts, args.breakdown_dir / f"profile_{label}.txt")
     return out
+
+
+@contextlib.contextmanager
+def _long_route(on: bool) -> Iterator[None]:
+    """Without the host Adam's scaled step, while ``on``: the chunk stepper then converts and rounds apart."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    saved = DeepSpeedCPUAdam.step_scaled
+    if on:
+        DeepSpeedCPUAdam.step_scaled = None  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        DeepSpeedCPUAdam.step_scaled = saved  # type: ignore[method-assign]
 
 
 def _fwd_bwd(args: argparse.Namespace) -> tuple[float, int]:
@@ -364,7 +383,9 @@ def main() -> None:
         overlap, bf16_states, nvme = ENGINE_CASES[case]
         if nvme:
             Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
-        records.append({"case": case, **_engine_case(args, overlap, bf16_states, args.nvme_path if nvme else None)})
+        with _long_route(case.endswith("_long_route")):
+            swap = args.nvme_path if nvme else None
+            records.append({"case": case, **_engine_case(args, case, overlap, bf16_states, swap)})
     if "floor" in cases:
         host_adam = _host_adam(params, max(2, args.steps // 2))
         records.append({"case": "host_adam", "seconds": host_adam})

@@ -7,6 +7,11 @@
 //   p  = p * (1 - lr * wd)                (AdamW mode: decoupled decay)
 //   p  = p - step_size * m / (sqrt(v) / sqrt(1 - beta2^t) + eps),  step_size = lr / (1 - beta1^t)
 // Bias-correction factors are 1 when bias correction is off.
+// adam_update_scaled is the offloaded step's form: fp32 params and moments, a gradient kept in its own dtype
+// (fp32, bf16 or fp16) multiplied by one fp32 coefficient (unscale x clip) as it is loaded, and optionally the
+// updated params written rounded to a 16-bit dtype into a second buffer (the copy that goes back up to the
+// accelerator). It computes exactly what "convert the gradient to fp32, multiply it, adam_update, then copy the
+// params out" computes, in one pass over memory instead of three.
 // Layout: param, grad, exp_avg, exp_avg_sq are contiguous CPU tensors of equal numel. Params and
 // grads share a dtype (fp32, bf16 or fp16); the moments are fp32 or the param dtype.
 // Numerics: all arithmetic in fp32 (the step scalars are computed in double and rounded once,
@@ -101,6 +106,40 @@ void adam_range(typename Io<P>::raw* __restrict__ param, const typename Io<P>::r
         param[i] = Io<P>::store(p);
         exp_avg[i] = Io<S>::store(m);
         exp_avg_sq[i] = Io<S>::store(v);
+    }
+}
+
+// The scaled form: fp32 param and moments, gradient of dtype G scaled on load, optional rounded copy of type O.
+template <typename G, typename O, bool kCopy>
+void adam_scaled_range(float* __restrict__ param, const typename Io<G>::raw* __restrict__ grad,
+                       float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+                       typename Io<O>::raw* __restrict__ copy_out, int64_t begin, int64_t end,
+                       const StepScalars k, const float scale) {
+    const float one_minus_beta1 = k.one_minus_beta1;
+    const float one_minus_beta2 = k.one_minus_beta2;
+    const bool small_weight = std::abs(one_minus_beta1) < 0.5f;
+    const float l2 = k.decoupled ? 0.0f : k.weight_decay;
+    const bool has_l2 = l2 != 0.0f;
+    const float decay = k.decay;
+    const float neg_step = -k.step_size;
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+        float p = param[i];
+        const float scaled = Io<G>::load(grad[i]) * scale;
+        const float g = scaled + (has_l2 ? l2 * p : 0.0f);
+        float m = exp_avg[i];
+        float v = exp_avg_sq[i];
+        m = small_weight ? m + one_minus_beta1 * (g - m) : g - (g - m) * k.beta1;
+        v = v * k.beta2 + one_minus_beta2 * (g * g);
+        const float denom = std::sqrt(v) / k.bias_corr2_sqrt + k.eps;
+        p = p * decay;
+        p = p + neg_step * (m / denom);
+        param[i] = p;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        if constexpr (kCopy) {
+            copy_out[i] = Io<O>::store(p);
+        }
     }
 }
 
@@ -217,10 +256,87 @@ int adam_update(int optimizer_id, int64_t step, double lr, double beta1, double 
     return 0;
 }
 
+template <typename G, typename O, bool kCopy>
+void adam_scaled_tensor(at::Tensor& params, const at::Tensor& grads, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                        const at::Tensor& copy_out, const StepScalars& k, float scale) {
+    float* p = params.data_ptr<float>();
+    const auto* g = raw_ptr<G>(grads);
+    float* m = exp_avg.data_ptr<float>();
+    float* v = exp_avg_sq.data_ptr<float>();
+    typename Io<O>::raw* out = kCopy ? raw_ptr<O>(copy_out) : nullptr;
+    at::parallel_for(0, params.numel(), kGrain, [&](int64_t b, int64_t e) {
+        adam_scaled_range<G, O, kCopy>(p, g, m, v, out, b, e, k, scale);
+    });
+}
+
+template <typename G>
+void dispatch_copy(at::Tensor& params, const at::Tensor& grads, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                   const c10::optional<at::Tensor>& copy_out, const StepScalars& k, float scale) {
+    if (!copy_out.has_value()) {
+        adam_scaled_tensor<G, float, false>(params, grads, exp_avg, exp_avg_sq, at::Tensor(), k, scale);
+        return;
+    }
+    const at::Tensor& out = *copy_out;
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() && out.numel() == params.numel(),
+                      "cpu_adam: copy_out must be a contiguous CPU tensor of ", params.numel(), " elements");
+    switch (out.scalar_type()) {
+        case at::kBFloat16:
+            adam_scaled_tensor<G, at::BFloat16, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
+            break;
+        case at::kHalf:
+            adam_scaled_tensor<G, at::Half, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
+            break;
+        case at::kFloat:
+            adam_scaled_tensor<G, float, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
+            break;
+        default:
+            TORCH_CHECK_VALUE(false, "cpu_adam: copy_out dtype ", out.scalar_type(),
+                              " (float32, bfloat16 or float16)");
+    }
+}
+
+int adam_update_scaled(int optimizer_id, int64_t step, double lr, double beta1, double beta2, double eps,
+                       double weight_decay, bool bias_correction, at::Tensor params, at::Tensor grads,
+                       at::Tensor exp_avg, at::Tensor exp_avg_sq, double grad_scale,
+                       c10::optional<at::Tensor> copy_out) {
+    const bool decoupled = lookup_adamw_mode(optimizer_id);
+    const at::Tensor* all[] = {&params, &grads, &exp_avg, &exp_avg_sq};
+    const char* names[] = {"params", "grads", "exp_avg", "exp_avg_sq"};
+    for (int i = 0; i < 4; ++i) {
+        TORCH_CHECK_VALUE(all[i]->device().is_cpu() && all[i]->is_contiguous(), "cpu_adam: ", names[i],
+                          " must be a contiguous CPU tensor");
+        TORCH_CHECK_VALUE(all[i]->numel() == params.numel(), "cpu_adam: ", names[i], " has ", all[i]->numel(),
+                          " elements, params has ", params.numel());
+    }
+    TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
+                          exp_avg_sq.scalar_type() == at::kFloat,
+                      "cpu_adam: adam_update_scaled needs float32 params and optimizer states");
+    const StepScalars k = make_scalars(step, lr, beta1, beta2, eps, weight_decay, bias_correction, decoupled);
+    const float scale = static_cast<float>(grad_scale);
+    switch (grads.scalar_type()) {
+        case at::kFloat:
+            dispatch_copy<float>(params, grads, exp_avg, exp_avg_sq, copy_out, k, scale);
+            break;
+        case at::kBFloat16:
+            dispatch_copy<at::BFloat16>(params, grads, exp_avg, exp_avg_sq, copy_out, k, scale);
+            break;
+        case at::kHalf:
+            dispatch_copy<at::Half>(params, grads, exp_avg, exp_avg_sq, copy_out, k, scale);
+            break;
+        default:
+            TORCH_CHECK_VALUE(false, "cpu_adam: unsupported grads dtype ", grads.scalar_type(),
+                              " (float32, bfloat16 or float16)");
+    }
+    return 0;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("create_adam", &create_adam, "Register an optimizer id and its Adam/AdamW mode");
     m.def("destroy_adam", &destroy_adam, "Forget an optimizer id");
     m.def("adam_update", &adam_update, "One in-place Adam/AdamW step over CPU tensors");
+    m.def("adam_update_scaled", &adam_update_scaled,
+          "One in-place Adam/AdamW step over fp32 CPU params with a scaled gradient of its own dtype and an "
+          "optional rounded copy of the updated params");
 }

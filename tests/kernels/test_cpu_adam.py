@@ -195,3 +195,76 @@ def test_cpu_adam_kernel_rejects_bad_input(cpu_adam_op: object) -> None:
 def test_cpu_adam_amsgrad_raises() -> None:
     with pytest.raises(ValueError, match="amsgrad"):
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("coef", [1.0, 0.37])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
+def test_scaled_step_is_the_long_route_bit_for_bit(
+    cpu_adam_op: object, grad_dtype: torch.dtype, coef: float, adamw: bool
+) -> None:
+    """step_scaled (gradient in its own dtype, scaled on load, rounded copy written in the same pass) gives the
+    bits of: convert the gradient to fp32, multiply it by ``coef``, step, round the parameter into the copy."""
+    gen = torch.Generator().manual_seed(5)
+    n = 10007
+    start = torch.randn(n, generator=gen)
+    long_p, scaled_p = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    kw = {"lr": 1e-3, "weight_decay": 0.05, "adamw_mode": adamw}
+    long_opt, scaled_opt = DeepSpeedCPUAdam([long_p], **kw), DeepSpeedCPUAdam([scaled_p], **kw)
+    for _ in range(3):
+        grad = (torch.randn(n, generator=gen) * 3).to(grad_dtype)
+        long_p.grad = grad.float() * coef if coef != 1.0 else grad.float()
+        long_opt.step()
+        copy = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+        assert scaled_opt.step_scaled(grad, coef, copy)
+        assert torch.equal(scaled_p, long_p)
+        assert torch.equal(copy, long_p.detach().bfloat16())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(scaled_opt.state[scaled_p][key], long_opt.state[long_p][key])
+    assert scaled_opt.state[scaled_p]["step"] == 3
+
+
+def test_scaled_step_declines_what_it_cannot_do(cpu_adam_op: object) -> None:
+    """A bf16 parameter (16-bit states) or the torch fallback: ``False``, nothing changed."""
+    p = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    opt = DeepSpeedCPUAdam([p], fp32_optimizer_states=False)
+    assert not opt.step_scaled(torch.ones(8, dtype=torch.bfloat16))
+    q = torch.nn.Parameter(torch.randn(8))
+    fallback = DeepSpeedCPUAdam([q])
+    fallback.ds_opt_adam = None
+    assert not fallback.step_scaled(torch.ones(8))
+    assert not opt.state and not fallback.state
+
+
+def test_chunked_step_takes_the_scaled_route(cpu_adam_op: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stepped through chunk views, the host Adam takes each chunk's bf16 gradient as it is (no fp32 conversion
+    buffer) and writes the rounded copy; the result is the long route's, bit for bit."""
+    from deepspeed._core.optim.chunked_step import ChunkStepper
+
+    gen = torch.Generator().manual_seed(9)
+    start = torch.randn(1000, generator=gen)
+    grads = [torch.randn(1000, generator=gen).bfloat16() for _ in range(3)]
+
+    def run(scaled: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        master = torch.nn.Parameter(start.clone(), requires_grad=False)
+        opt = DeepSpeedCPUAdam([master], lr=1e-2, weight_decay=0.01)
+        calls = []
+        if scaled:
+            real = opt.step_scaled
+            monkeypatch.setattr(opt, "step_scaled", lambda *a: calls.append(1) or real(*a))
+        else:
+            monkeypatch.setattr(opt, "step_scaled", None, raising=False)
+        copy = torch.empty(1000, dtype=torch.bfloat16)
+        for grad in grads:
+            stepper = ChunkStepper(opt, 0, 300)
+            for lo, hi in stepper.ranges():
+                stepper.step_range(lo, hi, grad, 0.5, copy_out=copy[lo:hi])
+            assert (stepper.convert is None) == scaled  # the long route converts into its buffer
+            stepper.close()
+        return master.detach(), copy, len(calls)
+
+    scaled_master, scaled_copy, calls = run(True)
+    long_master, long_copy, _ = run(False)
+    assert calls == 3 * 4
+    assert torch.equal(scaled_master, long_master)
+    assert torch.equal(scaled_copy, long_copy) and torch.equal(scaled_copy, long_master.bfloat16())

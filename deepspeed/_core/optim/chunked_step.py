@@ -135,16 +135,28 @@ class ChunkStepper:
         convert_scaled(out, piece, coef)
         return out
 
-    def step_range(self, start: int, end: int, grad: Any, coef: Coef = 1.0, consume: bool = False) -> None:
-        """Apply the update to ``[start, end)`` (one of :meth:`ranges`) with that range of ``grad``."""
+    def step_range(
+        self,
+        start: int,
+        end: int,
+        grad: Any,
+        coef: Coef = 1.0,
+        consume: bool = False,
+        copy_out: torch.Tensor | None = None,
+    ) -> None:
+        """Apply the update to ``[start, end)`` (one of :meth:`ranges`) with that range of ``grad``; with
+        ``copy_out`` (``end - start`` elements), also write the updated values into it, in its dtype."""
         optimizer, group, master = self.optimizer, self.group, self.master
         view = torch.nn.Parameter(master.data[start:end], requires_grad=False)
         if self.existing:
             optimizer.state[view] = _chunk_state(self.master_state, self.scalars, start, end)
         try:
-            view.grad = self._grad_of(grad, start, end, coef, consume)
             group["params"] = [view]
-            optimizer.step()
+            if not self._step_scaled(view, start, end, grad, coef, copy_out):
+                view.grad = self._grad_of(grad, start, end, coef, consume)
+                optimizer.step()
+                if copy_out is not None:
+                    copy_out.copy_(view.data)
             self.updated = _merge_back(self.master_state, optimizer.state.pop(view, {}), master.data, start, end)
         finally:
             view.grad = None
@@ -152,6 +164,22 @@ class ChunkStepper:
             optimizer.state.pop(view, None)
         if consume and hasattr(grad, "release"):
             grad.release(start, end)  # stepped: its memory can serve the next chunk
+
+    def _step_scaled(
+        self, view: torch.nn.Parameter, start: int, end: int, grad: Any, coef: Coef, copy_out: torch.Tensor | None
+    ) -> bool:
+        """[Note: scaled step] An optimizer with ``step_scaled(grad, scale, copy_out)`` (the host Adam kernel) takes
+        the range's gradient in its own dtype and scales it as it loads it, and writes the rounded copy in the same
+        pass: the conversion into the fp32 buffer, the scaling pass and the later read of the master for the
+        copy up are three passes over host memory it saves (the step is bound by memory bandwidth). Same bits as
+        the long route; ``False`` when the optimizer cannot (the caller then converts)."""
+        step_scaled = getattr(self.optimizer, "step_scaled", None)
+        if step_scaled is None or torch.is_tensor(coef) or view.dtype != torch.float32 or view.device.type != "cpu":
+            return False
+        piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
+        if piece.device.type != "cpu":
+            return False
+        return bool(step_scaled(piece, float(coef), copy_out))
 
     def close(self) -> None:
         """End the update: the master's state (with the advanced scalars) goes back to the optimizer."""

@@ -21,6 +21,7 @@ back afterwards (the synchronous order).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -92,11 +93,16 @@ class OverlappedHostStep:
             )
         return self._worker
 
-    def begin(self, groups: Sequence[GroupStep], coef: Coef) -> StepRun:
+    def begin(self, groups: Sequence[GroupStep], coef: Coef, *, rounded_by_worker: bool = False) -> StepRun:
         """Open one update of ``groups``: ranges are then handed to the worker with :meth:`StepRun.submit` (as soon
         as their gradients are final, possibly while the backward still runs, [Note: early host step]) and
-        published with :meth:`StepRun.publish`."""
-        return StepRun(self, groups, coef)
+        published with :meth:`StepRun.publish`.
+
+        ``rounded_by_worker``: the worker also writes each stepped range, in the working dtype, into the staging
+        buffer its copy up leaves from ([Note: scaled step] does it in the step's own pass), so that the caller's
+        thread only issues copies. For an update published right away: the worker waits for a staging buffer to
+        be free, so it runs at most two ranges ahead of the publishing."""
+        return StepRun(self, groups, coef, rounded_by_worker)
 
     def run(self, groups: Sequence[GroupStep], coef: Coef) -> None:
         """Step every group's chunks in order on the worker; publish each as soon as it is stepped.
@@ -104,7 +110,7 @@ class OverlappedHostStep:
         Returns once every copy up has completed. Each stepper is closed (its state back in the optimizer),
         also when a chunk raises.
         """
-        update = self.begin(groups, coef)
+        update = self.begin(groups, coef, rounded_by_worker=True)
         update.submit_rest()
         update.publish()
 
@@ -115,29 +121,57 @@ class OverlappedHostStep:
             self._worker = None
 
 
+@dataclass
+class _Slot:
+    """One staging buffer of an update whose worker rounds ranges into it: ``free`` is set while the worker may
+    write into it, ``copied`` is the event of the last copy up out of it."""
+
+    buffer: torch.Tensor
+    free: threading.Event
+    copied: Any = None
+
+
 class StepRun:
     """One overlapped update in progress: ranges go to the worker in any order, each once, and are published in
     the order they were submitted. Made by :meth:`OverlappedHostStep.begin`."""
 
-    def __init__(self, owner: OverlappedHostStep, groups: Sequence[GroupStep], coef: Coef) -> None:
+    def __init__(self, owner: OverlappedHostStep, groups: Sequence[GroupStep], coef: Coef, rounded: bool) -> None:
         self.owner, self.groups, self.coef = owner, list(groups), coef
         self.jobs: list[tuple[int, int, int, Future]] = []
         self.submitted: set[tuple[int, int]] = set()
         self.done = False
+        self.slots: list[_Slot] = []
+        if rounded:
+            width = max(_widest_range(g) * _element_size(g.working_dtype) for g in self.groups)
+            for _ in range(2):
+                slot = _Slot(self.owner.pool.acquire(width, torch.uint8), threading.Event())
+                slot.free.set()
+                self.slots.append(slot)
 
     def submit(self, group_index: int, start: int, end: int) -> None:
         """Hand range ``[start, end)`` (one of the stepper's ranges) of group ``group_index`` to the worker."""
         if (group_index, start) in self.submitted:
             return
         self.submitted.add((group_index, start))
-        job = self.owner._executor().submit(self._step, group_index, start, end)
+        job = self.owner._executor().submit(self._step, group_index, start, end, len(self.jobs))
         self.jobs.append((group_index, start, end, job))
 
-    def _step(self, group_index: int, start: int, end: int) -> None:
+    def _step(self, group_index: int, start: int, end: int, index: int) -> torch.Tensor | None:
         if self.owner.log is not None:
             self.owner.log("host_step", group_index, start)
         group = self.groups[group_index]
-        group.stepper.step_range(start, end, group.grad, self.coef, group.consume)
+        piece = None
+        if self.slots and not self.done:
+            slot = self.slots[index % 2]
+            slot.free.wait()  # set again once the caller has issued the copy up of its previous range
+            slot.free.clear()
+            if slot.copied is not None:
+                slot.copied.synchronize()  # that copy has left the buffer
+                slot.copied = None
+            if not self.done:  # abandoned while waiting: nothing will be published any more
+                piece = _staging_view(slot.buffer, end - start, group.working_dtype)
+        group.stepper.step_range(start, end, group.grad, self.coef, group.consume, copy_out=piece)
+        return piece
 
     def submit_rest(self) -> None:
         """Submit every range not submitted yet, group by group, in order."""
@@ -153,32 +187,48 @@ class StepRun:
         left = [len(g.stepper.ranges()) for g in self.groups]
         try:
             for index, (gi, start, end, job) in enumerate(self.jobs):
-                job.result()
+                rounded = job.result()
                 group = self.groups[gi]
-                slot = index % 2
-                if in_flight[slot] is not None:
-                    in_flight[slot].synchronize()  # that buffer's previous copy has left it
-                    in_flight[slot] = None
-                while len(slots) <= slot:
-                    slots.append(self.owner.pool.acquire(self._widest_bytes(), torch.uint8))
-                piece = _staging_view(slots[slot], end - start, group.working_dtype)
-                piece.copy_(group.stepper.master.data[start:end])
-                group.publish(start, piece)
-                in_flight[slot] = record_current()
+                if rounded is not None:  # the worker wrote it into one of the update's staging buffers
+                    group.publish(start, rounded)
+                    slot = self.slots[index % 2]
+                    slot.copied = record_current()
+                    slot.free.set()
+                else:
+                    self._publish_here(index, group, start, end, slots, in_flight)
                 self.owner.chunks_published += 1
                 left[gi] -= 1
                 if not left[gi]:
                     group.stepper.close()
         finally:
             self.abandon()
-            for event in in_flight:
+            for event in in_flight + [slot.copied for slot in self.slots]:
                 if event is not None:
                     event.synchronize()
-            for slot_buffer in slots:
+            for slot_buffer in slots + [slot.buffer for slot in self.slots]:
                 self.owner.pool.release(slot_buffer)
+            self.slots = []
+
+    def _publish_here(
+        self, index: int, group: GroupStep, start: int, end: int, slots: list[torch.Tensor], in_flight: list[Any]
+    ) -> None:
+        """Round range ``[start, end)`` into one of two staging buffers on this thread and copy it up."""
+        slot = index % 2
+        if in_flight[slot] is not None:
+            in_flight[slot].synchronize()  # that buffer's previous copy has left it
+            in_flight[slot] = None
+        while len(slots) <= slot:
+            slots.append(self.owner.pool.acquire(self._widest_bytes(), torch.uint8))
+        piece = _staging_view(slots[slot], end - start, group.working_dtype)
+        piece.copy_(group.stepper.master.data[start:end])
+        group.publish(start, piece)
+        in_flight[slot] = record_current()
 
     def abandon(self) -> None:
         """Wait for every submitted range and close every stepper, publishing nothing (the update is over)."""
+        self.done = True  # from here on the worker steps without rounding into the staging buffers
+        for slot in self.slots:
+            slot.free.set()  # a worker waiting for a buffer that will never be published goes on
         for _, _, _, job in self.jobs:
             _wait_quietly(job)
         for group in self.groups:
@@ -188,6 +238,10 @@ class StepRun:
     def _widest_bytes(self) -> int:
         """Bytes of the widest chunk in its working dtype: the size of each staging buffer."""
         return max((end - start) * _element_size(self.groups[gi].working_dtype) for gi, start, end, _ in self.jobs)
+
+
+def _widest_range(group: GroupStep) -> int:
+    return max((end - start for start, end in group.stepper.ranges()), default=1)
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -103,6 +103,56 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
             self._step_group(group, self._prepare(group))
         return loss
 
+    @torch.no_grad()
+    def step_scaled(self, grad: torch.Tensor, grad_scale: float = 1.0, copy_out: torch.Tensor | None = None) -> bool:
+        """One step of the single parameter of the single group with gradient ``grad``, kept in its own dtype and
+        multiplied by ``grad_scale`` as the kernel loads it; with ``copy_out``, the updated values rounded into it
+        as well.
+
+        The same result, bit for bit, as converting the gradient to fp32, multiplying it by ``grad_scale``,
+        :meth:`step` and ``copy_out.copy_(param)``, in one pass over memory. Returns ``False``, changing nothing,
+        where the kernel cannot do it (no native kernel, a parameter that is not fp32 on the host, non-fp32
+        states): the caller then takes that longer route.
+        """
+        if self.ds_opt_adam is None or len(self.param_groups) != 1 or len(self.param_groups[0]["params"]) != 1:
+            return False
+        group = self.param_groups[0]
+        (p,) = group["params"]
+        if (
+            grad.numel() != p.numel()
+            or grad.device.type != "cpu"
+            or p.device.type != "cpu"
+            or p.dtype != torch.float32
+            or grad.dtype not in _NATIVE_DTYPES
+        ):
+            return False
+        state = self.state[p]
+        if state and any(state[key].dtype != torch.float32 for key in self.STATE_KEYS):
+            return False
+        if not state:
+            state["step"] = 0
+            for key in self.STATE_KEYS:
+                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["step"] = int(state["step"]) + 1
+        hp = self._hyper(group, state["step"])
+        self.ds_opt_adam.adam_update_scaled(
+            self.opt_id,
+            hp.step,
+            hp.lr,
+            hp.beta1,
+            hp.beta2,
+            hp.eps,
+            hp.weight_decay,
+            hp.bias_correction,
+            p.data,
+            grad.contiguous(),
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            float(grad_scale),
+            copy_out,
+        )
+        return True
+
     def _hyper(self, group: dict[str, Any], step: int) -> AdamStep:
         beta1, beta2 = group["betas"]
         return AdamStep(
