@@ -234,11 +234,13 @@ RESUME_STEPS = 6
 TAGS = {"in_flight": 2, "mid_interval": 3}
 
 
-def _zen_engine(zenflow: dict | None = _RESUME, gas: int = 1):
+def _zen_engine(zenflow: dict | None = _RESUME, gas: int = 1, universal: bool = False):
     import deepspeed
 
     cfg = _config(2, zenflow)
     cfg["gradient_accumulation_steps"] = gas
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=make_model(7), config=cfg)  # the checkpoint overwrites this init
     return engine
 
@@ -399,6 +401,15 @@ def _load_without_state(folder: str, zenflow_off_folder: str) -> dict:
         plain.load_checkpoint(folder, tag="mid_interval")
         plain.destroy()
         said_ignored = [r.getMessage() for r in records if "zenflow" in r.getMessage().lower()]
+        # A universal checkpoint (per-parameter files) has no per-rank ZenFlow state either.
+        from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
+
+        universal = os.path.join(folder, "universal")
+        main(parse_arguments(["--input_folder", os.path.join(folder, "mid_interval"), "--output_folder", universal]))
+        engine = _zen_engine(universal=True)
+        engine.load_checkpoint(folder, tag="universal")
+        said_universal = [r.getMessage() for r in records if "brings no ZenFlow state" in r.getMessage()]
+        engine.destroy()
         # The mid-interval checkpoint without its ZenFlow key: the run goes on, with the accumulator dropped.
         path = os.path.join(folder, "mid_interval", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
         shard = torch.load(path, weights_only=False)
@@ -414,7 +425,13 @@ def _load_without_state(folder: str, zenflow_off_folder: str) -> dict:
         engine.destroy()
     finally:
         logger.removeHandler(handler)
-    return {"fresh": fresh, "said_fresh": said_fresh, "said_ignored": said_ignored, "dropped": dropped}
+    return {
+        "fresh": fresh,
+        "said_fresh": said_fresh,
+        "said_ignored": said_ignored,
+        "said_universal": said_universal,
+        "dropped": dropped,
+    }
 
 
 def test_a_checkpoint_without_zenflow_state_loads_afresh_with_a_warning(resume_runs, tmp_path) -> None:
@@ -424,6 +441,7 @@ def test_a_checkpoint_without_zenflow_state_loads_afresh_with_a_warning(resume_r
     assert out["fresh"]["accumulator"] == [None]  # a fresh accumulator, both paths counting on from step 2
     assert [int(s["step"]) for s in out["fresh"]["steps"]] == [2]
     assert any("zero_optimization.zenflow is off" in m for m in out["said_ignored"]), out["said_ignored"]
+    assert len(out["said_universal"]) == 1, out["said_universal"]
     # Without the saved accumulator the resumed run is not the uninterrupted one: the exact test above would fail.
     assert not _close(out["dropped"], ranks[0]["final"]["weights"])
 
