@@ -5,6 +5,8 @@ lands at step t + 1, as a small single-process reference computes; bad values er
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -152,7 +154,7 @@ def test_zenflow_reduces_to_the_plain_step_and_delays_by_one_step(world: int, st
 def _config_error(zenflow: dict, **top: object) -> str:
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    with pytest.raises(Exception) as info:  # noqa: PT011 (the config error type is checked by name below)
+    with pytest.raises(Exception) as info:
         DeepSpeedConfig({**_config(2, zenflow), **top})
     assert type(info.value).__name__ == "DeepSpeedConfigError"
     return str(info.value)
@@ -223,29 +225,238 @@ def test_zenflow_bf16_with_accumulation_and_auto_interval_on_two_ranks() -> None
         assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
 
 
-def _save_warnings(world: int, zenflow: dict | None, save_dir: str) -> list[str]:
+# --- checkpoints: exact resume ([Note: zenflow checkpoint]) -----------------------------------------------------
+# Columns selected again every 2 steps, a host update every 2 steps applied one step late: after 2 steps a host
+# update is in flight (the accumulator is empty), after 3 steps the accumulator holds one step and nothing is in
+# flight. A run of 6 steps ends with an update in flight again.
+_RESUME = {**_SPLIT, "select_interval": 2, "update_interval": 2, "overlap_step": True}
+RESUME_STEPS = 6
+TAGS = {"in_flight": 2, "mid_interval": 3}
+
+
+def _zen_engine(zenflow: dict | None = _RESUME, gas: int = 1, universal: bool = False):
+    import deepspeed
+
+    cfg = _config(2, zenflow)
+    cfg["gradient_accumulation_steps"] = gas
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=make_model(7), config=cfg)  # the checkpoint overwrites this init
+    return engine
+
+
+def _train_steps(engine, steps: range, world: int) -> None:
+    from deepspeed import comm as dist
+
+    gas = engine.gradient_accumulation_steps()
+    for step in steps:
+        for micro in range(gas):
+            engine.backward(engine(*micro_batch(step, engine_micro_index(micro, dist.get_rank(), world))))
+            engine.step()
+
+
+def _zen_state(engine) -> dict:
+    """What this rank's shard holds for ZenFlow (padding removed), as saved."""
+    from deepspeed._core.optim.stage12_state import _zenflow_shard
+
+    return _zenflow_shard(engine.optimizer)
+
+
+def _snapshot(engine) -> dict:
+    opt = engine.optimizer
+    return {
+        "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+        "masters": [g.master.param.detach().clone() for g in opt.groups],
+        "moments": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()],
+        "zenflow": _zen_state(engine),
+    }
+
+
+def _resume_runs(world: int, folder: str) -> dict:
+    """An uninterrupted run saving at ``TAGS``, then a fresh engine resumed from each tag to the same end."""
+    engine = _zen_engine()
+    saved = {}
+    for step in range(RESUME_STEPS):
+        _train_steps(engine, range(step, step + 1), world)
+        for tag, done in TAGS.items():
+            if step + 1 == done:
+                engine.save_checkpoint(folder, tag=tag)
+                saved[tag] = _zen_state(engine)
+    out: dict = {"saved": saved, "final": _snapshot(engine), "resumed": {}, "loaded": {}}
+    engine.destroy()
+    for tag, done in TAGS.items():
+        engine = _zen_engine()
+        engine.load_checkpoint(folder, tag=tag)
+        assert engine.global_steps == done
+        out["loaded"][tag] = _zen_state(engine)
+        _train_steps(engine, range(done, RESUME_STEPS), world)
+        out["resumed"][tag] = _snapshot(engine)
+        engine.destroy()
+    return out
+
+
+def _same(a: object, b: object, where: str = "") -> None:
+    """Bit-for-bit equality of nested dicts / lists / tensors / scalars."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a.keys(), getattr(b, "keys", list)())
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """``get(world)``: the checkpoint folder and per-rank results of :func:`_resume_runs` (run once per world)."""
+    cache: dict = {}
+
+    def get(world: int) -> tuple:
+        if world not in cache:
+            folder = tmp_path_factory.mktemp(f"zenflow_w{world}")
+            cache[world] = (str(folder), run_distributed(_resume_runs, world, world, str(folder)))
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zenflow_resume_is_bit_exact_mid_interval_and_with_an_update_in_flight(resume_runs, world: int) -> None:
+    _, ranks = resume_runs(world)
+    for rank in ranks:
+        saved = rank["saved"]
+        # What the two checkpoints hold: an update in flight (not yet applied), then a non-empty accumulator.
+        assert saved["in_flight"]["pending_host_step_counts"] is not None
+        assert not saved["in_flight"]["partitions"]["accumulator"][0].any()
+        assert saved["mid_interval"]["pending_host_step_counts"] is None
+        assert saved["mid_interval"]["accumulated"] == 1
+        assert all(a.any() for a in saved["mid_interval"]["partitions"]["accumulator"])
+        assert rank["final"]["zenflow"]["pending_host_step_counts"] is not None
+        for tag in TAGS:
+            _same(rank["loaded"][tag], saved[tag], f"{tag} loaded")  # restored exactly as saved ...
+            _same(rank["resumed"][tag], rank["final"], tag)  # ... and continued exactly as uninterrupted
+
+
+def _elastic_resume(folder: str) -> dict:
+    """Load the 2-rank checkpoints on one rank (2 micro-batches per step: the same samples) and continue."""
+    out: dict = {"loaded": {}, "final": {}}
+    for tag, done in TAGS.items():
+        engine = _zen_engine(gas=2)
+        engine.load_checkpoint(folder, tag=tag)
+        out["loaded"][tag] = _zen_state(engine)
+        _train_steps(engine, range(done, RESUME_STEPS), 1)
+        out["final"][tag] = _snapshot(engine)["weights"]
+        engine.destroy()
+    return out
+
+
+def _joined(pieces: list[dict]) -> dict:
+    """One-rank view of several ranks' saved ZenFlow state: partition tensors concatenated in rank order."""
+    parts = {
+        k: [torch.cat(ts) for ts in zip(*(p["partitions"][k] for p in pieces), strict=True)]
+        for k in pieces[0]["partitions"]
+    }
+    return {**pieces[0], "partitions": parts}
+
+
+def test_zenflow_state_saved_on_two_ranks_loads_on_one_exactly(resume_runs) -> None:
+    folder, ranks = resume_runs(2)
+    out = run_distributed(_elastic_resume, 1, folder)[0]
+    for tag in TAGS:
+        # The accumulator and the update in flight are re-sliced like the master: the same values, one partition.
+        _same(out["loaded"][tag], _joined([r["saved"][tag] for r in ranks]), tag)
+        # Training on continues as on two ranks (the same samples; only the order of the gradient sums differs).
+        assert _close(out["final"][tag], ranks[0]["final"]["weights"]), tag
+
+
+def _load_without_state(folder: str, zenflow_off_folder: str) -> dict:
+    """Load checkpoints holding no ZenFlow state into a ZenFlow run, and a ZenFlow checkpoint into a plain run."""
     import logging
 
-    import deepspeed
     from deepspeed.utils.logging import logger
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(2, zenflow))
-    engine.backward(engine(*micro_batch(0, engine_micro_index(0, 0, world))))
-    engine.step()
     logger.addHandler(handler)
     try:
-        engine.save_checkpoint(save_dir, tag="t")
+        plain = _zen_engine(None)  # a run with ZenFlow off writes the checkpoint
+        _train_steps(plain, range(2), 1)
+        plain.save_checkpoint(zenflow_off_folder, tag="off")
+        plain.destroy()
+        engine = _zen_engine()
+        engine.load_checkpoint(zenflow_off_folder, tag="off")
+        zen = engine.optimizer.zenflow
+        fresh = {"accumulator": [g.acc for g in zen.groups], "steps": [dict(s.selected) for s in zen.scalars]}
+        _train_steps(engine, range(2, 4), 1)
+        engine.destroy()
+        said_fresh = [r.getMessage() for r in records if "zenflow" in r.getMessage()]
+        records.clear()
+        plain = _zen_engine(None)  # the other way round: ZenFlow's keys are ignored, saying so
+        plain.load_checkpoint(folder, tag="mid_interval")
+        plain.destroy()
+        said_ignored = [r.getMessage() for r in records if "zenflow" in r.getMessage().lower()]
+        # A universal checkpoint (per-parameter files) has no per-rank ZenFlow state either.
+        from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
+
+        universal = os.path.join(folder, "universal")
+        main(parse_arguments(["--input_folder", os.path.join(folder, "mid_interval"), "--output_folder", universal]))
+        engine = _zen_engine(universal=True)
+        engine.load_checkpoint(folder, tag="universal")
+        said_universal = [r.getMessage() for r in records if "brings no ZenFlow state" in r.getMessage()]
+        engine.destroy()
+        # The mid-interval checkpoint without its ZenFlow key: the run goes on, with the accumulator dropped.
+        path = os.path.join(folder, "mid_interval", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        shard = torch.load(path, weights_only=False)
+        del shard["optimizer_state_dict"]["zenflow_state"]
+        os.makedirs(os.path.join(folder, "stripped"), exist_ok=True)
+        for name in os.listdir(os.path.join(folder, "mid_interval")):
+            shutil.copy(os.path.join(folder, "mid_interval", name), os.path.join(folder, "stripped", name))
+        torch.save(shard, os.path.join(folder, "stripped", os.path.basename(path)))
+        engine = _zen_engine()
+        engine.load_checkpoint(folder, tag="stripped")
+        _train_steps(engine, range(TAGS["mid_interval"], RESUME_STEPS), 1)
+        dropped = _snapshot(engine)["weights"]
+        engine.destroy()
     finally:
         logger.removeHandler(handler)
-    engine.destroy()
-    return [r.getMessage() for r in records if "zenflow" in r.getMessage()]
+    return {
+        "fresh": fresh,
+        "said_fresh": said_fresh,
+        "said_ignored": said_ignored,
+        "said_universal": said_universal,
+        "dropped": dropped,
+    }
 
 
-def test_a_checkpoint_with_zenflow_says_what_it_leaves_out(tmp_path) -> None:
-    """Saving names what a ZenFlow checkpoint does not hold (the accumulator, an update in flight), not silently."""
-    said = run_distributed(_save_warnings, 1, 1, {**_SPLIT, "update_interval": 2}, str(tmp_path / "z"))[0]
-    assert len(said) == 1 and "accumulated gradients" in said[0], said
-    assert run_distributed(_save_warnings, 1, 1, None, str(tmp_path / "plain"))[0] == []
+def test_a_checkpoint_without_zenflow_state_loads_afresh_with_a_warning(resume_runs, tmp_path) -> None:
+    folder, ranks = resume_runs(1)
+    out = run_distributed(_load_without_state, 1, folder, str(tmp_path / "off"))[0]
+    assert len(out["said_fresh"]) == 1 and "brings no ZenFlow state" in out["said_fresh"][0], out["said_fresh"]
+    assert out["fresh"]["accumulator"] == [None]  # a fresh accumulator, both paths counting on from step 2
+    assert [int(s["step"]) for s in out["fresh"]["steps"]] == [2]
+    assert any("zero_optimization.zenflow is off" in m for m in out["said_ignored"]), out["said_ignored"]
+    assert len(out["said_universal"]) == 1, out["said_universal"]
+    # Without the saved accumulator the resumed run is not the uninterrupted one: the exact test above would fail.
+    assert not _close(out["dropped"], ranks[0]["final"]["weights"])
+
+
+def test_zenflow_state_that_does_not_fit_is_refused_naming_zenflow() -> None:
+    """Shards saved for other 2-D weights, or with ZenFlow state on some ranks only, are refused before loading."""
+    from types import SimpleNamespace
+
+    from deepspeed._core.optim.stage12_state import ZENFLOW_STATE, check_zenflow_shards
+
+    live = SimpleNamespace(zenflow=SimpleNamespace(widths=[4, 8]), groups=[0])
+    fits = {ZENFLOW_STATE: {"column_widths": [4, 8], "step_counts": [{}]}}
+    check_zenflow_shards(live, [fits, fits])
+    check_zenflow_shards(live, [{}, {}])  # no ZenFlow state at all: loaded afresh, with a warning
+    other = {ZENFLOW_STATE: {"column_widths": [4, 6], "step_counts": [{}]}}
+    for shards in ([other], [fits, {}]):
+        with pytest.raises(ValueError, match="zero_optimization.zenflow"):
+            check_zenflow_shards(live, shards)

@@ -457,6 +457,11 @@ class ZeroOptimizer(ShardedOptimizer):
         """Trainable model parameters per flat group, in flat order (checkpoint ``param_shapes``)."""
         return [list(g.params) for g in self.groups]
 
+    def checkpoint_check_shards(self, state_dict_list: list) -> None:
+        """Raise if the saved shards cannot be loaded, ZenFlow's state included (before anything changes)."""
+        super().checkpoint_check_shards(state_dict_list)
+        stage12_checkpoint.check_zenflow_shards(self, state_dict_list)
+
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the current (e.g. just loaded) working weights."""
         for g in self.groups:

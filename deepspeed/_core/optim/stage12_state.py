@@ -20,13 +20,6 @@ from deepspeed._core.optim.loss_scaling import LossScaler
 from deepspeed._core.optim.universal_state import UniversalGroupState, UniversalSlice, UniversalTarget, install
 from deepspeed._foundation.logging import logger
 
-ZENFLOW_SAVE_WARNING = (
-    "zero_optimization.zenflow: this checkpoint holds the weights and the shared Adam moments, but not ZenFlow's "
-    "accumulated gradients, an update still in flight or the unselected group's step count; a run resumed from it "
-    "starts those afresh and differs from an uninterrupted run"
-)
-_warned_zenflow_save = False
-
 
 @dataclass
 class fragment_address:
@@ -43,6 +36,13 @@ SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
 BASE_OPTIMIZER_STATE = "base_optimizer_state"
 BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
+# Everything ZenFlow holds between steps (``zero_optimization.zenflow``; [Note: zenflow checkpoint]).
+ZENFLOW_STATE = "zenflow_state"
+ZENFLOW_FRESH = (
+    "zero_optimization.zenflow: the load brings no ZenFlow state (the checkpoint was saved with zenflow off or is "
+    "a universal checkpoint, or its optimizer states were not loaded): ZenFlow starts afresh from the loaded weights "
+    "and optimizer state, with an empty gradient accumulator and columns selected at the next step"
+)
 
 
 def saved_loss_scaler(opt: Any) -> LossScaler:
@@ -55,12 +55,8 @@ def saved_loss_scaler(opt: Any) -> LossScaler:
 
 def shard_state_dict(opt: Any, version: str) -> dict:
     """This rank's ZeRO-1/2 shard of ``opt`` (a ``ZeroOptimizer``) with upstream's keys."""
-    global _warned_zenflow_save
-    if getattr(opt, "zenflow", None) is not None and not _warned_zenflow_save:
-        _warned_zenflow_save = True
-        logger.warning(ZENFLOW_SAVE_WARNING)
     groups = opt.groups
-    return {
+    shard = {
         "loss_scaler": saved_loss_scaler(opt),
         "dynamic_loss_scale": bool(getattr(opt.loss_scaler, "dynamic", False)),
         "overflow": opt.overflow,
@@ -77,6 +73,19 @@ def shard_state_dict(opt: Any, version: str) -> dict:
         "ds_version": version,
         "param_slice_mappings": [_slice_mappings(g, g.rank) for g in groups],
     }
+    if getattr(opt, "zenflow", None) is not None:  # this package's own key; upstream's reader ignores it
+        shard[ZENFLOW_STATE] = _zenflow_shard(opt)
+    return shard
+
+
+def _zenflow_shard(opt: Any) -> dict:
+    """ZenFlow's state ([Note: zenflow checkpoint]), its partition-shaped tensors without the padding."""
+    state = opt.zenflow.state_dict()
+    state["partitions"] = {
+        key: [_valid(g.flat.layout, g.rank, t) for g, t in zip(opt.groups, tensors, strict=True)]
+        for key, tensors in state["partitions"].items()
+    }
+    return state
 
 
 def _valid(layout: GroupLayout, rank: int, partition: torch.Tensor) -> torch.Tensor:
@@ -145,7 +154,47 @@ def load_shards(opt: Any, shards: list[dict], load_optimizer_states: bool, load_
             group.master.refresh()
     if load_optimizer_states:
         _load_inner_state(opt, shards)
+    if getattr(opt, "zenflow", None) is not None:
+        _load_zenflow(opt, shards if load_optimizer_states else [])
+    elif any(ZENFLOW_STATE in s for s in shards):
+        logger.info("the checkpoint's ZenFlow state is not used: zero_optimization.zenflow is off in this run")
     opt.publish_weights()
+
+
+def check_zenflow_shards(opt: Any, shards: list) -> None:
+    """Refuse ZenFlow state that cannot be restored into ``opt``, before anything is loaded."""
+    saved: list[Any] = [(s or {}).get(ZENFLOW_STATE) for s in shards]
+    if getattr(opt, "zenflow", None) is None or all(z is None for z in saved):
+        return
+    widths = {tuple(z["column_widths"]) if z is not None else None for z in saved}
+    live = tuple(opt.zenflow.widths)
+    if None in widths or widths != {live} or any(len(z["step_counts"]) != len(opt.groups) for z in saved if z):
+        raise ValueError(
+            f"zero_optimization.zenflow: the checkpoint's '{ZENFLOW_STATE}' does not fit this run (missing on some "
+            f"ranks, or saved for other 2-D weights or parameter groups: {len(widths)} distinct layouts for "
+            f"{len(live)} 2-D weights and {len(opt.groups)} groups here); load it with the model and parameter "
+            "groups it was saved with"
+        )
+
+
+def _load_zenflow(opt: Any, shards: list[dict]) -> None:
+    """Restore ZenFlow's state, its partition-shaped tensors re-sliced for this run's partitions (any saved
+    world size); a checkpoint without it starts ZenFlow afresh, saying so."""
+    if not shards or any(ZENFLOW_STATE not in s for s in shards):
+        logger.warning(ZENFLOW_FRESH)
+        opt.zenflow.start_fresh()
+        return
+    saved: list[dict] = [s[ZENFLOW_STATE] for s in shards]
+    parts = {}
+    for key, first in saved[0]["partitions"].items():
+        per_group = []
+        for g, group in enumerate(opt.groups):
+            layout = group.flat.layout
+            full = _full_vector([z["partitions"][key][g] for z in saved], layout.numel)
+            like = torch.empty(group.master.param.numel(), dtype=first[g].dtype)
+            per_group.append(_reslice(full, layout, group.rank, like))
+        parts[key] = per_group
+    opt.zenflow.load_state_dict({**saved[0], "partitions": parts})
 
 
 def check_shards(shards: list) -> None:
@@ -217,4 +266,7 @@ def universal_targets(opt: Any) -> list[UniversalTarget]:
 def load_universal(opt: Any, states: list[UniversalGroupState], global_state: dict) -> None:
     """Install universal values read for :func:`universal_targets`, then all-gather the new weights."""
     install(opt, [g.master.param.data for g in opt.groups], states, global_state)
+    if getattr(opt, "zenflow", None) is not None:  # a universal checkpoint has no per-rank ZenFlow state
+        logger.warning(ZENFLOW_FRESH)
+        opt.zenflow.start_fresh()
     opt.publish_weights()

@@ -15,6 +15,13 @@ element actually received; the per-element moments are the master's. The first `
 select every element; the delayed path then starts from the step count they reached. A path's update goes through
 the inner optimizer on a packed copy of its elements (masked select, step, masked scatter), which are elementwise
 the same operations as the plain offloaded step.
+
+[Note: zenflow checkpoint] A checkpoint holds everything ZenFlow keeps between steps (:meth:`ZenFlowUpdate.
+state_dict`): the accumulator, the selected columns, the counters of the schedule, both paths' step counts and a
+host update still in flight, waited for but not applied (saved as the values and moments it writes at the next
+step boundary, so that the resumed run applies it one step late as the uninterrupted one does). The accumulator
+and the update in flight are partition-shaped and are re-sliced like the master on loading, so a checkpoint loads
+at any data-parallel size; the masks are rebuilt from the (global) selected columns.
 """
 
 from __future__ import annotations
@@ -120,6 +127,19 @@ class AutoInterval:
         self.selected.zero_()
         self.rest.zero_()
         self.steps = 0
+
+    def state_dict(self) -> dict:
+        """The sums observed since the last host update (the same on every rank)."""
+        return {"selected": self.selected.clone(), "rest": self.rest.clone(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore :meth:`state_dict` (``None``, e.g. saved with a fixed interval: start counting afresh)."""
+        if state is None or state["selected"].numel() != self.weights:
+            self.reset()
+            return
+        self.selected.copy_(state["selected"])
+        self.rest.copy_(state["rest"])
+        self.steps = int(state["steps"])
 
 
 @dataclass
@@ -254,15 +274,19 @@ class ZenFlowUpdate:
             count = min(norm.numel(), max(1, math.ceil(self.policy.topk_ratio * norm.numel())))
             keep[torch.topk(norm, count, sorted=False).indices] = True
             chosen.append(keep)
+        self._apply_columns(chosen)
+        self.selected_once, self._select_requested = True, False
+        self.selections += 1
+
+    def _apply_columns(self, chosen: list[torch.Tensor]) -> None:
+        """Rebuild this rank's masks from the selected columns of every 2-D weight (none: every element)."""
         offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
         for mask in self.groups:
             mask.mask.fill_(True)
-            for piece in mask.pieces:
+            for piece in mask.pieces if chosen else ():
                 keep = chosen[offsets.index(piece.norm_offset)]
                 mask.mask[piece.local : piece.local + piece.numel] = column_pattern(keep, piece.first, piece.numel)
         self._chosen = chosen
-        self.selected_once, self._select_requested = True, False
-        self.selections += 1
 
     def _accumulate(self, fp32: Sequence[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
         """Add this step's gradient of the masked-out elements into the accumulators."""
@@ -384,12 +408,124 @@ class ZenFlowUpdate:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds-zenflow")
         return self._worker
 
+    # --- checkpoints ([Note: zenflow checkpoint]) ---------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What this rank's ZenFlow holds between steps. ``"partitions"`` maps a name to one tensor per group,
+        shaped like that group's master partition; every other entry is the same on every rank."""
+        partitions: dict[str, list[torch.Tensor]] = {}
+        accs = [g.acc for g in self.groups]
+        if accs and all(a is not None for a in accs):
+            partitions[ACCUMULATOR] = [a.clone() for a in accs if a is not None]
+        return {
+            "format": STATE_FORMAT,
+            "column_widths": list(self.widths),
+            "steps": self.steps,
+            "accumulated": self.accumulated,
+            "selected_once": self.selected_once,
+            "select_requested": self._select_requested,
+            "selected_columns": [c.clone() for c in self._chosen],
+            "step_counts": [{"selected": _copied(s.selected), "host": _copied(s.host)} for s in self.scalars],
+            "auto_interval": None if self.auto is None else self.auto.state_dict(),
+            "pending_host_step_counts": self._save_pending(partitions),
+            "host_updates": self.host_updates,
+            "selections": self.selections,
+            "partitions": partitions,
+        }
+
+    def _save_pending(self, partitions: dict[str, list[torch.Tensor]]) -> list[dict] | None:
+        """Put a host update in flight into ``partitions`` (unpacked to partition shape); its step counts."""
+        if self.pending is None:
+            return None
+        counts: list[dict] = []
+        for index, rest, values, state, scalars in self.pending.job.result():
+            assert index == len(counts)  # the worker returns every group, in order
+            partitions.setdefault(PENDING_REST, []).append(rest.clone())
+            partitions.setdefault(PENDING_VALUES, []).append(_unpacked(rest, values))
+            for key, value in state.items():
+                partitions.setdefault(PENDING_STATE + key, []).append(_unpacked(rest, value))
+            counts.append(_copied(scalars))
+        return counts
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s entries; ``"partitions"`` already re-sliced for this rank's partitions."""
+        if state.get("format") != STATE_FORMAT or list(state.get("column_widths", ())) != self.widths:
+            raise ValueError(
+                "zero_optimization.zenflow: the checkpoint's ZenFlow state does not fit this model (format "
+                f"{state.get('format')!r}, 2-D weight widths {list(state.get('column_widths', ()))[:8]} vs "
+                f"{self.widths[:8]})"
+            )
+        self._drop_pending()
+        self.steps, self.accumulated = int(state["steps"]), int(state["accumulated"])
+        self.selected_once, self._select_requested = bool(state["selected_once"]), bool(state["select_requested"])
+        self._apply_columns([c.to(torch.bool).clone() for c in state["selected_columns"]])
+        parts = state["partitions"]
+        for index, group in enumerate(self.groups):
+            group.acc = parts[ACCUMULATOR][index].float().clone() if ACCUMULATOR in parts else None
+        self.scalars = [PathScalars(_copied(s["selected"]), _copied(s["host"])) for s in state["step_counts"]]
+        if self.auto is not None:
+            self.auto.load_state_dict(state.get("auto_interval"))
+        self.pending = _restored_pending(parts, state.get("pending_host_step_counts"))
+        self.host_updates, self.selections = int(state["host_updates"]), int(state["selections"])
+
+    def start_fresh(self) -> None:
+        """Start the schedule anew on the inner optimizer's current (e.g. just loaded) state: nothing accumulated
+        or in flight, columns selected at the next step, both paths counting on from the optimizer's step count."""
+        self._drop_pending()
+        for group in self.groups:
+            group.acc = None
+        self._apply_columns([])
+        self.steps = self.accumulated = 0
+        self.selected_once = self._select_requested = False
+        if self.auto is not None:
+            self.auto.reset()
+        for index, scalars in enumerate(self.scalars):
+            master = self.optimizer.param_groups[index]["params"][0]
+            state = self.optimizer.state.get(master, {})
+            loaded = {k: v for k, v in state.items() if not _per_element(v, master.numel())}
+            scalars.selected, scalars.host = _copied(loaded), _copied(loaded)
+
+    def _drop_pending(self) -> None:
+        """Forget a host update in flight (after waiting for it: its errors surface, and no worker is left)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.job.result()
+
     def shutdown(self) -> None:
         """Finish a pending host update and stop the worker."""
         self.settle()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+STATE_FORMAT = 1
+ACCUMULATOR = "accumulator"
+PENDING_REST = "pending_rest"
+PENDING_VALUES = "pending_values"
+PENDING_STATE = "pending_state."
+
+
+def _copied(scalars: dict) -> dict:
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
+
+
+def _unpacked(mask: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` (the values under ``mask``) written into zeros shaped like ``mask``."""
+    return torch.zeros(mask.numel(), dtype=packed.dtype).masked_scatter_(mask, packed)
+
+
+def _restored_pending(parts: dict, counts: list[dict] | None) -> PendingUpdate | None:
+    """The saved host update in flight, as an already finished job that the next step applies."""
+    if counts is None:
+        return None
+    results = []
+    for index, scalars in enumerate(counts):
+        rest = parts[PENDING_REST][index].to(torch.bool)
+        state = {k[len(PENDING_STATE) :]: v[index][rest] for k, v in parts.items() if k.startswith(PENDING_STATE)}
+        results.append((index, rest, parts[PENDING_VALUES][index][rest], state, _copied(scalars)))
+    job: Future = Future()
+    job.set_result(results)
+    return PendingUpdate(job, [r[1] for r in results])
 
 
 def _per_element(value: Any, numel: int) -> bool:
