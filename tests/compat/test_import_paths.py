@@ -171,6 +171,8 @@ THIRD_PARTY_DEEP_PATHS = [
     "deepspeed.runtime.zero.partition_parameters.MultipleAllGatherHandles",
     "deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE",
     "deepspeed.sequence.layer.DistributedAttention",
+    "deepspeed.sequence.layer.single_all_to_all",
+    "deepspeed.sequence.layer.uneven_heads_all2all",
     "deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology",
     "deepspeed.runtime.pipe.topology.ProcessTopology",
     "deepspeed.runtime.config.DeepSpeedConfig._configure_train_batch_size",
