@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -93,7 +93,14 @@ if want final; then
   part universal 95 python3 benchmarks/universal_convert_gpu.py --layers 18 --out "$WORK/universal.json"
 fi
 
-if want spfake; then
+if want extra; then
+  # The 3B model's universal conversion: the checkpoint on the disk, the universal folder in host memory (one
+  # 64 GiB disk cannot hold both), then the SP=8 fake-group rows.
+  part universal_3b 190 python3 benchmarks/universal_convert_gpu.py --layers 36 --universal-dir /dev/shm/universal \
+    --out "$WORK/universal_3b.json"
+fi
+
+if want spfake || want extra; then
   # Ulysses sequence parallelism at SP=8 on one GPU: rank 0 of PyTorch's fake 8-rank group (collectives move no
   # data, so its allocations are one rank's), the 3B model with ALST, ZeRO-3 and the optimizer offloaded; per-rank
   # peaks beside the floor at each total length (benchmarks/sp_fake_group_gpu.py).

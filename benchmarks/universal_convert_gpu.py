@@ -87,6 +87,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=18)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--work", type=Path, default=Path("/tmp/universal_bench"))
+    ap.add_argument(
+        "--universal-dir",
+        type=Path,
+        default=None,
+        help="where the converter writes (default: under --work): another file system when one cannot hold both",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(BENCH))
@@ -94,7 +100,10 @@ def main() -> None:
 
     one_rank_env(29533)
     shutil.rmtree(args.work, ignore_errors=True)
-    ckpt, universal = args.work / "ckpt", args.work / "universal"
+    ckpt = args.work / "ckpt"
+    universal = args.universal_dir if args.universal_dir is not None else args.work / "universal"
+    shutil.rmtree(universal, ignore_errors=True)
+    _check_room(args, ckpt, universal)
     params, save_s = _save(args, ckpt)
     convert_s, peak = _convert(ckpt, universal)
     record = {
@@ -106,10 +115,32 @@ def main() -> None:
         "converter_peak_rss_bytes_per_param": peak / params,
         "checkpoint_gib": _folder_gib(ckpt),
         "universal_gib": _folder_gib(universal),
+        "universal_dir": str(universal),
     }
     print(json.dumps(record))
     args.out.write_text(json.dumps(record) + "\n")
     shutil.rmtree(args.work, ignore_errors=True)
+    shutil.rmtree(universal, ignore_errors=True)
+
+
+def _check_room(args: argparse.Namespace, ckpt: Path, universal: Path) -> None:
+    """Stop before training when the folders' file systems cannot hold the checkpoint (about 14 bytes per
+    parameter: 16-bit weights, fp32 master and two moments) and the universal folder (about 12)."""
+    from models import MODELS
+
+    shape = dataclasses.replace(MODELS[args.model], layers=args.layers)
+    params = shape.num_params()
+    need = {ckpt: 14 * params, universal: 12 * params}
+    for folder in (ckpt, universal):
+        folder.mkdir(parents=True, exist_ok=True)
+    devices: dict[int, int] = {}
+    for folder, nbytes in need.items():
+        devices[folder.stat().st_dev] = devices.get(folder.stat().st_dev, 0) + nbytes
+    for folder in need:
+        free = shutil.disk_usage(folder).free
+        wanted = devices[folder.stat().st_dev]
+        if free < wanted:
+            raise SystemExit(f"{folder}: {free / GiB:.1f} GiB free, about {wanted / GiB:.1f} GiB needed")
 
 
 if __name__ == "__main__":
