@@ -14,7 +14,8 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
   alone, plain PyTorch), ``host_adam`` (the host optimizer over this many parameters alone: ``step_in_chunks``
   of ``DeepSpeedCPUAdam`` over an fp32 master with a bf16 gradient, as the engine steps it), ``d2h`` / ``h2d``
   (the bf16 gradients down and the bf16 weights up through two pinned buffers of one step chunk);
-  ``floor`` = max(fwd_bwd, host_adam, d2h + h2d);
+  ``floor`` = max(fwd_bwd, host_adam, d2h + h2d); ``floor_after_norm`` = fwd_bwd + host_adam, the bound when the
+  update must wait for the global gradient norm (clipping, as configured here);
 - ``overlap_on_long_route``: ``overlap_on`` with the host Adam's scaled step turned off (each chunk's gradient
   converted to fp32 and scaled in passes of its own, the copy up rounded from the master afterwards), for the
   same-call ratio of that one-pass form;
@@ -392,6 +393,9 @@ def main() -> None:
         d2h, h2d = _copies(params, args.steps)
         records += [{"case": "d2h", "seconds": d2h}, {"case": "h2d", "seconds": h2d}]
         records.append({"case": "floor", "seconds": max(fwd_bwd, host_adam, d2h + h2d)})
+        # With clipping (the engine cases here), no chunk may change before the backward's global norm is known:
+        # the update cannot overlap this step's forward and backward, whatever the implementation.
+        records.append({"case": "floor_after_norm", "seconds": fwd_bwd + host_adam})
     lines = [json.dumps({**meta, "params": params, **r}) for r in records]
     print("\n".join(lines))
     if args.out is not None:
