@@ -8,6 +8,13 @@ optimizer as a temporary parameter whose state entries are views of the master's
 copy of just that chunk of the gradient. In-place optimizers (Adam/AdamW/Adagrad/Lion/SGD, torch's and
 ours) then update the master's state directly; state an optimizer creates lazily on its first step is
 copied into master-shaped tensors once. Peak extra memory: one chunk of fp32 gradient.
+
+[Note: scaled step] An optimizer with ``step_scaled(grad, scale, copy_out)`` (the host Adam kernel,
+``DeepSpeedCPUAdam``) takes a range's gradient in its own dtype and scales it as it loads it, and writes the
+updated values rounded to the working dtype in the same pass: the conversion into the fp32 buffer, the scaling
+pass and the later read of the master for the copy up are three passes over host memory it saves, and an
+offloaded step is bound by memory bandwidth. Same bits as the general route, which every other optimizer takes
+(``step_scaled`` returns ``False`` where the kernel cannot, and the range is then converted as above).
 """
 
 from __future__ import annotations
@@ -168,11 +175,8 @@ class ChunkStepper:
     def _step_scaled(
         self, view: torch.nn.Parameter, start: int, end: int, grad: Any, coef: Coef, copy_out: torch.Tensor | None
     ) -> bool:
-        """[Note: scaled step] An optimizer with ``step_scaled(grad, scale, copy_out)`` (the host Adam kernel) takes
-        the range's gradient in its own dtype and scales it as it loads it, and writes the rounded copy in the same
-        pass: the conversion into the fp32 buffer, the scaling pass and the later read of the master for the
-        copy up are three passes over host memory it saves (the step is bound by memory bandwidth). Same bits as
-        the long route; ``False`` when the optimizer cannot (the caller then converts)."""
+        """The range through the optimizer's one-pass form ([Note: scaled step]); ``False`` when it has none or
+        cannot take this range (the caller then converts)."""
         step_scaled = getattr(self.optimizer, "step_scaled", None)
         if step_scaled is None or torch.is_tensor(coef) or view.dtype != torch.float32 or view.device.type != "cpu":
             return False

@@ -102,7 +102,13 @@ class OverlappedHostStep:
         buffer its copy up leaves from ([Note: scaled step] does it in the step's own pass), so that the caller's
         thread only issues copies. For an update published right away: the worker waits for a staging buffer to
         be free, so it runs at most two ranges ahead of the publishing."""
-        return StepRun(self, groups, coef, rounded_by_worker)
+        slots = []
+        if rounded_by_worker:
+            width = max(_widest_range(g) * _element_size(g.working_dtype) for g in groups)
+            slots = [_Slot(self.pool.acquire(width, torch.uint8), threading.Event()) for _ in range(2)]
+            for slot in slots:
+                slot.free.set()
+        return StepRun(self, groups, coef, slots)
 
     def run(self, groups: Sequence[GroupStep], coef: Coef) -> None:
         """Step every group's chunks in order on the worker; publish each as soon as it is stepped.
@@ -135,18 +141,13 @@ class StepRun:
     """One overlapped update in progress: ranges go to the worker in any order, each once, and are published in
     the order they were submitted. Made by :meth:`OverlappedHostStep.begin`."""
 
-    def __init__(self, owner: OverlappedHostStep, groups: Sequence[GroupStep], coef: Coef, rounded: bool) -> None:
+    def __init__(self, owner: OverlappedHostStep, groups: Sequence[GroupStep], coef: Coef, slots: list[_Slot]) -> None:
+        """``slots``: the two staging buffers the worker rounds stepped ranges into (none: the caller rounds)."""
         self.owner, self.groups, self.coef = owner, list(groups), coef
         self.jobs: list[tuple[int, int, int, Future]] = []
         self.submitted: set[tuple[int, int]] = set()
         self.done = False
-        self.slots: list[_Slot] = []
-        if rounded:
-            width = max(_widest_range(g) * _element_size(g.working_dtype) for g in self.groups)
-            for _ in range(2):
-                slot = _Slot(self.owner.pool.acquire(width, torch.uint8), threading.Event())
-                slot.free.set()
-                self.slots.append(slot)
+        self.slots = slots
 
     def submit(self, group_index: int, start: int, end: int) -> None:
         """Hand range ``[start, end)`` (one of the stepper's ranges) of group ``group_index`` to the worker."""
