@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -81,6 +81,16 @@ if want diag; then
   part offload_diag 300 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
     --cases overlap_on,overlap_on_long_route,overlap_off,floor --breakdown --breakdown-dir "$WORK/offload_diag_prof" --out "$WORK/offload_diag.jsonl"
   part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
+fi
+
+if want recheck; then
+  # The offloaded 3B step with the one-pass host Adam, with fp32 and with 16-bit states, beside upstream 0.19.8 and
+  # FSDP2 with CPU offload in the same call.
+  part offload_recheck 135 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,bf16_states --out "$WORK/offload_recheck.jsonl"
+  part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
+    --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
+    --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
 fi
 
 if want final; then
