@@ -164,7 +164,7 @@ def test_trim_mean() -> None:
 ZERO12_NAMES = ["optimizer_allgather", "optimizer_gradients", "optimizer_step"]
 
 
-def _zero_timers(stage: int, breakdown: bool) -> dict:
+def _zero_timers(stage: int, breakdown: bool, nvme_path: str | None = None) -> dict:
     """Two optimizer steps (2 ranks) of a ZeRO run; the printed timer lines and the timers left afterwards."""
     import deepspeed
     from deepspeed import comm as dist
@@ -175,6 +175,9 @@ def _zero_timers(stage: int, breakdown: bool) -> dict:
         "zero_optimization": {"stage": stage},
         "wall_clock_breakdown": breakdown,
     }
+    if nvme_path is not None:
+        cfg["optimizer"]["params"] = {"lr": 1e-2}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
     engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -199,3 +202,18 @@ def test_zero_optimizer_timers_follow_wall_clock_breakdown(stage: int, names: li
     off = run_distributed(_zero_timers, 2, stage, False)
     for res in off:
         assert res["lines"] == [] and res["names"] == [], res
+
+
+NVME_NAMES = ["optimizer_swap_in_state", "optimizer_step", "optimizer_swap_out_state"]
+
+
+def test_nvme_swap_timers_follow_wall_clock_breakdown(tmp_path: object) -> None:
+    """ZeRO-3 with the optimizer state in NVMe swap files also prints upstream's swap-in and swap-out timers, with
+    time in them (the reads and writes are waited for)."""
+    on = run_distributed(_zero_timers, 2, 3, True, str(tmp_path))
+    lines = [ln for ln in on[0]["lines"] if ln.startswith("[Rank 0] time (ms) | optimizer_")]
+    assert [_names(ln) for ln in lines] == [NVME_NAMES, NVME_NAMES], on[0]["lines"]
+    for name in NVME_NAMES:
+        assert all(float(ln.split(f"{name}: ")[1].split()[0]) > 0 for ln in lines), (name, lines)
+    off = run_distributed(_zero_timers, 2, 3, False, str(tmp_path))
+    assert all(res["lines"] == [] and res["names"] == [] for res in off), off

@@ -23,8 +23,10 @@ full copy of this rank's master and moments, freed afterwards), a load writes it
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from deepspeed._core.layout import swap_file
 from deepspeed._core.optim import stage3_state
 from deepspeed._core.optim.chunked_step import step_in_chunks
 from deepspeed._core.optim.master import open_shard_of
-from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER
+from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER, OPTIMIZER_SWAP_IN_TIMER, OPTIMIZER_SWAP_OUT_TIMER
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed._core.optim.stage3_access import Region
 from deepspeed._core.params.param import ShardAccess
@@ -143,6 +145,8 @@ class NvmeSwapper:
         ]
         self.backend = self.slots[0].reader.get_backend()
         self.bytes_read = self.bytes_written = 0
+        # The phase timer the swap waits count under (the optimizer's ``timed``; nothing by default).
+        self.timed: Callable[[str], AbstractContextManager[None]] = lambda name: contextlib.nullcontext()
 
     def chunks(self) -> list[Chunk]:
         """Every group's step chunks, in step order."""
@@ -166,12 +170,14 @@ class NvmeSwapper:
             slot.writing = False
 
     def _start_read(self, slot: _Slot, chunk: Chunk, keys: dict[str, torch.dtype]) -> None:
-        self._settle_write(slot)  # the buffers are free only once their last write is on disk
+        with self.timed(OPTIMIZER_SWAP_OUT_TIMER):
+            self._settle_write(slot)  # the buffers are free only once their last write is on disk
         files = self.files[chunk.group]
-        for key, dtype in keys.items():
-            buf = self._buffer(slot, key, dtype)[: chunk.end - chunk.start]
-            slot.reader.async_pread(buf, str(files.path(key)), chunk.start * buf.element_size())
-            self.bytes_read += buf.nbytes
+        with self.timed(OPTIMIZER_SWAP_IN_TIMER):
+            for key, dtype in keys.items():
+                buf = self._buffer(slot, key, dtype)[: chunk.end - chunk.start]
+                slot.reader.async_pread(buf, str(files.path(key)), chunk.start * buf.element_size())
+                self.bytes_read += buf.nbytes
 
     def reads_ahead(self) -> int:
         """Chunks read ahead of the one stepping: every other buffer set with ``pipeline_read``, but one fewer with
@@ -196,17 +202,23 @@ class NvmeSwapper:
             self._start_read(self.slots[i % len(self.slots)], chunks[i], keys[chunks[i].group])
         for i, chunk in enumerate(chunks):
             slot = self.slots[i % len(self.slots)]
-            slot.reader.wait()
+            with self.timed(OPTIMIZER_SWAP_IN_TIMER):
+                slot.reader.wait()
             n = chunk.end - chunk.start
             views = {key: slot.buffers[key][:n] for key in keys[chunk.group]}
             yield chunk, views, lambda c=chunk, s=slot, v=views: self._write(s, c, v)
             nxt = i + ahead + 1
             if nxt < len(chunks):
                 self._start_read(self.slots[nxt % len(self.slots)], chunks[nxt], keys[chunks[nxt].group])
-        for slot in self.slots:
-            self._settle_write(slot)
+        with self.timed(OPTIMIZER_SWAP_OUT_TIMER):
+            for slot in self.slots:
+                self._settle_write(slot)
 
     def _write(self, slot: _Slot, chunk: Chunk, views: dict[str, torch.Tensor]) -> None:
+        with self.timed(OPTIMIZER_SWAP_OUT_TIMER):
+            self._write_untimed(slot, chunk, views)
+
+    def _write_untimed(self, slot: _Slot, chunk: Chunk, views: dict[str, torch.Tensor]) -> None:
         files = self.files[chunk.group]
         for key, value in views.items():
             if key not in files.dtypes:
@@ -420,6 +432,9 @@ class NvmeStage3Optimizer(Stage3Optimizer):
         super().__init__(*args, **kwargs)
         self.resident = False
         self.swapper = build_swapper(self)
+        self.swapper.timed = self.timed  # reads the engine's timers at each use (they are attached later)
+
+    step_timers = [OPTIMIZER_SWAP_IN_TIMER, OPTIMIZER_STEP_TIMER, OPTIMIZER_SWAP_OUT_TIMER]
 
     def window_grad_for(self, index: int) -> Any:
         """Group ``index``'s gradient for the step: its accumulator, or the parked window over it."""

@@ -40,6 +40,9 @@ OPTIMIZER_ALLGATHER_TIMER = "optimizer_allgather"
 OPTIMIZER_GRADIENTS_TIMER = "optimizer_gradients"
 OPTIMIZER_STEP_TIMER = "optimizer_step"
 OPTIMIZER_TIMERS = [OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_GRADIENTS_TIMER, OPTIMIZER_STEP_TIMER]
+# ZeRO-3 with the optimizer state in NVMe swap files also times the waits for the swap reads and writes.
+OPTIMIZER_SWAP_IN_TIMER = "optimizer_swap_in_state"
+OPTIMIZER_SWAP_OUT_TIMER = "optimizer_swap_out_state"
 
 
 def package_version() -> str:

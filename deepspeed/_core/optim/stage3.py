@@ -96,6 +96,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
     """
 
     checkpoint_format = stage3_checkpoint
+    step_timers = [OPTIMIZER_STEP_TIMER]  # what each step prints with ``wall_clock_breakdown``
 
     def __init__(
         self,
@@ -333,7 +334,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         try:
             return self._timed_step()
         finally:
-            self.log_timers([OPTIMIZER_STEP_TIMER])
+            self.log_timers(self.step_timers)
 
     def _timed_step(self) -> bool:
         self.flush()
