@@ -275,7 +275,7 @@ class ScatterWriteBack:
                 if src.device == dst.device:
                     dst.copy_(src)
                 else:
-                    send_through_host(src, dst.dtype, dst.device, self.chunk_numel, _writer_into(dst))
+                    send_through_host(src, dst.dtype, dst.device, self.chunk_numel, writer_into(dst))
             return
         ((dtype, target),) = kinds
         send_through_host(master, dtype, target, self.chunk_numel, self.scatter)
@@ -366,7 +366,7 @@ def send_through_host(
             event.synchronize()
 
 
-def _writer_into(dst: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
+def writer_into(dst: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
     """A :func:`send_through_host` ``write`` that copies each piece into ``dst`` at its offset."""
 
     def write(start: int, piece: torch.Tensor) -> None:

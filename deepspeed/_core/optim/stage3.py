@@ -38,7 +38,7 @@ from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import local_sq_norm
 from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
-from deepspeed._core.optim.master import MasterShard
+from deepspeed._core.optim.master import MasterShard, send_through_host, writer_into
 from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER, ShardedOptimizer
 from deepspeed._core.optim.stage3_access import Region, ShardIndex, Stage3ParamAccess
 from deepspeed._core.params.manager import ZeroParamManager
@@ -183,7 +183,13 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             self.host.submit_direct,
             self.host.drain,
             self.plan.precision.grad_accum_dtype,
+            restore=self._send_to_shard,
         )
+
+    def _send_to_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        """Write host master ``values`` into the device ``shard`` through two page-locked buffers, converting one
+        step chunk at a time while the previous one is in flight (as the write-back does)."""
+        send_through_host(values, shard.dtype, shard.device, self._step_chunk_numel, writer_into(shard))
 
     def _build_reduction(self) -> None:
         """Decide how full gradients are released and bucketed, and build the reducer: reduce-scatter buckets

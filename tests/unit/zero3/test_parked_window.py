@@ -100,3 +100,27 @@ def test_convert_into_writes_the_scaled_fp32_gradient_in_one_pass() -> None:
     want[26:30] = 0
     assert torch.equal(torch.cat(got), want)
     assert not ParkedWindow(acc, [], window.buffers, CHUNK, NUMEL).convert_into(0, CHUNK, out, 1.0)
+
+
+def test_restoring_a_shard_from_a_master_on_another_device_goes_through_the_given_path() -> None:
+    """An evicted shard gets its values back from the master; across devices (a host master, a device shard) that
+    goes through the optimizer's pipelined path, on one device through a plain copy."""
+    from deepspeed._core.grads.parked import ParkedGrads
+
+    calls = []
+
+    def restore(shard: torch.Tensor, values: torch.Tensor) -> None:
+        calls.append((shard.numel(), values.device.type))
+        shard.fill_(7)
+
+    master = torch.arange(10, dtype=torch.float32)
+    for where, expected in (("meta", [(4, "meta")]), ("cpu", [])):
+        calls.clear()
+        source = master.to(where)
+        noop = lambda *a: None  # noqa: E731
+        parked = ParkedGrads(lambda g, s=source: s, noop, noop, noop, torch.float32, restore)
+        state = SimpleNamespace(shard=torch.zeros(4, dtype=torch.bfloat16))
+        parked._restore(Parked(state, 0, 3))  # type: ignore[arg-type]
+        assert calls == expected
+        want = torch.full((4,), 7.0) if where == "meta" else master[3:7]
+        assert torch.equal(state.shard.float(), want)
