@@ -26,7 +26,8 @@ a gradient that arrives while its parameter is still gathered waits (held as the
 
 Eligible: window of one micro-step, gradient dtype equal to the shard's, a parameter that no
 ``GatheredParameters`` context holds. Persistent parameters (small, always gathered) keep theirs in a side tensor
-of their own instead, so that they do not bring back a host accumulator chunk. Switch:
+of their own instead, so that they do not bring back a host accumulator chunk; each parameter's side tensor is
+kept for the next steps and, with ``pin_memory``, page-locked, so its copy down does not block the backward. Switch:
 ``zero_optimization.lean_grads_in_param_shards``.
 """
 
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.comm.pinned_pool import Pinning
 from deepspeed._core.comm.streams import record_current
 from deepspeed._core.grads.accumulator import ChunkedGradShard
 from deepspeed._core.grads.convert import Coef, convert_scaled
@@ -74,6 +76,8 @@ class ParkedGrads:
         side_dtype: dtype of the side tensors (the accumulator's).
         restore: ``(shard, values)``: write a master slice back into a shard on another device, converting on
             the way (``None``: a plain ``copy_``).
+        pinning: whether side tensors on the host are page-locked (then filled without blocking through
+            ``copy_to_host``) or pageable.
     """
 
     def __init__(
@@ -84,9 +88,12 @@ class ParkedGrads:
         drain: Callable[[], None],
         side_dtype: torch.dtype,
         restore: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        pinning: Pinning = Pinning.PAGEABLE,
     ) -> None:
         self._master_of = master_of
         self._restore_into = restore
+        self._pin_side = pinning is Pinning.PAGE_LOCKED
+        self._side_buffers: dict[int, torch.Tensor] = {}  # ds_id -> that parameter's side tensor, reused
         self._accumulator_of = accumulator_of
         self._copy_to_host = copy_to_host
         self._drain = drain
@@ -137,8 +144,19 @@ class ParkedGrads:
         self.parked[region.state.ds_id] = region
 
     def _store_aside(self, region: Parked, piece: torch.Tensor) -> None:
-        region.side = torch.empty(piece.numel(), dtype=self._side_dtype, device=self._master_of(region.group).device)
-        region.side.copy_(piece)
+        side = self._side_buffers.get(region.state.ds_id)
+        device = self._master_of(region.group).device
+        if side is None or side.numel() != piece.numel() or side.device != device:
+            pin = self._pin_side and device.type == "cpu" and piece.device.type != "cpu"
+            side = torch.empty(piece.numel(), dtype=self._side_dtype, device=device, pin_memory=pin)
+            self._side_buffers[region.state.ds_id] = side
+        region.side = side
+        if side.is_pinned() and side.dtype == piece.dtype:
+            # Page-locked: an ordered copy that does not block; flush() and evict() wait for it. A pageable copy
+            # down waits for the device queue, once per persistent parameter in every backward.
+            self._copy_to_host(side, piece)
+        else:
+            side.copy_(piece)
         self.parked[region.state.ds_id] = region
 
     def released(self, state: ZeroParam) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from deepspeed._core.comm import dist
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
+from deepspeed._core.comm.pinned_pool import Pinning
 from deepspeed._core.config.plan import OffloadDevice, RunPlan
 from deepspeed._core.grads.accumulator import ChunkedGradShard, ChunkStorage
 from deepspeed._core.grads.convert import Coef
@@ -184,6 +185,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             self.host.drain,
             self.plan.precision.grad_accum_dtype,
             restore=self._send_to_shard,
+            pinning=pinning_of(self.plan) if get_accelerator().device_name() != "cpu" else Pinning.PAGEABLE,
         )
 
     def _send_to_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:

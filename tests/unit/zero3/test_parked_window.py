@@ -124,3 +124,48 @@ def test_restoring_a_shard_from_a_master_on_another_device_goes_through_the_give
         assert calls == expected
         want = torch.full((4,), 7.0) if where == "meta" else master[3:7]
         assert torch.equal(state.shard.float(), want)
+
+
+def _side_store(device: torch.device, pinning: object) -> tuple:
+    from deepspeed._core.grads.parked import ParkedGrads
+
+    copies = []
+    master = torch.zeros(64)
+    noop = lambda *a: None  # noqa: E731
+    parked = ParkedGrads(
+        lambda g: master,
+        noop,
+        lambda target, piece: copies.append(target.copy_(piece, non_blocking=True)),
+        noop,
+        torch.float32,
+        pinning=pinning,  # type: ignore[arg-type]
+    )
+    sides = []
+    for step in range(2):
+        state = SimpleNamespace(
+            shard=torch.zeros(5, device=device), ds_id=3, is_persistent=True, mark_values=lambda: None
+        )
+        piece = torch.full((5,), float(step + 1), device=device)
+        parked.park(state, 0, 8, piece)  # type: ignore[arg-type]
+        sides.append(parked.parked[3].side)
+        torch.testing.assert_close(parked.parked[3].grad().cpu(), piece.cpu())
+        parked.forget()
+    return sides, copies
+
+
+def test_persistent_gradients_reuse_one_side_tensor_per_parameter() -> None:
+    """A persistent parameter's gradient waits in a host side tensor that later steps reuse (no allocation per
+    backward); on one device it is a plain copy."""
+    from deepspeed._core.comm.pinned_pool import Pinning
+
+    sides, copies = _side_store(torch.device("cpu"), Pinning.PAGE_LOCKED)
+    assert sides[0] is sides[1] and not copies
+
+
+@pytest.mark.gpu
+def test_persistent_gradients_go_down_into_page_locked_side_tensors_without_blocking() -> None:
+    from deepspeed._core.comm.pinned_pool import Pinning
+    from deepspeed.accelerator import get_accelerator
+
+    sides, copies = _side_store(torch.device(get_accelerator().current_device_name()), Pinning.PAGE_LOCKED)
+    assert sides[0] is sides[1] and sides[0].is_pinned() and len(copies) == 2
