@@ -104,7 +104,7 @@ class OverlappedHostStep:
         be free, so it runs at most two ranges ahead of the publishing."""
         slots = []
         if rounded_by_worker:
-            width = max(_widest_range(g) * _element_size(g.working_dtype) for g in groups)
+            width = max((_widest_range(g) * _element_size(g.working_dtype) for g in groups), default=1)
             slots = [_Slot(self.pool.acquire(width, torch.uint8), threading.Event()) for _ in range(2)]
             for slot in slots:
                 slot.free.set()

@@ -134,16 +134,8 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
             for key in self.STATE_KEYS:
                 state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         state["step"] = int(state["step"]) + 1
-        hp = self._hyper(group, state["step"])
         self.ds_opt_adam.adam_update_scaled(
-            self.opt_id,
-            hp.step,
-            hp.lr,
-            hp.beta1,
-            hp.beta2,
-            hp.eps,
-            hp.weight_decay,
-            hp.bias_correction,
+            *self._kernel_scalars(group, state["step"]),
             p.data,
             grad.contiguous(),
             state["exp_avg"],
@@ -152,6 +144,11 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
             copy_out,
         )
         return True
+
+    def _kernel_scalars(self, group: dict[str, Any], step: int) -> tuple:
+        """The kernel's leading arguments: optimizer id, step, lr, betas, eps, weight decay, bias correction."""
+        hp = self._hyper(group, step)
+        return (self.opt_id, hp.step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.bias_correction)
 
     def _hyper(self, group: dict[str, Any], step: int) -> AdamStep:
         beta1, beta2 = group["betas"]
@@ -173,16 +170,8 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
             if self.ds_opt_adam is None or p.device.type != "cpu" or p.dtype not in _NATIVE_DTYPES:
                 fallback.append(item)
                 continue
-            hp = self._hyper(group, state["step"])
             self.ds_opt_adam.adam_update(
-                self.opt_id,
-                hp.step,
-                hp.lr,
-                hp.beta1,
-                hp.beta2,
-                hp.eps,
-                hp.weight_decay,
-                hp.bias_correction,
+                *self._kernel_scalars(group, state["step"]),
                 p.data,
                 grad,
                 state["exp_avg"],

@@ -76,3 +76,10 @@ def test_a_failing_range_releases_a_worker_waiting_for_a_buffer(monkeypatch: pyt
         update.publish()
     assert all(job.done() for *_, job in update.jobs)
     host.shutdown()
+
+
+def test_an_update_of_no_groups_publishes_nothing() -> None:
+    host = OverlappedHostStep(pool_for_step(64, Pinning.PAGEABLE))
+    host.run([], 1.0)
+    assert host.chunks_published == 0
+    host.shutdown()
