@@ -339,9 +339,10 @@ def write_reports(out_dir: Path) -> str:
     for r in RESULTS:
         if r["kind"] == "check" and r.get("ok"):
             continue
+        speedup = r.get("speedup_vs_torch_default", r.get("speedup_vs_general_route", ""))
         lines.append(
             f"| {r['kind']} | {r['name']} | {r.get('ms', '')} | {r.get('ms_single_call', '')} | {r.get('gb_s', '')} | "
-            f"{r.get('frac_copy_bw', '')} | {r.get('speedup_vs_torch_default', r.get('speedup_vs_general_route', ''))} | "
+            f"{r.get('frac_copy_bw', '')} | {speedup} | "
             f"{r.get('ok', '')}{' ' + r['error'][:120] if r.get('error') else ''} |"
         )
     passed = sum(1 for r in RESULTS if r["kind"] == "check" and r.get("ok"))
