@@ -268,3 +268,52 @@ def test_chunked_step_takes_the_scaled_route(cpu_adam_op: object, monkeypatch: p
     assert calls == 3 * 4
     assert torch.equal(scaled_master, long_master)
     assert torch.equal(scaled_copy, long_copy) and torch.equal(scaled_copy, long_master.bfloat16())
+
+
+def test_fp16_loads_and_stores_convert_like_torch(cpu_adam_op: object) -> None:
+    """The kernel's fp16 conversions (raw 16 bits, vectorised) give torch's values for every fp16 bit pattern on
+    load and round every kind of fp32 value to the nearest even fp16 on store (overflow to infinity, subnormals,
+    ties); NaN stays NaN.
+
+    With lr 0 the parameter comes back unchanged where its gradient is finite, and the rounded copy is compared with
+    torch's conversion of the parameter the kernel left; after one
+    step from zero moments, exp_avg is (1 - beta1) times the loaded gradient, a single fp32 product.
+    """
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    gen = torch.Generator().manual_seed(13)
+    wide = torch.randn(1 << 20, generator=gen) * torch.exp2(torch.randint(-30, 20, (1 << 20,), generator=gen))
+    ties = torch.arange(1 << 14, dtype=torch.float32) * 2.0**-24 + 2.0**-25  # halfway between subnormals
+    specials = torch.tensor(
+        [
+            65504.0,
+            65519.99,
+            65520.0,
+            65536.0,
+            1e9,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            -0.0,
+            0.0,
+            2.0**-14,
+            2.0**-24,
+            2.0**-25,
+            3 * 2.0**-26,
+            6.1e-5,
+        ]
+    )
+    params = torch.cat([every.float().nan_to_num(0.0), wide, ties, -ties, specials])
+    grads = torch.cat([every, torch.zeros(len(params) - len(every), dtype=torch.float16)])
+    p = torch.nn.Parameter(params.clone())
+    opt = DeepSpeedCPUAdam([p], lr=0.0, betas=(0.9, 0.999))
+    copy = torch.empty(len(params), dtype=torch.float16)
+    assert opt.step_scaled(grads, 1.0, copy)
+    finite = grads.float().isfinite()  # lr 0 leaves these unchanged (a NaN or infinite gradient poisons its own)
+    torch.testing.assert_close(p.detach()[finite], params[finite], rtol=0, atol=0, equal_nan=True)
+    want_copy = p.detach().half()
+    nan = want_copy.isnan()
+    assert torch.equal(copy.isnan(), nan)
+    assert torch.equal(copy[~nan].view(torch.int16), want_copy[~nan].view(torch.int16))
+    loaded = opt.state[p]["exp_avg"][: len(every)]
+    want = torch.tensor(1.0 - 0.9, dtype=torch.float32) * every.float()
+    torch.testing.assert_close(loaded, want, rtol=0, atol=0, equal_nan=True)
