@@ -3,11 +3,13 @@
 [Note: overlapped host step] With ``offload_optimizer`` the update runs on the host, chunk by chunk
 ([Note: chunked step]), and the updated weights must then go up to the accelerator in the working dtype. Done one
 after the other, the accelerator idles through the whole host update and then the host idles through the
-transfers. Here one host worker thread steps the chunks in order while the caller's thread takes each stepped
-chunk, converts it to the working dtype into a page-locked staging buffer ([Note: pinned pool]) and issues its
-copy up without blocking; two staging buffers alternate, each reused once an event says its last copy has
-left. The accelerator's copies of chunk ``k`` therefore run while the host steps chunk ``k + 1``, and the only
-pageable-memory work is the host-side conversion itself.
+transfers. Here one host worker thread steps the chunks in order and writes each stepped chunk, in the working
+dtype, into one of two page-locked staging buffers ([Note: pinned pool]; with the host Adam in the step's own
+pass, [Note: scaled step]); the caller's thread only issues each chunk's copy up, without blocking. A staging
+buffer is refilled once an event says its last copy has left. The accelerator's copies of chunk ``k`` therefore
+run while the host steps chunk ``k + 1``, and the two threads never do host-side element work at the same time
+(both would draw on the same cores and memory bandwidth). An update started during the backward
+([Note: early host step]) leaves the conversion to the caller's thread, which publishes only after the backward.
 
 Exactness: every chunk goes through :meth:`~deepspeed._core.optim.chunked_step.ChunkStepper.step_range`, the
 same operations on the same values as the synchronous loop, and each chunk's conversion is elementwise, so the
