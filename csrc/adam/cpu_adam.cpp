@@ -57,6 +57,18 @@ constexpr int64_t kGrain = 16 * 1024;
 // Element storage and its fp32 conversions. bf16 is handled on its raw 16 bits with integer operations the
 // compiler vectorises (c10::BFloat16's conversions keep the loop scalar: about 4x slower than fp32 here); the
 // rounding is c10's, round-to-nearest-even with NaN stored as 0x7FC0, so results are the same bits.
+inline float bits_to_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
 template <typename T>
 struct Io {
     using raw = T;
@@ -67,15 +79,9 @@ struct Io {
 template <>
 struct Io<at::BFloat16> {
     using raw = uint16_t;
-    static inline float load(uint16_t b) {
-        const uint32_t u = static_cast<uint32_t>(b) << 16;
-        float f;
-        std::memcpy(&f, &u, sizeof(f));
-        return f;
-    }
+    static inline float load(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
     static inline uint16_t store(float f) {
-        uint32_t u;
-        std::memcpy(&u, &f, sizeof(u));
+        const uint32_t u = float_to_bits(f);
         const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
         return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
     }
@@ -88,16 +94,6 @@ struct Io<at::BFloat16> {
 template <>
 struct Io<at::Half> {
     using raw = uint16_t;
-    static inline float bits_to_float(uint32_t u) {
-        float f;
-        std::memcpy(&f, &u, sizeof(f));
-        return f;
-    }
-    static inline uint32_t float_to_bits(float f) {
-        uint32_t u;
-        std::memcpy(&u, &f, sizeof(u));
-        return u;
-    }
     // Signed 32-bit arithmetic throughout (every value fits): the compilers vectorise signed compares and
     // int-to-float conversions, not their unsigned forms.
     static inline float load(uint16_t h) {
