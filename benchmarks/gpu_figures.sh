@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -91,6 +91,22 @@ if want recheck; then
   part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
     --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
     --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
+fi
+
+if want next; then
+  # One call for what is still unmeasured: the offloaded step with its phases (after the restore and side-tensor
+  # changes) beside upstream and FSDP2, the 8192-token tiled-loss rows, and the monitor overhead.
+  part offload_next 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,overlap_off,bf16_states,floor --breakdown --out "$WORK/offload_next.jsonl"
+  part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
+    --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
+    --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
+  S3="python3 benchmarks/run_all.py --scenario s3 --extra-site /tmp/site --job-timeout-s 50"
+  ROW='"seq": 2048, "micro_batch": 4, "trace": false, "warmup": 1, "timed_steps": 3'
+  part tiled_8192 130 bash -c "$S3 --out $WORK/tiled_8192_ours16 --impl ours --set '{$ROW, \"tile_loss\": 16}' \
+    && $S3 --out $WORK/tiled_8192_ours4 --impl ours --set '{$ROW, \"tile_loss\": 4}' \
+    && $S3 --out $WORK/tiled_8192_fsdp2 --impl fsdp2 --set '{$ROW}'"
+  part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
 fi
 
 if want final; then
