@@ -317,3 +317,15 @@ def test_fp16_loads_and_stores_convert_like_torch(cpu_adam_op: object) -> None:
     loaded = opt.state[p]["exp_avg"][: len(every)]
     want = torch.tensor(1.0 - 0.9, dtype=torch.float32) * every.float()
     torch.testing.assert_close(loaded, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_scaled_step_names_a_copy_buffer_that_does_not_fit(cpu_adam_op: object) -> None:
+    """Refused before anything changes: the parameter, its state and its step count stay as they were."""
+    p = torch.nn.Parameter(torch.randn(16))
+    before = p.detach().clone()
+    opt = DeepSpeedCPUAdam([p])
+    grad = torch.ones(16, dtype=torch.bfloat16)
+    for bad in (torch.empty(8, dtype=torch.bfloat16), torch.empty(16, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="copy_out must be a contiguous CPU tensor of 16 elements"):
+            opt.step_scaled(grad, 1.0, bad)
+    assert not opt.state[p] and torch.equal(p.detach(), before)

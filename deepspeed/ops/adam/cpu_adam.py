@@ -29,6 +29,16 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
+def _fits(copy_out: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``copy_out`` can receive ``param``'s rounded values."""
+    return (
+        copy_out.device.type == "cpu"
+        and copy_out.is_contiguous()
+        and copy_out.numel() == param.numel()
+        and copy_out.dtype in _NATIVE_DTYPES
+    )
+
+
 def _load_kernel() -> ModuleType | None:
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -129,6 +139,11 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
         state = self.state[p]
         if state and any(state[key].dtype != torch.float32 for key in self.STATE_KEYS):
             return False
+        if copy_out is not None and not _fits(copy_out, p):
+            raise ValueError(
+                f"step_scaled: copy_out must be a contiguous CPU tensor of {p.numel()} elements in float32, bfloat16 "
+                f"or float16; got {tuple(copy_out.shape)} {copy_out.dtype} on {copy_out.device}"
+            )
         if not state:
             state["step"] = 0
             for key in self.STATE_KEYS:
