@@ -291,7 +291,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         first piece in its parameter's shard: [Note: parked grads])."""
         if self._park:
             state = self.index.at(group_index, offset).state
-            self.parked.evict(state)  # a second fold into a parked region: the accumulator becomes its home
+            if self.parked.add_in_place(state, piece):
+                return  # a second fold into a region parked in its shard on this device adds there
+            self.parked.evict(state)  # any other second fold: the accumulator becomes the region's home
             if (group_index, offset) not in self._folded and self.parked.can_park(state, piece):
                 self._folded.add((group_index, offset))
                 self.parked.park(state, group_index, offset, piece)
