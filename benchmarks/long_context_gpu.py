@@ -28,6 +28,7 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     _paths(args)
-    import torch
 
     t0 = time.perf_counter()
     where = "offload" if args.act_offload else "resident"
@@ -159,21 +159,30 @@ def main() -> None:
             record = {"seq": args.warmup_seq, "status": "warmup", **_step(trainer, manager, cfg, args.warmup_seq)}
             print(json.dumps({**base, **record}), file=sink, flush=True)
         for seq in sorted(int(s) for s in args.lengths.split(",")):
-            left = args.budget_s - (time.perf_counter() - t0)
-            guess = last[1] * (seq / last[0]) ** 2 if last else 0.0
-            if last and guess > left:
-                record = {"seq": seq, "status": "not tried", "why": f"estimated {guess:.0f} s > {left:.0f} s left"}
-            else:
-                try:
-                    record = {"seq": seq, "status": "ok", **_step(trainer, manager, cfg, seq)}
-                    last = (seq, record["step_s"])
-                except torch.OutOfMemoryError as err:
-                    record = {"seq": seq, "status": "oom", "error": str(err).splitlines()[0][:300]}
+            record = attempt(
+                seq, lambda seq=seq: _step(trainer, manager, cfg, seq), args.budget_s - (time.perf_counter() - t0), last
+            )
+            if record["status"] == "ok":
+                last = (seq, record["step_s"])
             print(json.dumps({**base, **record}), file=sink, flush=True)
             print(row, record, flush=True)
             if record["status"] != "ok":
                 break
     gc.collect()
+
+
+def attempt(seq: int, measure: Callable[[], dict], left_s: float, last: tuple[int, float] | None) -> dict:
+    """One length's record: ``measure()``'s figures (status ``ok``), ``oom``, or ``not tried`` when the step time
+    of the last length that ran, scaled by the square of the length ratio, exceeds the ``left_s`` seconds left."""
+    import torch
+
+    guess = last[1] * (seq / last[0]) ** 2 if last else 0.0
+    if last and guess > left_s:
+        return {"seq": seq, "status": "not tried", "why": f"estimated {guess:.0f} s > {left_s:.0f} s left"}
+    try:
+        return {"seq": seq, "status": "ok", **measure()}
+    except torch.OutOfMemoryError as err:
+        return {"seq": seq, "status": "oom", "error": str(err).splitlines()[0][:300]}
 
 
 def _device_name() -> str:

@@ -214,16 +214,10 @@ def _lengths(text: str) -> list[int]:
 
 
 def _record(trainer: Any, manager: Any, cfg: Any, seq: int, args: argparse.Namespace, last: Any, t0: float) -> dict:
-    import torch
+    from long_context_gpu import attempt
 
     left = args.budget_s - (time.perf_counter() - t0)
-    guess = last[1] * (seq / last[0]) ** 2 if last else 0.0
-    if last and guess > left:
-        return {"seq": seq, "status": "not tried", "why": f"estimated {guess:.0f} s > {left:.0f} s left"}
-    try:
-        return {"seq": seq, "status": "ok", **_measure(trainer, manager, cfg, seq, args.steps)}
-    except torch.OutOfMemoryError as err:
-        return {"seq": seq, "status": "oom", "error": str(err).splitlines()[0][:300]}
+    return attempt(seq, lambda: _measure(trainer, manager, cfg, seq, args.steps), left, last)
 
 
 def main() -> None:
