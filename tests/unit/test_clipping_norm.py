@@ -78,3 +78,30 @@ def test_gradients_on_two_devices_are_reduced_where_they_live(monkeypatch) -> No
     got = local_sq_norm(grads)
     assert got.device.type == "cpu" and float(got) == pytest.approx(expected, rel=1e-5)
     assert dot_devices.count(device.type) >= len(on_device)  # device pieces were dotted on the device
+
+
+@pytest.mark.parametrize("block", [7, 1000])
+def test_batched_small_pieces_match_the_reference(block: int, monkeypatch) -> None:
+    """[Note: batched norm]: pieces up to one block are reduced by one multi-tensor norm (forced here on the host),
+    larger ones by the blocked loop; the sum, infinities and nans are those of the float64 reference."""
+    monkeypatch.setattr(clipping, "_batches_on", lambda device: True)
+    monkeypatch.setattr(clipping, "HOST_NORM_BLOCK_NUMEL", block)
+    calls: list[int] = []
+    real = torch._foreach_norm
+
+    def spy(pieces, *args, **kwargs):
+        calls.append(len(pieces))
+        return real(pieces, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", spy)
+    gen = torch.Generator().manual_seed(5)
+    sizes = [(3, torch.bfloat16), (7, torch.float16), (50, torch.float32), (900, torch.bfloat16), (1, torch.float32)]
+    grads = [torch.randn(n, generator=gen).to(dtype) for n, dtype in sizes]
+    expected = sum(float((g.double() ** 2).sum()) for g in grads)
+    got = local_sq_norm(grads)
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(expected, rel=1e-6)
+    assert calls == [sum(1 for n, _ in sizes if n <= block)]
+    grads[0][1] = float("inf")
+    assert float(local_sq_norm(grads)) == float("inf")
+    grads[0][1] = float("nan")
+    assert torch.isnan(local_sq_norm(grads))

@@ -2,6 +2,12 @@
 
 With partitioned gradients (ZeRO) each rank holds a disjoint part of the gradient, so the global norm
 is the square root of the sum of the ranks' squared local norms: one all-reduce of one scalar.
+
+[Note: batched norm] An offloaded ZeRO-3 step holds its device-side gradients in hundreds of small pieces
+(one per persistent or parked parameter); a copy, a dot and an add for each was about 950 small kernels and
+0.08 s of the 3B step on an H100. One multi-tensor norm reads every small piece in a few launches, upcasting
+in registers (no scratch), and only the per-piece norms are squared and summed. On the host the per-piece
+loop through one cache-sized block stays: the host has no launch cost to save.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 def _sq_norm_on(device: torch.device, grads: list[torch.Tensor]) -> torch.Tensor:
     step = min(NORM_CHUNK_NUMEL, HOST_NORM_BLOCK_NUMEL) if device.type == "cpu" else NORM_CHUNK_NUMEL
     total = torch.zeros((), dtype=torch.float32, device=device)
+    if _batches_on(device):
+        small = [g for g in grads if g.numel() <= step]
+        if small:
+            total += _foreach_sq_norm(small)
+            grads = [g for g in grads if g.numel() > step]
     scratch: torch.Tensor | None = None  # one upcast buffer for every piece
     for g in grads:
         flat = g.reshape(-1)
@@ -72,6 +83,18 @@ def _sq_norm_on(device: torch.device, grads: list[torch.Tensor]) -> torch.Tensor
             piece.copy_(flat[start : start + piece.numel()])
             total += torch.dot(piece, piece)
     return total
+
+
+def _batches_on(device: torch.device) -> bool:
+    """Whether the pieces up to one upcast block go through one multi-tensor norm on ``device`` ([Note: batched
+    norm])."""
+    return device.type != "cpu"
+
+
+def _foreach_sq_norm(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of ``pieces`` (all on one device) from their fp32 norms, as a 0-d fp32 tensor."""
+    norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
 
 
 def global_norm(grads: Sequence[torch.Tensor], scope: NormScope, group: Any = None, stage_group: Any = None) -> float:
