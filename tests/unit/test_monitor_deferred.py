@@ -303,3 +303,21 @@ def test_timer_lines_wait_for_the_device_in_order_and_events_are_reused(monkeypa
         group.flush()
     assert out.getvalue().count("time (ms) | a: ") == 5 and device.syncs == 1
     assert len(made) <= 4, len(made)  # two events per interval, handed out again once read
+
+
+def test_gpu_scalars_land_in_a_reused_pinned_buffer_with_the_exact_values() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from deepspeed._core.observe.deferred import HostSlots, PendingScalars
+
+    slots = HostSlots()
+    losses = [torch.tensor(v, device="cuda", dtype=torch.bfloat16) for v in (1.5, 2.25)]
+    first = PendingScalars([torch.stack(losses).float().mean(), losses[0]], slots)
+    assert first.host.is_pinned()
+    expected = [torch.stack(losses).float().mean().item(), losses[0].float().item()]
+    assert first.values() == expected
+    second = PendingScalars([losses[1]], slots)
+    assert second.host is first.host  # the buffer read above is handed out again
+    assert second.values() == [2.25]
