@@ -321,3 +321,27 @@ def test_gpu_scalars_land_in_a_reused_pinned_buffer_with_the_exact_values() -> N
     second = PendingScalars([losses[1]], slots)
     assert second.host is first.host  # the buffer read above is handed out again
     assert second.values() == [2.25]
+
+
+def test_tensorboard_one_record_per_step_reads_back_as_add_scalar_writes(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from deepspeed._core.config.plan import FileMonitorPolicy
+    from deepspeed._core.observe.monitors import TensorBoardMonitor
+
+    events = [
+        [("Train/Samples/lr", 1e-3, 4), ("Train/Samples/train_loss", 2.718281828, 4), ("x y", torch.tensor(0.1), 4)],
+        [("Train/Samples/lr", 2e-3, 8), ("Train/Samples/train_loss", 1.5, 8), ("x y", 0.2, 8)],
+    ]
+    read = {}
+    for how in ("write_events", "write_unflushed"):  # upstream's path (add_scalar) and the writer thread's
+        monitor = TensorBoardMonitor(FileMonitorPolicy(enabled=True, output_path=str(tmp_path), job_name=how))
+        for batch in events:
+            getattr(monitor, how)(batch)
+        monitor.close()
+        acc = EventAccumulator(str(tmp_path / how))
+        acc.Reload()
+        read[how] = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert read["write_unflushed"] == read["write_events"] and len(read["write_events"]) == 3, read

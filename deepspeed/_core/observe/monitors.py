@@ -107,11 +107,10 @@ class TensorBoardMonitor(Monitor):
         if self.summary_writer is None:
             return
         from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
-        from torch.utils.tensorboard.summary import scalar
 
         by_step: dict[int, list[Any]] = {}
-        for tag, value, step in event_list:
-            by_step.setdefault(step, []).extend(scalar(tag, value).value)
+        for tag, value, step in event_list:  # the value add_scalar writes: a float32 simple_value
+            by_step.setdefault(step, []).append(Summary.Value(tag=tag, simple_value=float(_plain(value))))
         file_writer = self.summary_writer._get_file_writer()
         for step, values in by_step.items():
             file_writer.add_summary(Summary(value=values), step)
