@@ -345,3 +345,26 @@ def test_tensorboard_one_record_per_step_reads_back_as_add_scalar_writes(tmp_pat
         acc.Reload()
         read[how] = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     assert read["write_unflushed"] == read["write_events"] and len(read["write_events"]) == 3, read
+
+
+def test_cpu_memory_reads_go_through_one_kept_descriptor_per_process() -> None:
+    """The CPU 'allocated memory' of a monitored phase is this process's RSS, read from a descriptor opened once
+    (per process: a forked child opens its own), and equal to what psutil reports."""
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs /proc")
+    import psutil
+
+    from deepspeed.accelerator import cpu_accelerator
+
+    first = cpu_accelerator._process_rss()
+    fd = cpu_accelerator._STATM[os.getpid()]
+    assert fd >= 0 and cpu_accelerator._process_rss() > 0 and cpu_accelerator._STATM[os.getpid()] == fd
+    assert abs(first - psutil.Process().memory_info().rss) < 64 << 20
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's figures come from its own descriptor
+        cpu_accelerator._process_rss()
+        os.write(write, b"1" if cpu_accelerator._STATM.get(os.getpid(), fd) != fd else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
