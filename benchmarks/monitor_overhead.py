@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/monitor_overhead.py                        # gpt1.3b at seq 1024, bf16, one GPU
     PYTHONPATH=. python benchmarks/monitor_overhead.py --model quick --steps 10 --dtype fp32   # CPU smoke run
+    PYTHONPATH=. python benchmarks/monitor_overhead.py --device cpu --model quick --dtype fp32 --stage 0 \
+        --micro-batch 1 --threads 1 --steps 400 --window 20 --out cpu.json   # host time the monitors add, on CPU
 
 Two engines train the same model from the same weights in one process, one rank (a real one-process group):
 ``off`` with no monitor, ``on`` with the ``tensorboard`` and ``csv_monitor`` monitors (every scalar the engine
@@ -10,8 +12,12 @@ after ``--profile-step``, report written to a file). The two run in alternating 
 steps, so drift of the machine (clocks, other jobs) falls on both alike. Step time is wall-clock between optimizer
 steps with the device synchronised at the window edges only. Printed and written as one JSON record: the median
 step time of each engine over its windows, the overhead ``on / off - 1`` of the medians, and the profiled step
-alone (a one-off cost, reported separately because it happens once per run). ``wall_clock_breakdown`` stays off in
-both (it is a separate switch whose cost is its device synchronisation, not a monitor's).
+alone (a one-off cost, reported separately because it happens once per run). The ``flops_profiler`` block turns
+``wall_clock_breakdown`` on in ``on`` (upstream's rule), so its phase timers and their printed lines are part of the
+cost measured. ``added_ms_per_step`` is the difference of the medians: on a CPU run with a tiny model it is the host
+time the monitors and timers add to a step (``--device cpu`` selects the CPU accelerator even where a GPU exists).
+``added_cpu_ms_per_step`` compares the process CPU time per step (every thread, the monitors' writer included); with
+``--threads 1`` on a busy shared host it is the steadier of the two figures.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]:
+    os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed picks its accelerator
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29913")
 os.environ.setdefault("RANK", "0")
@@ -70,16 +78,17 @@ def _engine(args: argparse.Namespace, device: torch.device, out: Path | None):
     return engine
 
 
-def _steps(engine, batches, n: int, sync) -> list[float]:
-    """Times of ``n`` optimizer steps (seconds), the device synchronised before the first and after the last."""
+def _steps(engine, batches, n: int, sync) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds of ``n`` optimizer steps, the device synchronised before the first and after the
+    last. The CPU time counts every thread of the process (the monitors' writer thread too)."""
     sync()
     times = []
     for _ in range(n):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for ids, labels in batches:
             engine.backward(engine(ids, labels))
             engine.step()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
     sync()
     return times
 
@@ -97,12 +106,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-step", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the JSON record here too")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu"], help="cpu: the CPU accelerator")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1: CPU time is host time)")
     args = parser.parse_args()
     args.model_key = with_seq(args.model, None if args.model.startswith("quick") else args.seq)
 
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     acc = get_accelerator()
     dist.init_distributed(dist_backend=acc.communication_backend_name())
     device = torch.device(acc.device_name(acc.current_device()))
@@ -114,8 +127,8 @@ def main() -> None:
     for engine in engines.values():
         _steps(engine, batches, args.warmup, sync)
 
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    profiled_step: float | None = None
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+    profiled_step: tuple[float, float] | None = None
     while len(times["off"]) < args.steps:
         for name, engine in engines.items():
             before = engine.global_steps
@@ -125,7 +138,8 @@ def main() -> None:
                 profiled_step = window.pop(profiled_at)
             times[name].extend(window)
 
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    med = {name: statistics.median(t for t, _ in ts) for name, ts in times.items()}
+    cpu = {name: statistics.median(c for _, c in ts) for name, ts in times.items()}
     record = {
         "benchmark": "monitor_overhead",
         "device": acc.device_name() if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -136,9 +150,13 @@ def main() -> None:
         "gas": args.gas,
         "steps_per_engine": {name: len(ts) for name, ts in times.items()},
         "median_step_s": med,
-        "min_step_s": {name: min(ts) for name, ts in times.items()},
+        "min_step_s": {name: min(t for t, _ in ts) for name, ts in times.items()},
         "overhead_pct": 100.0 * (med["on"] / med["off"] - 1.0),
-        "profiled_step_s": profiled_step,
+        "added_ms_per_step": 1000.0 * (med["on"] - med["off"]),
+        "median_cpu_step_s": cpu,
+        "added_cpu_ms_per_step": 1000.0 * (cpu["on"] - cpu["off"]),
+        "torch_threads": torch.get_num_threads(),
+        "profiled_step_s": None if profiled_step is None else profiled_step[0],
         "profile_written": (work / "flops.txt").exists(),
         "scalars_written": sorted(p.name for p in (work / "csv").glob("*.csv")),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -445,7 +445,8 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         raise ValueError("consolidated 16-bit state dicts need ZeRO stage 3 (or AutoTP, which is not supported)")
 
     def destroy(self) -> None:
-        """Remove every hook and drop optimizer state so the memory can be reclaimed."""
+        """Remove every hook and drop optimizer state so the memory can be reclaimed; write every monitor scalar
+        and timer line still queued and close the monitors' files."""
         if self.optimizer is not None:
             self.optimizer.destroy()
             inner = getattr(self.optimizer, "optimizer", None)
@@ -456,6 +457,7 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
         self.lr_scheduler = None
         self._loop.optimizer = None
         self._loop.lr_scheduler = None
+        self._loop.observer.close()  # last, so a monitor's write error is raised after the memory is released
 
     # --- counters (checkpoint loading writes them) -------------------------------------------------
     global_steps = property(

@@ -217,3 +217,19 @@ def test_nvme_swap_timers_follow_wall_clock_breakdown(tmp_path: object) -> None:
         assert all(float(ln.split(f"{name}: ")[1].split()[0]) > 0 for ln in lines), (name, lines)
     off = run_distributed(_zero_timers, 2, 3, False, str(tmp_path))
     assert all(res["lines"] == [] and res["names"] == [] for res in off), off
+
+
+def test_zero3_prints_init_optimizer_state_once_with_wall_clock_breakdown() -> None:
+    """ZeRO-3 times the creation of the optimizer state under upstream's ``init_optimizer_state`` name: the first
+    step creates it, so that step prints the line once (before its ``optimizer_step`` line); later steps do not."""
+    from deepspeed.runtime.zero.stage3 import INIT_OPTIMIZER_TIMER
+
+    assert INIT_OPTIMIZER_TIMER == "init_optimizer_state"
+    on = run_distributed(_zero_timers, 2, 3, True)
+    lines = [ln for ln in on[0]["lines"] if ln.startswith("[Rank 0] time (ms) | ")]
+    init = [ln for ln in lines if _names(ln) == [INIT_OPTIMIZER_TIMER]]
+    assert len(init) == 1 and lines.index(init[0]) == 0, lines
+    assert float(init[0].split(f"{INIT_OPTIMIZER_TIMER}: ")[1]) > 0
+    assert INIT_OPTIMIZER_TIMER in on[0]["names"]
+    off = run_distributed(_zero_timers, 2, 3, False)
+    assert all(INIT_OPTIMIZER_TIMER not in ln for res in off for ln in res["lines"]), off

@@ -4,19 +4,27 @@ Each writer is built from its config block (the pydantic block or the run plan's
 attribute names) and only on global rank 0, as upstream does; the other ranks hold ``None``. The libraries are
 optional dependencies, imported when a writer is built: a missing one raises an ``ImportError`` naming the package.
 ``deepspeed.monitor`` re-exports these classes under upstream's module names.
+
+A monitor used on its own writes in the caller's thread. :class:`MonitorMaster` (what the engine holds) hands its
+batches to one background writer thread (:mod:`~deepspeed._core.observe.writer`): :meth:`MonitorMaster.flush` waits
+for them, :meth:`MonitorMaster.close` also closes the files; both run for every live master at process exit, and a
+write error surfaces on the next call, naming the monitor.
 """
 
 from __future__ import annotations
 
 import abc
+import atexit
 import csv
 import importlib
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from deepspeed._core.comm import dist
+from deepspeed._core.observe.writer import BackgroundWriter
 
 Event = tuple[str, Any, int]
 """``(tag, value, step)``; the step is the x-axis (samples seen)."""
@@ -60,6 +68,11 @@ class Monitor(abc.ABC):
     def write_events(self, event_list: Sequence[Event]) -> None:
         """Write every ``(tag, value, step)`` of ``event_list``."""
 
+    def write_unflushed(self, event_list: Sequence[Event]) -> None:
+        """:meth:`write_events`, leaving the flush to :meth:`flush` (the background writer flushes per run of
+        batches)."""
+        self.write_events(event_list)
+
 
 class TensorBoardMonitor(Monitor):
     """Scalars to ``events.out.tfevents.*`` files under ``<output_path>/<job_name>`` (``torch.utils.tensorboard``)."""
@@ -87,10 +100,30 @@ class TensorBoardMonitor(Monitor):
         if flush:
             self.summary_writer.flush()
 
+    def write_unflushed(self, event_list: Sequence[Event]) -> None:
+        """Add the scalars, those of one step as one event record (TensorBoard reads each tag's value from it as it
+        would from one record per tag: same tags, values and steps, at a fraction of the records to encode);
+        the writer's own thread writes them, :meth:`flush` forces it."""
+        if self.summary_writer is None:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
+
+        by_step: dict[int, list[Any]] = {}
+        for tag, value, step in event_list:  # the value add_scalar writes: a float32 simple_value
+            by_step.setdefault(step, []).append(Summary.Value(tag=tag, simple_value=float(_plain(value))))
+        file_writer = self.summary_writer._get_file_writer()
+        for step, values in by_step.items():
+            file_writer.add_summary(Summary(value=values), step)
+
     def flush(self) -> None:
         """Write buffered events to disk."""
         if self.summary_writer is not None:
             self.summary_writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        if self.summary_writer is not None:
+            self.summary_writer.close()
 
 
 class WandbMonitor(Monitor):
@@ -119,7 +152,11 @@ class WandbMonitor(Monitor):
 
 
 class csvMonitor(Monitor):  # upstream's lower-case class name
-    """One CSV file per tag under ``<output_path>/<job_name>/`` (``/`` and spaces in the tag become ``_``)."""
+    """One CSV file per tag under ``<output_path>/<job_name>/`` (``/`` and spaces in the tag become ``_``).
+
+    Each tag's file is opened once (appending) and kept open; :meth:`write_events` flushes the files it wrote,
+    :meth:`close` closes them all.
+    """
 
     def __init__(self, csv_config: Any) -> None:
         super().__init__(csv_config)
@@ -128,6 +165,7 @@ class csvMonitor(Monitor):  # upstream's lower-case class name
         self.output_path = csv_config.output_path
         self.job_name = csv_config.job_name
         self.log_dir = self.setup_log_dir()
+        self._files: dict[str, tuple[Any, Any]] = {}  # tag -> (open file, csv writer)
 
     def setup_log_dir(self, base: str = os.path.join(os.path.expanduser("~"), "csv_monitor")) -> str | None:
         """Create (on rank 0) and return the directory the files go to."""
@@ -137,19 +175,40 @@ class csvMonitor(Monitor):  # upstream's lower-case class name
         os.makedirs(log_dir, exist_ok=True)
         return log_dir
 
-    def write_events(self, event_list: Sequence[Event]) -> None:
-        """Append ``step,value`` to each tag's file; a file's first write in this process adds the header."""
+    def _writer(self, tag: str, log_dir: str) -> Any:
+        entry = self._files.get(tag)
+        if entry is None:
+            name = tag.replace("/", "_").replace(" ", "_")
+            path = os.path.join(log_dir, f"{name}.csv")
+            fd = open(path, "a", newline="")  # kept open across steps, closed by close()
+            entry = self._files[tag] = (fd, csv.writer(fd))
+            if path not in self.filenames:  # a file's first write in this process adds the header
+                self.filenames.append(path)
+                entry[1].writerow(["step", tag.split("/")[-1]])
+        return entry[1]
+
+    def write_unflushed(self, event_list: Sequence[Event]) -> None:
+        """Append ``step,value`` to each tag's file (buffered until :meth:`flush`)."""
         if self.log_dir is None:
             return
         for tag, value, step in event_list:
-            name = tag.replace("/", "_").replace(" ", "_")
-            path = os.path.join(self.log_dir, f"{name}.csv")
-            with open(path, "a", newline="") as fd:
-                writer = csv.writer(fd)
-                if path not in self.filenames:
-                    self.filenames.append(path)
-                    writer.writerow(["step", tag.split("/")[-1]])
-                writer.writerow([step, _plain(value)])
+            self._writer(tag, self.log_dir).writerow([step, _plain(value)])
+
+    def write_events(self, event_list: Sequence[Event]) -> None:
+        """Append ``step,value`` to each tag's file; a file's first write in this process adds the header."""
+        self.write_unflushed(event_list)
+        self.flush()
+
+    def flush(self) -> None:
+        """Push the buffered rows of every open file to disk."""
+        for fd, _ in self._files.values():
+            fd.flush()
+
+    def close(self) -> None:
+        """Flush and close every open file (a later write opens it again, appending)."""
+        files, self._files = self._files, {}
+        for fd, _ in files.values():
+            fd.close()
 
 
 def _plain(value: Any) -> Any:
@@ -201,9 +260,19 @@ class CometMonitor(Monitor):
                 self._last_logged[tag] = step
 
 
+_LIVE_MASTERS: weakref.WeakSet[MonitorMaster] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_masters() -> None:
+    for master in list(_LIVE_MASTERS):
+        master.close()
+
+
 class MonitorMaster(Monitor):
     """Every enabled monitor of a config (``tensorboard``, ``wandb``, ``csv_monitor``, ``comet`` attributes),
-    built on global rank 0 only; :meth:`write_events` fans out to them."""
+    built on global rank 0 only; :meth:`write_events` hands the events to a background writer thread that fans
+    them out to the monitors, in order."""
 
     def __init__(self, monitor_config: Any) -> None:
         super().__init__(monitor_config)
@@ -211,6 +280,7 @@ class MonitorMaster(Monitor):
         self.wandb_monitor: WandbMonitor | None = None
         self.csv_monitor: csvMonitor | None = None
         self.comet_monitor: CometMonitor | None = None
+        self._writer: BackgroundWriter | None = None
         blocks = (monitor_config.tensorboard, monitor_config.wandb, monitor_config.csv_monitor, monitor_config.comet)
         self.enabled = any(block.enabled for block in blocks)
         if global_rank() != 0:
@@ -224,13 +294,40 @@ class MonitorMaster(Monitor):
         if monitor_config.comet.enabled:
             self.comet_monitor = CometMonitor(monitor_config.comet)
 
+    def monitors(self) -> list[tuple[str, Monitor]]:
+        """The monitors built here, by config block name."""
+        named = (
+            ("tensorboard", self.tb_monitor),
+            ("wandb", self.wandb_monitor),
+            ("csv_monitor", self.csv_monitor),
+            ("comet", self.comet_monitor),
+        )
+        return [(name, m) for name, m in named if m is not None]
+
     def write_events(self, event_list: Sequence[Event]) -> None:
-        """Write ``event_list`` to every monitor built here (nothing off rank 0)."""
-        if global_rank() != 0:
+        """Queue ``event_list`` for every monitor built here (nothing off rank 0); raises an earlier write error."""
+        if global_rank() != 0 or not event_list:
             return
-        for monitor in (self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor):
-            if monitor is not None:
-                monitor.write_events(event_list)
+        if self._writer is None:
+            sinks = self.monitors()
+            if not sinks:
+                return
+            self._writer = BackgroundWriter(sinks)
+            _LIVE_MASTERS.add(self)
+        self._writer.submit(event_list)
+
+    def flush(self) -> None:
+        """Wait until every queued event is written and flushed; raises a write error, naming the monitor."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Write what is queued, close the monitors' files and stop the writer thread (a later write starts a new
+        one); raises a write error, naming the monitor."""
+        writer, self._writer = self._writer, None
+        _LIVE_MASTERS.discard(self)
+        if writer is not None:
+            writer.close()
 
 
 def unwritable_reason(directory: str) -> str | None:

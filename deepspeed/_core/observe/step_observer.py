@@ -5,21 +5,29 @@ Scalar events go out on global rank 0 at each optimizer step, with the samples s
 tags (``Train/Samples/lr``, ``loss_scale``, the ``elapsed_time_ms_*`` timers) are joined by the loss of the
 non-pipeline engine (``Train/Samples/train_loss``: rank 0's mean loss over the accumulation window, before the
 division by the accumulation steps), the allocated device memory after each phase next to the model-state floor, and
-the samples and tokens per second. Reading a loss costs one device synchronisation per optimizer step, so it is
-only done while a monitor writes.
+the samples and tokens per second.
+
+Nothing here waits for the device during a step. A step's scalars are queued (:mod:`~deepspeed._core.observe.deferred`):
+the loss is copied to host memory without blocking and the phase timers hand over their events; the queue writes a
+step's events once the device has passed them (usually at the next step), in order, through the monitors' background
+writer. :meth:`StepObserver.flush` (and :meth:`StepObserver.close`, which the engine's ``destroy`` and process exit
+call) waits for and writes whatever is left, so no scalar is lost.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from deepspeed._core.config.plan import RunPlan
+from deepspeed._core.observe.deferred import HostSlots, PendingQueue, PendingRecord
 from deepspeed._core.observe.monitors import Event, MonitorMaster, global_rank
 from deepspeed._core.observe.timers import (
     BACKWARD_GLOBAL_TIMER,
@@ -62,6 +70,16 @@ def count_tokens(inputs: tuple, kwargs: dict) -> int | None:
     return None
 
 
+_LIVE_OBSERVERS: weakref.WeakSet[StepObserver] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_observers() -> None:
+    # Registered after the monitors' own exit hook, so it runs first: queued steps reach the monitors before they close.
+    for observer in list(_LIVE_OBSERVERS):
+        observer.close()
+
+
 class StepObserver:
     """The timers, monitors and profiler of one engine.
 
@@ -89,6 +107,9 @@ class StepObserver:
         self._tokens: int | None = None
         self._memory: dict[str, float] = {}
         self._window_start: float | None = None
+        self._slots = HostSlots()
+        self.pending = PendingQueue(self._write_now)
+        _LIVE_OBSERVERS.add(self)
 
     # --- phases ----------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -143,9 +164,11 @@ class StepObserver:
             boundary: whether this ``step()`` ended an accumulation window.
             loop: the training loop (``global_steps``, ``global_samples``, ``get_lr()``, ``optimizer``).
         """
+        # Built before the throughput timer may wait for the device, so its host reads overlap the device's work.
+        record = self._step_record(loop) if boundary and self.writes else None
         self.tput_timer.stop(global_step=boundary, report_speed=global_rank() == 0)
-        if boundary and self.writes:
-            self._write_step_events(loop)
+        if record is not None:
+            self.pending.push(record)
         if boundary and self.profiler is not None and self.profiler.started:
             profile = self.plan.flops_profiler
             self.profiler.print_model_profile(
@@ -160,13 +183,17 @@ class StepObserver:
             return
         self.timers.log(MICRO_TIMERS, memory_breakdown=self.plan.memory_breakdown)
         if boundary:
+            timers = self.timers
+            assert isinstance(timers, SynchronizedWallClockTimer)  # wall_clock_breakdown is on
             if self.writes:
-                self.write_events(
-                    [(TIMER_TAGS[n], self.timers(n).elapsed(reset=False), loop.global_samples) for n in GLOBAL_TIMERS]
-                )
-            self.timers.log(GLOBAL_TIMERS)
+                for name in GLOBAL_TIMERS:  # a phase that did not run is written as 0 ms
+                    timers(name)
+            reading = timers.take(GLOBAL_TIMERS)
+            if self.writes:
+                self.pending.push(PendingRecord([], self._slots, reading, TIMER_TAGS, loop.global_samples))
+            timers.print_when_ready(reading)
 
-    def _write_step_events(self, loop: Any) -> None:
+    def _step_record(self, loop: Any) -> PendingRecord:
         samples = loop.global_samples
         events: list[Event] = []
         lrs = loop.get_lr()
@@ -175,10 +202,12 @@ class StepObserver:
         if self.plan.precision.param_dtype == torch.float16 and loop.optimizer is not None:
             events.append(("Train/Samples/loss_scale", float(loop.optimizer.cur_scale), samples))
         if self._losses:
-            events.append(("Train/Samples/train_loss", torch.stack(self._losses).float().mean().item(), samples))
+            # A device tensor: the queue copies it to the host without waiting and reads it once it has landed.
+            mean = self._losses[0].float() if len(self._losses) == 1 else torch.stack(self._losses).float().mean()
+            events.append(("Train/Samples/train_loss", mean, samples))
         events += self._memory_events(samples) + self._speed_events(samples)
         self._losses, self._memory, self._tokens = [], {}, None
-        self.write_events(events)
+        return PendingRecord(events, self._slots)
 
     def _memory_events(self, samples: int) -> list[Event]:
         events: list[Event] = [
@@ -204,13 +233,33 @@ class StepObserver:
         return events
 
     def write_scalar(self, tag: str, value: Any, samples: int) -> None:
-        """Write one scalar (a tensor's mean) while a monitor writes; the pipeline engine's losses come this way."""
+        """Write one scalar (a tensor's mean) while a monitor writes; the pipeline engine's losses come this way.
+        A tensor is read once the device has computed it, without waiting here."""
         if self.writes and value is not None:
-            mean = value.float().mean().item() if isinstance(value, torch.Tensor) else float(value)
-            self.write_events([(tag, mean, samples)])
+            mean = value.float().mean() if isinstance(value, torch.Tensor) else float(value)
+            self.pending.push(PendingRecord([(tag, mean, samples)], self._slots))
 
     def write_events(self, events: list[Event]) -> None:
-        """Send ``events`` to the monitors (rank 0 only) and keep them as :attr:`last_events`."""
+        """Send ``events`` to the monitors (rank 0 only), after the steps still waiting for the device."""
         if self.writes and events:
-            self.monitor.write_events(events)
-            self.last_events = list(events)
+            self.pending.push(PendingRecord(list(events), self._slots))
+
+    def _write_now(self, events: list[Event]) -> None:
+        self.monitor.write_events(events)
+        self.last_events = list(events)
+
+    # --- shutdown ---------------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for the device, write every queued step to the monitors and print every queued timer line; returns
+        once the monitors have written and flushed them (raises a monitor's write error, naming it)."""
+        self.pending.drain(everything=True)
+        self.timers.flush()
+        self.monitor.flush()
+
+    def close(self) -> None:
+        """:meth:`flush`, then close the monitors' files and their writer thread."""
+        _LIVE_OBSERVERS.discard(self)
+        try:
+            self.flush()
+        finally:
+            self.monitor.close()

@@ -2,13 +2,17 @@
 
 Upstream's ``deepspeed.utils.timer`` names (the timer name constants, ``SynchronizedWallClockTimer``, ``NoopTimer``,
 ``CudaEventTimer``, ``ThroughputTimer``, ``trim_mean``) are re-exported there. On a device whose host clock does not
-see queued kernels (CUDA), a phase timer records a pair of device events and reads them only when asked, so timing a
-phase never waits for the device in the middle of a step.
+see queued kernels (CUDA), a phase timer records a pair of device events (reused from a small pool) and reads them
+only when asked, so timing a phase never waits for the device in the middle of a step. :meth:`log` does not ask
+either: it takes the intervals off the timers and prints their line once the device has passed their end events
+(``Event.query()``), in the order the lines were logged; :meth:`SynchronizedWallClockTimer.flush` waits for and prints
+whatever is left (the engine calls it when it is destroyed and at process exit).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -69,6 +73,14 @@ class CudaEventTimer:
     def get_elapsed_msec(self) -> float:
         """Milliseconds between the two events (waits for the end event)."""
         self.end_event.synchronize()
+        return self.read_msec()
+
+    def ready(self) -> bool:
+        """Whether the device has passed the end event (reading then does not wait)."""
+        return bool(self.end_event.query())
+
+    def read_msec(self) -> float:
+        """Milliseconds between the two events; only once :meth:`ready` (or after a wait)."""
         return float(self.start_event.elapsed_time(self.end_event))
 
 
@@ -78,6 +90,69 @@ class _HostInterval:
 
     def get_elapsed_msec(self) -> float:
         return self.seconds * 1000.0
+
+    def ready(self) -> bool:
+        return True
+
+    def read_msec(self) -> float:
+        return self.seconds * 1000.0
+
+
+class _EventPool:
+    """Timing events whose intervals have been read, handed out again (no event created per phase per step)."""
+
+    def __init__(self) -> None:
+        self.free: list[Any] = []
+
+    def get(self) -> Any:
+        return self.free.pop() if self.free else get_accelerator().Event(enable_timing=True)
+
+    def put(self, interval: Any) -> None:
+        if isinstance(interval, CudaEventTimer) and len(self.free) < 256:
+            self.free += [interval.start_event, interval.end_event]
+
+
+class TimerReading:
+    """The intervals of some named timers, taken off them at one moment; their milliseconds are read once the device
+    has passed every end event, so taking a reading never waits.
+
+    Args:
+        intervals: the intervals of each timer name, in print order.
+        pool: where the events go once read (``None``: the intervals are still the timers' own).
+    """
+
+    def __init__(self, intervals: dict[str, list[Any]], pool: _EventPool | None = None) -> None:
+        self.intervals = intervals
+        self.pool = pool
+        self._values: dict[str, float] | None = None
+
+    def ready(self) -> bool:
+        """Whether :meth:`values` can be read without waiting for the device."""
+        return self._values is not None or all(t.ready() for ts in self.intervals.values() for t in ts)
+
+    def values(self) -> dict[str, float]:
+        """Milliseconds per timer name (waits for the device only if not :meth:`ready`: at a flush)."""
+        if self._values is None:
+            if not self.ready():
+                for ts in self.intervals.values():
+                    for t in ts:
+                        t.get_elapsed_msec()  # waits for the end event
+            self._values = {name: sum(t.read_msec() for t in ts) for name, ts in self.intervals.items()}
+            if self.pool is not None:
+                for ts in self.intervals.values():
+                    for t in ts:
+                        self.pool.put(t)
+            self.intervals = {}
+        return self._values
+
+
+class _PendingLine:
+    def __init__(self, reading: TimerReading, normalizer: float, memory: str, ranks: list[int]) -> None:
+        self.reading, self.normalizer, self.memory, self.ranks = reading, normalizer, memory, ranks
+
+    def text(self) -> str:
+        parts = [f" | {name}: {ms / self.normalizer:.2f}" for name, ms in self.reading.values().items()]
+        return "time (ms)" + "".join(parts) + self.memory
 
 
 class SynchronizedWallClockTimer:
@@ -94,6 +169,7 @@ class SynchronizedWallClockTimer:
             self.start_event: Any = None
             self.start_time = 0.0
             self.elapsed_records: list[float] | None = None
+            self.pool: _EventPool | None = None  # set by the group: events are reused once read
 
         def start(self) -> None:
             """Start an interval."""
@@ -102,7 +178,7 @@ class SynchronizedWallClockTimer:
             if self.use_host_timer:
                 self.start_time = time.perf_counter()
             else:
-                self.start_event = get_accelerator().Event(enable_timing=True)
+                self.start_event = self._event()
                 self.start_event.record()
             self.started_ = True
 
@@ -113,11 +189,28 @@ class SynchronizedWallClockTimer:
             if self.use_host_timer:
                 self.event_timers.append(_HostInterval(time.perf_counter() - self.start_time))
             else:
-                end = get_accelerator().Event(enable_timing=True)
+                end = self._event()
                 end.record()
                 self.event_timers.append(CudaEventTimer(self.start_event, end))
                 self.start_event = None
             self.started_ = False
+
+        def _event(self) -> Any:
+            return self.pool.get() if self.pool is not None else get_accelerator().Event(enable_timing=True)
+
+        def take(self, reset: bool) -> list[Any]:
+            """The intervals so far, without reading them (a running interval is cut here and goes on);
+            ``reset`` hands them over and leaves the timer empty."""
+            running = self.started_
+            if running:
+                self.stop()
+            taken = self.event_timers if reset else list(self.event_timers)
+            if reset:
+                self.event_timers = []
+                self.elapsed_records = None
+            if running:
+                self.start()
+            return taken
 
         def reset(self) -> None:
             """Forget every interval."""
@@ -144,17 +237,30 @@ class SynchronizedWallClockTimer:
             self.elapsed(reset=False)
             return trim_mean(list(self.elapsed_records or []), 0.1)
 
+    MAX_PENDING_LINES = 64
+    """Lines waiting for the device beyond which :meth:`log` waits for the oldest (bounds the events held)."""
+
     def __init__(self) -> None:
         self.timers: dict[str, SynchronizedWallClockTimer.Timer] = {}
+        self._pool = _EventPool()
+        self._pending: deque[_PendingLine] = deque()
 
     def get_timers(self) -> dict[str, SynchronizedWallClockTimer.Timer]:
         """The timers created so far, by name."""
         return self.timers
 
     def __call__(self, name: str) -> SynchronizedWallClockTimer.Timer:
-        if name not in self.timers:
-            self.timers[name] = self.Timer(name)
-        return self.timers[name]
+        timer = self.timers.get(name)
+        if timer is None:
+            timer = self.timers[name] = self.Timer(name)
+            timer.pool = self._pool
+        return timer
+
+    def take(self, names: Iterable[str], reset: bool = True) -> TimerReading:
+        """The intervals of the named timers that exist, for reading later (nothing waits here); ``reset`` empties
+        the timers, as printing does."""
+        intervals = {name: self.timers[name].take(reset) for name in names if name in self.timers}
+        return TimerReading(intervals, self._pool if reset else None)
 
     @staticmethod
     def memory_usage() -> str:
@@ -174,21 +280,41 @@ class SynchronizedWallClockTimer:
         reset: bool = True,
         memory_breakdown: bool = False,
         ranks: list[int] | None = None,
-    ) -> str:
+    ) -> str | None:
         """Print ``[Rank r] time (ms) | name: x.xx | …`` for the named timers that exist (on ``ranks``, default 0).
 
-        Returns the line (without the rank prefix).
+        The intervals are taken now and the line is printed once the device has passed them, after every line
+        logged before it; nothing here waits for the device. Returns the line when it was printed at once (host
+        timers, or a device already done), else ``None``.
         """
         if normalizer <= 0.0:
             raise ValueError(f"normalizer must be positive, got {normalizer}")
-        line = "time (ms)"
-        for name in names:
-            if name in self.timers:
-                line += f" | {name}: {self.timers[name].elapsed(reset=reset) / normalizer:.2f}"
-        if memory_breakdown:
-            line += self.memory_usage()
-        print_dist(line, ranks=ranks or [0])
-        return line
+        memory = self.memory_usage() if memory_breakdown else ""
+        return self.print_when_ready(self.take(names, reset), normalizer, memory, ranks)
+
+    def print_when_ready(
+        self, reading: TimerReading, normalizer: float = 1.0, memory: str = "", ranks: list[int] | None = None
+    ) -> str | None:
+        """Queue the line of ``reading`` (``memory`` appended) and print the queued lines that are ready, in order;
+        returns this line if it was printed now."""
+        line = _PendingLine(reading, normalizer, memory, ranks or [0])
+        self._pending.append(line)
+        printed = self._print_ready(wait=len(self._pending) > self.MAX_PENDING_LINES)
+        return printed.get(id(line))
+
+    def _print_ready(self, wait: bool = False, everything: bool = False) -> dict[int, str]:
+        printed: dict[int, str] = {}
+        while self._pending and (everything or wait or self._pending[0].reading.ready()):
+            head = self._pending.popleft()
+            text = head.text()
+            print_dist(text, ranks=head.ranks)
+            printed[id(head)] = text
+            wait = False
+        return printed
+
+    def flush(self) -> None:
+        """Wait for the device and print every queued line."""
+        self._print_ready(everything=True)
 
     def get_mean(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True) -> dict[str, float]:
         """Trimmed mean per named timer (milliseconds / ``normalizer``)."""
@@ -242,6 +368,9 @@ class NoopTimer:
 
     def get_mean(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True) -> None:
         """No means."""
+
+    def flush(self) -> None:
+        """Nothing is queued."""
 
 
 class ThroughputTimer:

@@ -43,6 +43,8 @@ OPTIMIZER_TIMERS = [OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_GRADIENTS_TIMER, OPTIMI
 # ZeRO-3 with the optimizer state in NVMe swap files also times the waits for the swap reads and writes.
 OPTIMIZER_SWAP_IN_TIMER = "optimizer_swap_in_state"
 OPTIMIZER_SWAP_OUT_TIMER = "optimizer_swap_out_state"
+# ZeRO-3 times the creation of the inner optimizer's state once: here the first update creates it.
+INIT_OPTIMIZER_TIMER = "init_optimizer_state"
 
 
 def package_version() -> str:

@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER  # noqa: F401 - upstream name, re-exported
+from deepspeed._core.optim.sharded import INIT_OPTIMIZER_TIMER, OPTIMIZER_STEP_TIMER  # noqa: F401 - upstream names
+
+# Upstream's names of the NVMe swap timers.
+from deepspeed._core.optim.sharded import OPTIMIZER_SWAP_IN_TIMER as OPTIMIZER_SWAP_IN_STATE_TIMER  # noqa: F401
+from deepspeed._core.optim.sharded import OPTIMIZER_SWAP_OUT_TIMER as OPTIMIZER_SWAP_OUT_STATE_TIMER  # noqa: F401
 from deepspeed._core.optim.stage3 import Stage3Optimizer
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
