@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|late   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -94,13 +94,10 @@ if want recheck; then
 fi
 
 if want next; then
-  # One call for what is still unmeasured: the offloaded step with its phases (after the restore and side-tensor
-  # changes) beside upstream and FSDP2, the 8192-token tiled-loss rows, and the monitor overhead.
-  part offload_next 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
-    --cases overlap_on,overlap_off,bf16_states,floor --breakdown --out "$WORK/offload_next.jsonl"
-  part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
-    --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
-    --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
+  # One call for what is still unmeasured: the offloaded step with its phases (after the restore, side-tensor and
+  # norm changes) with and without clipping, beside its floor; the 8192-token tiled-loss rows; the monitor overhead.
+  part offload_next 240 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,overlap_on_noclip,floor --breakdown --out "$WORK/offload_next.jsonl"
   S3="python3 benchmarks/run_all.py --scenario s3 --extra-site /tmp/site --job-timeout-s 50"
   ROW='"seq": 2048, "micro_batch": 4, "trace": false, "warmup": 1, "timed_steps": 3'
   part tiled_8192 130 bash -c "$S3 --out $WORK/tiled_8192_ours16 --impl ours --set '{$ROW, \"tile_loss\": 16}' \
@@ -133,4 +130,18 @@ if want spfake || want extra; then
   part sp_fake 150 python3 benchmarks/sp_fake_group_gpu.py --tile-mlp 8 --tile-loss 16 --act-offload \
     --lengths 131072,262144,524288 --budget-s 140 --out "$WORK/sp_fake.jsonl"
   cp "$WORK/sp_fake.jsonl" "$OUT/"
+fi
+
+if want late; then
+  # Upstream 0.19.8 and FSDP2 with CPU offload on the 3B step; NVMe optimizer state alone in its process (its
+  # resident memory without another case's leftovers); upstream's step at 7.09 B parameters with a limit long
+  # enough for its set-up.
+  part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
+    --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
+    --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
+  part offload_nvme_alone 130 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
+    --cases nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme_alone.jsonl"
+  part largest_upstream 220 python3 benchmarks/largest_model_gpu.py --out "$WORK/largest_upstream.jsonl" \
+    --impl upstream --states fp32 --bisect 88,110 --budget-s 210
+  cp "$WORK/largest_upstream.jsonl" "$OUT/" 2>/dev/null
 fi
