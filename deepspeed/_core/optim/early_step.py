@@ -126,6 +126,12 @@ class LazyPartitionGrad:
         return torch.zeros(end - start, dtype=self.dtype) if part is None else part[start:end]
 
 
+def needs_no_norm(plan: Any, loss_scaler: Any, check_overflow: bool) -> bool:
+    """Whether nothing needs the global gradient norm before a chunk may change ([Note: early host step]): no
+    ``gradient_clipping``, no fp16 loss scale, no bf16 overflow check."""
+    return plan.grads.clip_norm <= 0 and loss_scaler is None and not check_overflow
+
+
 class EarlyUpdate:
     """This boundary's update when it may start during the backward ([Note: early host step]): opened on its first
     chunk, handed over to ``step()`` (:meth:`take`), or abandoned if no step takes it (:meth:`settle`).

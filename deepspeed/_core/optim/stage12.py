@@ -31,7 +31,7 @@ from deepspeed._core.optim import stage12_state as stage12_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
-from deepspeed._core.optim.early_step import EarlyUpdate, GroupSpan, LandingPlan, LazyPartitionGrad
+from deepspeed._core.optim.early_step import EarlyUpdate, GroupSpan, LandingPlan, LazyPartitionGrad, needs_no_norm
 from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.optim.master import MasterPlacement, MasterShard
@@ -227,9 +227,7 @@ class ZeroOptimizer(ShardedOptimizer):
         return (
             self.host_step is not None
             and self.plan.zero.zenflow is None
-            and self.plan.grads.clip_norm <= 0
-            and self.loss_scaler is None
-            and not self.check_overflow
+            and needs_no_norm(self.plan, self.loss_scaler, self.check_overflow)
         )
 
     def _arm_early(self, armed: bool) -> None:

@@ -42,7 +42,14 @@ from deepspeed._core.optim import stage3_state as stage3_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import local_sq_norm
-from deepspeed._core.optim.early_step import ArrivalRecord, ChunkKey, EarlyUpdate, FixedChunkGrads, RegionSpan
+from deepspeed._core.optim.early_step import (
+    ArrivalRecord,
+    ChunkKey,
+    EarlyUpdate,
+    FixedChunkGrads,
+    RegionSpan,
+    needs_no_norm,
+)
 from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.master import MasterShard, send_through_host, writer_into
 from deepspeed._core.optim.sharded import OPTIMIZER_STEP_TIMER, ShardedOptimizer
@@ -303,9 +310,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         return (
             self.host_step is not None
             and not self._early_refused
-            and self.plan.grads.clip_norm <= 0
-            and self.loss_scaler is None
-            and not self.check_overflow
+            and needs_no_norm(self.plan, self.loss_scaler, self.check_overflow)
         )
 
     # --- gradients ----------------------------------------------------------------------------------
