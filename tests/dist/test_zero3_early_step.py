@@ -219,3 +219,35 @@ def test_nvme_optimizer_state_is_not_stepped_early(tmp_path) -> None:
         engine.step()
     assert opt.early_chunks == 0
     engine.destroy()
+
+
+def _with_grad_read(early: bool) -> tuple[dict, list[torch.Tensor], str]:
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    engine = _engine(_config(1, 0.0, True, early=early))
+    grads = []
+    for step in range(3):
+        engine.backward(engine(*micro_batch(step, 0)))
+        # fc2's weight waits in its shard; once its chunks were submitted the read waits for their update.
+        grads.append(safe_get_full_grad(engine.module.fc2.weight).clone())
+        engine.step()
+    snapshot = optimizer_snapshot(engine)
+    engine.backward(engine(*micro_batch(3, 0)))
+    try:
+        safe_set_full_grad(engine.module.fc2.weight, grads[-1])
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    engine.destroy()
+    return snapshot, grads, refused
+
+
+@pytest.mark.world_size(1)
+def test_gradient_read_before_step_waits_and_a_gradient_write_is_refused() -> None:
+    early, early_grads, refused = _with_grad_read(True)
+    sync, sync_grads, not_refused = _with_grad_read(False)
+    assert all(torch.equal(a, b) for a, b in zip(early_grads, sync_grads, strict=True))
+    assert_bit_equal(early, sync)
+    # Setting a gradient whose chunk's update already started cannot be honoured: refused, naming the parameter.
+    assert "had its gradient set after the update of its step chunks" in refused, refused
+    assert not_refused == ""
