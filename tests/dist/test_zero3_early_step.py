@@ -170,8 +170,11 @@ def _late_arrival(world: int) -> str:
         try:
             engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
         except RuntimeError as err:
-            submitted = engine.optimizer.early_chunks
-            engine.destroy()  # the abandoned early update is settled: no hang
+            opt = engine.optimizer
+            # The early update was waited for and dropped, and nothing starts early any more.
+            assert opt._early.run is None and not opt._early.armed and not opt.steps_during_backward()
+            submitted = opt.early_chunks
+            engine.destroy()  # no hang
             return f"{submitted} {err}"
         engine.step()
     engine.destroy()

@@ -283,6 +283,10 @@ class ArrivalRecord:
                     self.sent.add(chunk)
         return ready
 
+    def stop(self) -> None:
+        """Stop counting this backward without recording it (``zero_grad``, or a refused arrival)."""
+        self.active = False
+
     def end(self) -> None:
         """The backward is over: the first one becomes the record; a parameter that differed turns unstable."""
         if not self.active:

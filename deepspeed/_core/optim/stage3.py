@@ -366,8 +366,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         if not chunks:
             return
         self._early_refused = True
+        self._arrivals.stop()
         if self._early is not None:
-            self._early.settle()
+            self._early.arm(False)  # waits for the submitted chunks; step() then takes nothing over
         shape = tuple(state.param.shape) if state.param is not None else "?"
         raise RuntimeError(
             f"ZeRO-3 parameter ds_id={state.ds_id} (shape {shape}) {what} after the update of its step chunks "
@@ -632,7 +633,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         took over)."""
         if self._early is not None:
             self._early.arm(False)
-        self._arrivals.active = False
+        self._arrivals.stop()
         self.reducer.discard()
         self.host.discard()
         self._clear_grads()
