@@ -21,6 +21,10 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
 - ``overlap_on_long_route``: ``overlap_on`` with the host Adam's scaled step turned off (each chunk's gradient
   converted to fp32 and scaled in passes of its own, the copy up rounded from the master afterwards), for the
   same-call ratio of that one-pass form;
+- ``overlap_on_noclip``: ``overlap_on`` with ``gradient_clipping`` 0 and ``bf16.check_grad_overflow`` false: no
+  global decision, so the update of each step chunk whose gradients are final starts during the backward (at
+  ZeRO-3 from the second step on, once each parameter's gradient arrivals are recorded); the engine's count of
+  chunks so started is recorded as ``early_chunks``;
 - ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
   overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3).
 
@@ -59,6 +63,7 @@ ENGINE_CASES = {
     "overlap_on": (True, False, False),
     "overlap_off": (False, False, False),
     "overlap_on_long_route": (True, False, False),
+    "overlap_on_noclip": (True, False, False),
     "bf16_states": (True, True, False),
     "nvme": (True, False, True),
 }
@@ -196,13 +201,14 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
 
     import deepspeed
 
-    bf16 = {"enabled": True}
+    noclip = label.endswith("_noclip")
+    bf16 = {"enabled": True, **({"check_grad_overflow": False} if noclip else {})}
     if bf16_states:
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     offload = {"device": "nvme", "nvme_path": nvme} if nvme else {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": 0.0 if noclip else 1.0,
         "bf16": bf16,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
         "zero_optimization": {
@@ -250,6 +256,7 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
         "host_rss_bytes_per_param": psutil.Process().memory_info().rss / params,
         "disk_read_gib_per_step": (io_after.read_bytes - io_before.read_bytes) / steps / 2**30,
         "disk_written_gib_per_step": (io_after.write_bytes - io_before.write_bytes) / steps / 2**30,
+        "early_chunks": getattr(engine.optimizer, "early_chunks", 0),
     }
     engine.destroy()
     gc.collect()

@@ -102,6 +102,10 @@ class ParkedGrads:
         self._side_dtype = side_dtype
         self.parked: dict[int, Parked] = {}  # ds_id -> region
         self._waiting: dict[int, tuple[Parked, torch.Tensor]] = {}  # one rank: reduced piece held until release
+        # Told ``(state)`` once a gradient held until its parameter's release is stored ([Note: final gradient
+        # count] waits for it), and before a parked or held gradient moves (evict) while something may read it.
+        self.on_stored: Callable[[ZeroParam], None] | None = None
+        self.on_move: Callable[[ZeroParam], None] | None = None
 
     def __len__(self) -> int:
         return len(self.parked)
@@ -185,6 +189,12 @@ class ParkedGrads:
         waiting = self._waiting.pop(state.ds_id, None)
         if waiting is not None:
             self._store(*waiting)
+            if self.on_stored is not None:
+                self.on_stored(state)
+
+    def waiting(self, state: ZeroParam) -> bool:
+        """Whether ``state``'s gradient is held until its parameter is released (not in place yet)."""
+        return state.ds_id in self._waiting
 
     def settle(self) -> None:
         """End of the backward: gradients still waiting (their parameter stayed gathered) go to side tensors."""
@@ -196,6 +206,8 @@ class ParkedGrads:
     def evict(self, state: ZeroParam) -> None:
         """Move ``state``'s gradient into its accumulator region and put the parameter values back (no-op when
         nothing of ``state`` is parked)."""
+        if self.on_move is not None and (state.ds_id in self.parked or state.ds_id in self._waiting):
+            self.on_move(state)
         waiting = self._waiting.pop(state.ds_id, None)
         if waiting is not None:
             incoming, piece = waiting

@@ -16,7 +16,8 @@ same operations on the same values as the synchronous loop, and each chunk's con
 result is bit-identical whatever the timing. Where clipping, the fp16 loss scale or the bf16 overflow check
 needs every gradient before any chunk may change, the step starts once the global norm is known (the reduction
 itself is one scalar) and the worker starts on the first chunk right after; where nothing does, a ZeRO-1/2 chunk
-may be submitted during the backward, as soon as its own gradient is final ([Note: early host step]).
+may be submitted during the backward, as soon as its own gradient is final ([Note: early host step]; at ZeRO-3,
+[Note: final gradient count]).
 Switch: ``zero_optimization.lean_overlap_offload_step``; ``false`` steps every chunk first and writes the weights
 back afterwards (the synchronous order).
 """
@@ -226,6 +227,11 @@ class StepRun:
         piece.copy_(group.stepper.master.data[start:end])
         group.publish(start, piece)
         in_flight[slot] = record_current()
+
+    def wait(self) -> None:
+        """Wait for every range submitted so far (their masters are final; nothing is published)."""
+        for _, _, _, job in list(self.jobs):
+            _wait_quietly(job)
 
     def abandon(self) -> None:
         """Wait for every submitted range and close every stepper, publishing nothing (the update is over)."""

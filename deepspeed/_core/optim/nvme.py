@@ -436,6 +436,11 @@ class NvmeStage3Optimizer(Stage3Optimizer):
 
     step_timers = [OPTIMIZER_SWAP_IN_TIMER, OPTIMIZER_STEP_TIMER, OPTIMIZER_SWAP_OUT_TIMER]
 
+    def steps_during_backward(self) -> bool:
+        """Never ([Note: early host step]): the swapped step reads each chunk's master and states from their files
+        in order, pipelined, after the backward; it does not go through the overlapped host step."""
+        return False
+
     def window_grad_for(self, index: int) -> Any:
         """Group ``index``'s gradient for the step: its accumulator, or the parked window over it."""
         grp = self.groups[index]

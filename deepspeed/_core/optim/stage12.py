@@ -31,8 +31,8 @@ from deepspeed._core.optim import stage12_state as stage12_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
-from deepspeed._core.optim.early_step import GroupSpan, LandingPlan, LazyPartitionGrad
-from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, StepRun, pinning_of, pool_for_step
+from deepspeed._core.optim.early_step import EarlyUpdate, GroupSpan, LandingPlan, LazyPartitionGrad, needs_no_norm
+from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.optim.master import MasterPlacement, MasterShard
 from deepspeed._core.optim.sharded import (
@@ -43,7 +43,6 @@ from deepspeed._core.optim.sharded import (
     ShardedOptimizer,
 )
 from deepspeed._core.optim.zenflow import ZenFlowUpdate
-from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
 
@@ -151,9 +150,12 @@ class ZeroOptimizer(ShardedOptimizer):
         prepare_backward."""
         spans = [GroupSpan(i, g.partition, g.master.numel()) for i, g in enumerate(self.groups)]
         self._landing = LandingPlan(spans, self.reducer.buckets, self._step_chunk_numel)
-        self._early: StepRun | None = None  # the update started during this boundary's backward
-        self._early_armed = False
-        self.early_chunks = 0  # for tests: chunks handed to the host worker before the backward ended
+        self._early = EarlyUpdate(self.host_step, self._early_groups) if self.host_step is not None else None
+
+    @property
+    def early_chunks(self) -> int:
+        """For tests: chunks handed to the host worker before the backward ended ([Note: early host step])."""
+        return 0 if self._early is None else self._early.chunks
 
     def _build_group(self, param_group: dict, names: dict[torch.nn.Parameter, str]) -> ZeroGroup:
         params = _trainable_unique(param_group["params"])
@@ -225,15 +227,13 @@ class ZeroOptimizer(ShardedOptimizer):
         return (
             self.host_step is not None
             and self.plan.zero.zenflow is None
-            and self.plan.grads.clip_norm <= 0
-            and self.loss_scaler is None
-            and not self.check_overflow
+            and needs_no_norm(self.plan, self.loss_scaler, self.check_overflow)
         )
 
     def _arm_early(self, armed: bool) -> None:
         """Listen for landed buckets during this backward (the boundary's), or stop listening."""
-        self._settle_early()
-        self._early_armed = armed
+        if self._early is not None:
+            self._early.arm(armed)
         if armed:
             self._landing.reset()
         self.grad_pipeline.landed = self._on_landed if armed else None
@@ -244,34 +244,17 @@ class ZeroOptimizer(ShardedOptimizer):
         if not ready:
             return
         self.grad_pipeline.host.drain()  # the chunk's host copies must have been folded before it is read
-        run = self._early_run()
-        for group_index, start, end in ready:
-            run.submit(group_index, start, end)
-            self.early_chunks += 1
+        assert self._early is not None
+        self._early.submit(ready)
 
-    def _early_run(self) -> StepRun:
-        """This boundary's update, opened on first use; its gradients are read when each chunk steps."""
-        assert self.host_step is not None
-        if self._early is None:
-            steps = []
-            for index, group in enumerate(self.groups):
-                grad = LazyPartitionGrad(functools.partial(self._grad_partition, group), group.master.dtype)
-                stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
-                steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
-            self._early = self.host_step.begin(steps, 1.0)
-        return self._early
-
-    def _settle_early(self) -> None:
-        """An update started early that no step took over (the run is being torn down): wait for it and hand the
-        optimizer its state back."""
-        if self._early is not None:
-            if self._early.jobs:
-                logger.warning(
-                    "the offloaded update started during the boundary backward was not completed by step(): the "
-                    "host masters of its first chunks are updated, the working weights are not"
-                )
-            self._early.abandon()
-            self._early = None
+    def _early_groups(self) -> list[GroupStep]:
+        """Every group's share of an update started early; its gradients are read when each chunk steps."""
+        steps = []
+        for index, group in enumerate(self.groups):
+            grad = LazyPartitionGrad(functools.partial(self._grad_partition, group), group.master.dtype)
+            stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
+            steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
+        return steps
 
     def finish_backward(self) -> None:
         """Flush this backward's buckets into the partition gradients."""
@@ -342,11 +325,8 @@ class ZeroOptimizer(ShardedOptimizer):
     def _overlapped_update(self, parts: list[torch.Tensor | None], coef: Coef) -> None:
         """:meth:`_update` with the host step overlapped with the write-back ([Note: overlapped host step])."""
         assert self.host_step is not None
-        if self._early_armed:  # [Note: early host step]: some chunks may be stepped already
-            if float(coef) != 1.0:  # steps_during_backward() rules out every coefficient but 1
-                raise RuntimeError(f"an update started during the backward cannot take coefficient {float(coef)}")
-            run = self._early_run()
-            self._early, self._early_armed = None, False
+        if self._early is not None and self._early.armed:  # [Note: early host step]: some chunks may be stepped
+            run = self._early.take(coef)
             self.grad_pipeline.landed = None
         else:
             steps = []

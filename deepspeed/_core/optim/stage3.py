@@ -13,7 +13,9 @@ device, else through one converted copy ([Note: chunked step]).
 With ``offload_optimizer`` the master, the optimizer state and the accumulator live in pageable host
 memory; reduced slices reach the host through a bounded pinned ring ([Note: pinned ring]), and updated
 weights go back to the shards one chunk at a time, so host memory is the master, the moments and the
-accumulator plus a few fixed-size staging buffers. Without offloading (``lean_gather_from_master``) a partitioned
+accumulator plus a few fixed-size staging buffers. Where no global decision is needed, the update of a chunk whose
+parameters' gradients are all final starts during the boundary backward ([Note: final gradient count]).
+Without offloading (``lean_gather_from_master``) a partitioned
 parameter's shard is its slice of the device master, so the step itself updates it ([Note: zero3-master]).
 """
 
@@ -27,6 +29,7 @@ import torch
 from deepspeed._core.comm import dist
 from deepspeed._core.comm.host_transfer import Fold, HostTransfers, Staging, slot_bytes_for
 from deepspeed._core.comm.pinned_pool import Pinning
+from deepspeed._core.comm.streams import record_current
 from deepspeed._core.config.plan import OffloadDevice, RunPlan
 from deepspeed._core.grads.accumulator import ChunkedGradShard, ChunkStorage
 from deepspeed._core.grads.convert import Coef
@@ -34,10 +37,19 @@ from deepspeed._core.grads.parked import ParkedGrads, ParkedWindow
 from deepspeed._core.grads.reducer import GradReducer, ReduceMode, ReducerConfig
 from deepspeed._core.grads.scaling import ReduceScaling
 from deepspeed._core.grads.shard_rows import FoldOrder, GradRelease, RowEntry, ShardRows
+from deepspeed._core.layout.shards import Range
 from deepspeed._core.optim import stage3_state as stage3_checkpoint
 from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import local_sq_norm
+from deepspeed._core.optim.early_step import (
+    ArrivalRecord,
+    ChunkKey,
+    EarlyUpdate,
+    FixedChunkGrads,
+    RegionSpan,
+    needs_no_norm,
+)
 from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.master import MasterShard, send_through_host, writer_into
 from deepspeed._core.optim.sharded import INIT_OPTIMIZER_TIMER, OPTIMIZER_STEP_TIMER, ShardedOptimizer
@@ -128,6 +140,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
         self.host_step = OverlappedHostStep(self.pinned) if overlap else None
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
+        self._plan_early_step()
         self._build_reduction()
         self.check_overflow = plan.precision.fp16 or (plan.precision.bf16 and plan.precision.check_grad_overflow)
         self._subscriptions = [manager.on_grad_ready(self._on_grad), manager.on_backward_end(self.flush)]
@@ -271,9 +284,45 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             direct_first_fold=pinned,
         )
 
+    def _plan_early_step(self) -> None:
+        """[Note: final gradient count]: which step chunks hold which parameters' shards; counted and armed per
+        boundary in prepare_backward."""
+        regions = [
+            RegionSpan(s.ds_id, g, Range(off, off + s.layout.partition_numel))
+            for g, grp in enumerate(self.groups)
+            for s, off in zip(grp.states, grp.offsets, strict=True)
+        ]
+        self._arrivals = ArrivalRecord(regions, [g.master.numel() for g in self.groups], self._step_chunk_numel)
+        self._early = EarlyUpdate(self.host_step, self._early_groups) if self.host_step is not None else None
+        self._early_grads: list[FixedChunkGrads] = []
+        self._early_refused = False  # a backward contradicted a chunk already submitted: never again
+        self.parked.on_stored = self._on_stored
+        self.parked.on_move = self._on_parked_move
+
+    @property
+    def early_chunks(self) -> int:
+        """For tests: chunks handed to the host worker before the backward ended ([Note: early host step])."""
+        return 0 if self._early is None else self._early.chunks
+
+    def steps_during_backward(self) -> bool:
+        """Whether an offloaded update may start while the boundary backward runs ([Note: early host step]): the
+        overlapped host step is on and nothing needs the global gradient norm before a chunk may change (no
+        ``gradient_clipping``, no fp16 loss scale, no bf16 overflow check)."""
+        return (
+            self.host_step is not None
+            and not self._early_refused
+            and needs_no_norm(self.plan, self.loss_scaler, self.check_overflow)
+        )
+
     # --- gradients ----------------------------------------------------------------------------------
     def prepare_backward(self, kind: MicroStepKind) -> None:
-        """ZeRO-3 reduces every micro-step; nothing to arm."""
+        """ZeRO-3 reduces every micro-step; the boundary backward counts each parameter's gradient arrivals and,
+        with a record of them, starts the update of the chunks that are final ([Note: final gradient count])."""
+        counting = kind is MicroStepKind.REDUCE and self.steps_during_backward()
+        if self._early is not None:
+            self._early.arm(counting and self._arrivals.record is not None)
+        if counting:
+            self._arrivals.begin()
 
     def _on_grad(self, param: torch.nn.Parameter, state: ZeroParam, grad: torch.Tensor | None) -> None:
         # ``grad`` is param.grad, or one routed use's gradient ([Note: routed grads]); a tied parameter arrives
@@ -289,7 +338,70 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
 
     def _fold(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
         """Add a reduced gradient piece into group ``group_index``'s accumulator at ``offset`` (or park a region's
-        first piece in its parameter's shard: [Note: parked grads])."""
+        first piece in its parameter's shard: [Note: parked grads]); in a counted backward, one arrival of its
+        parameter ([Note: final gradient count])."""
+        if not self._arrivals.active:
+            self._fold_piece(group_index, offset, piece)
+            return
+        state = self.index.at(group_index, offset).state
+        self._refuse_late(state, self._arrivals.late(state.ds_id), "received another gradient")
+        self._fold_piece(group_index, offset, piece)
+        self._submit_early(self._arrivals.arrive(state.ds_id, landed=not self.parked.waiting(state)))
+
+    def _on_stored(self, state: ZeroParam) -> None:
+        """A gradient held until its parameter's release is in place: its chunks may be final now."""
+        self._submit_early(self._arrivals.landed(state.ds_id))
+
+    def _on_parked_move(self, state: ZeroParam) -> None:
+        """A parked gradient is about to move (a read, or another use gathering the parameter): during the
+        backward, a chunk already submitted holding it is refused; after it, the move waits for those chunks."""
+        sent = [c for c in self._arrivals.chunks_of.get(state.ds_id, []) if c in self._arrivals.sent]
+        if not sent or self._early is None or self._early.run is None:
+            return
+        if self._arrivals.active:
+            self._refuse_late(state, self._arrivals.disturbed(state.ds_id), "was gathered or read again")
+        self._early.run.wait()  # the chunk's update has read the parked gradient: it may move now
+
+    def _refuse_late(self, state: ZeroParam, chunks: list[ChunkKey], what: str) -> None:
+        """A gradient that a chunk already submitted has read changed: no update can be exact any more."""
+        if not chunks:
+            return
+        self._early_refused = True
+        self._arrivals.stop()
+        if self._early is not None:
+            self._early.arm(False)  # waits for the submitted chunks; step() then takes nothing over
+        shape = tuple(state.param.shape) if state.param is not None else "?"
+        raise RuntimeError(
+            f"ZeRO-3 parameter ds_id={state.ds_id} (shape {shape}) {what} after the update of its step chunks "
+            f"{[c[1:] for c in chunks]} (group {chunks[0][0]}) had started during the backward: its gradient "
+            "arrivals differ from those recorded in the first step. This rank's optimizer state has taken an "
+            "incomplete gradient; restart from a checkpoint with zero_optimization.lean_overlap_offload_step "
+            "false, or gradient_clipping > 0, for a model whose parameters are used a varying number of times"
+        )
+
+    def _submit_early(self, ready: list[ChunkKey]) -> None:
+        """Hand chunks whose gradients are final and landed to the host worker, each with its gradient fixed now
+        (the parked shards it holds) and an event for the device-resident ones."""
+        if not ready or self._early is None or not self._early.armed:
+            return
+        self.host.drain()  # the chunks' host copies must have landed before they are read
+        self._early.open()
+        event = record_current()
+        for g, start, end in ready:
+            self._early_grads[g].fix(start, self._chunk_grad(g, start, end), event)
+        self._early.submit(ready)
+
+    def _early_groups(self) -> list[GroupStep]:
+        """Every group's share of an update started early; each chunk reads the gradient fixed at its submission."""
+        self._early_grads = [FixedChunkGrads() for _ in self.groups]
+        steps = []
+        for index, grp in enumerate(self.groups):
+            stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
+            dtype = grp.states[0].shard.dtype if grp.states else self.plan.precision.param_dtype
+            steps.append(GroupStep(stepper, self._early_grads[index], grp.master.writer.publish, dtype))
+        return steps
+
+    def _fold_piece(self, group_index: int, offset: int, piece: torch.Tensor) -> None:
         if self._park:
             state = self.index.at(group_index, offset).state
             if self.parked.add_in_place(state, piece):
@@ -325,6 +437,9 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
 
     def write_window_grad(self, region: Region, values: torch.Tensor) -> None:
         """Overwrite the start of ``region``'s gradient in this window with the 1-D ``values``."""
+        if self._early is not None and self._early.run is not None:  # [Note: final gradient count]
+            sent = [c for c in self._arrivals.chunks_of.get(region.state.ds_id, []) if c in self._arrivals.sent]
+            self._refuse_late(region.state, sent, "had its gradient set")
         self.parked.evict(region.state)
         self.groups[region.group].ensure_accumulator().write(region.offset, values)
         # A later fold of this window must add to the written values, not copy over them.
@@ -335,6 +450,7 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.reducer.finish()
         self.parked.settle()
         self.host.drain()
+        self._arrivals.end()
 
     def finish_backward(self) -> None:
         """Nothing left to do: the parameter manager calls :meth:`flush` at the end of each backward."""
@@ -396,6 +512,25 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         assert self.host_step is not None
         if self.plan.zero.offload_param.enabled:
             self.manager.gatherer.sync_shard_reads()  # as write_back(): a copy-in may still read the host shards
+        if self._early is not None and self._early.armed:  # [Note: early host step]: some chunks may be stepped
+            run = self._early.take(coef)
+            for index, grp in enumerate(self.groups):
+                self._early_grads[index].rest = self._group_grad(index, grp)
+            try:
+                with self.timed(OPTIMIZER_STEP_TIMER):
+                    run.submit_rest()
+                    run.publish()
+            finally:
+                self._early_grads = []
+                self._release_window_buffers()
+        else:
+            self._synchronous_order_update(coef)
+        self.manager.refresh_persistent()
+        self.parked.forget()  # the write-back replaced every parked gradient with the new values
+
+    def _synchronous_order_update(self, coef: Coef) -> None:
+        """Every chunk stepped on the worker in order, each published as soon as it is stepped."""
+        assert self.host_step is not None
         steps = []
         for index, grp in enumerate(self.groups):
             stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
@@ -407,13 +542,20 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         finally:
             steps.clear()
             self._release_window_buffers()
-        self.manager.refresh_persistent()
-        self.parked.forget()  # the write-back replaced every parked gradient with the new values
 
     def _group_grad(self, index: int, grp: Stage3Group) -> Any:
         """Group ``index``'s gradient for the step: its accumulator, or with parked regions a window over both."""
+        return self._parked_window(grp, self.parked.in_group(index))
+
+    def _chunk_grad(self, index: int, start: int, end: int) -> Any:
+        """Group ``index``'s gradient as chunk ``[start, end)`` reads it: the parked regions overlapping it (final,
+        so fixed from now on) over the accumulator ([Note: final gradient count])."""
+        regions = [r for r in self.parked.in_group(index) if r.offset < end and r.offset + r.grad().numel() > start]
+        return self._parked_window(self.groups[index], regions)
+
+    def _parked_window(self, grp: Stage3Group, regions: list) -> Any:
+        """The accumulator, or with ``regions`` a :class:`ParkedWindow` over both."""
         acc = grp.ensure_accumulator()
-        regions = self.parked.in_group(index)
         if not regions:
             return acc
         bufs = self._window_buffers
@@ -499,7 +641,11 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
             grp.end_window()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop this window's gradient shards and any in-flight bucket."""
+        """Drop this window's gradient shards and any in-flight bucket (and an update started early that no step
+        took over)."""
+        if self._early is not None:
+            self._early.arm(False)
+        self._arrivals.stop()
         self.reducer.discard()
         self.host.discard()
         self._clear_grads()
