@@ -95,7 +95,9 @@ fi
 
 if want next; then
   # One call for what is still unmeasured: the offloaded step with its phases (after the restore, side-tensor and
-  # norm changes) with and without clipping, beside its floor; the 8192-token tiled-loss rows; the monitor overhead.
+  # norm changes) with and without clipping, beside its floor; the 8192-token tiled-loss rows; the monitor overhead
+  # (first: the shortest).
+  part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
   part offload_next 240 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
     --cases overlap_on,overlap_on_noclip,floor --breakdown --out "$WORK/offload_next.jsonl"
   S3="python3 benchmarks/run_all.py --scenario s3 --extra-site /tmp/site --job-timeout-s 50"
@@ -103,7 +105,6 @@ if want next; then
   part tiled_8192 130 bash -c "$S3 --out $WORK/tiled_8192_ours16 --impl ours --set '{$ROW, \"tile_loss\": 16}' \
     && $S3 --out $WORK/tiled_8192_ours4 --impl ours --set '{$ROW, \"tile_loss\": 4}' \
     && $S3 --out $WORK/tiled_8192_fsdp2 --impl fsdp2 --set '{$ROW}'"
-  part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
 fi
 
 if want final; then
