@@ -18,21 +18,24 @@ backward: one when autograd accumulates it, one per routed use ([Note: routed gr
 tables), none when the parameter took no part in the loss. Nothing tells, during the backward, that a given
 arrival is the last one; :class:`ArrivalRecord` therefore counts. The first boundary backward only records each
 parameter's arrivals (its update waits for ``step()``). From the next boundary on, a parameter whose arrivals
-reach the recorded count is final, and a chunk all of whose parameters are final (and landed) is submitted. The
-rule is exact when a backward differs from the record, in every case but one:
+reach the recorded count is final, and a chunk all of whose parameters are final (and landed) is submitted. When
+a backward differs from the record the rule stays exact in every case but one:
 
-- fewer arrivals than recorded, or a parameter recorded with none: its chunks are never submitted early, they
-  wait for ``step()``, which reads whatever arrived;
-- an arrival beyond the record for a parameter whose chunks are not submitted yet: the parameter is marked
-  unstable (its chunks wait for ``step()`` from then on, in every later step too);
-- an arrival beyond the record, or a move of a parked gradient ([Note: parked grads]), for a parameter whose
-  chunk was already submitted: the update of that chunk has read (or may be reading) an incomplete gradient, and
-  nothing can undo it. This is raised as an error, never stepped silently. The decision depends only on the
-  sequence of arrivals, which every rank shares (each arrival is one reduce-scatter entry on every rank), so
-  every rank raises at the same point.
+- fewer arrivals than recorded, or a parameter recorded with none: its chunks are not submitted early, they wait
+  for ``step()``, which reads whatever arrived;
+- an arrival beyond the record for a parameter whose chunks are not submitted yet: its chunks wait for ``step()``;
+- an arrival beyond the record, a move of its parked gradient during the backward ([Note: parked grads]: another
+  gather of the parameter), or a gradient written through ``safe_set_full_grad``, for a parameter whose chunk was
+  already submitted: that chunk's update has read (or may be reading) the gradient as it was, and nothing can
+  undo it. This is raised as an error naming the parameter, never stepped silently, and nothing starts early any
+  more. Withdrawing a chunk the worker has not started would be exact, but whether it has started depends on each
+  rank's timing; the error depends only on the sequence of arrivals and gathers, which every rank shares (each
+  arrival is one reduce-scatter entry, each gather one all-gather), so every rank raises at the same point.
 
-A parameter whose arrivals differ from the record at the end of a backward turns unstable too. Only the
-boundary backward of an accumulation window counts and submits; its earlier micro-steps have landed by then.
+A parameter whose arrivals ever differed from the record is unstable: its chunks wait for ``step()`` in every
+later step. A read of a parked gradient after the backward (``safe_get_full_grad``) waits for the submitted
+chunks first. Only the boundary backward of an accumulation window counts and submits; its earlier micro-steps
+have landed by then.
 """
 
 from __future__ import annotations
