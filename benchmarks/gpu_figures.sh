@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|late   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -93,13 +93,16 @@ if want recheck; then
     --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
 fi
 
-if want next; then
+if want next || want core; then
   # One call for what is still unmeasured: the offloaded step with its phases (after the restore, side-tensor and
   # norm changes) with and without clipping, beside its floor; the 8192-token tiled-loss rows; the monitor overhead
-  # (first: the shortest).
+  # (first: the shortest). ``core`` is the first two parts alone, for a call with little device time left.
   part monitor_overhead 70 python3 benchmarks/monitor_overhead.py --steps 40 --out "$WORK/monitor_overhead.json"
   part offload_next 240 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
     --cases overlap_on,overlap_on_noclip,floor --breakdown --out "$WORK/offload_next.jsonl"
+fi
+
+if want next; then
   S3="python3 benchmarks/run_all.py --scenario s3 --extra-site /tmp/site --job-timeout-s 50"
   ROW='"seq": 2048, "micro_batch": 4, "trace": false, "warmup": 1, "timed_steps": 3'
   part tiled_8192 130 bash -c "$S3 --out $WORK/tiled_8192_ours16 --impl ours --set '{$ROW, \"tile_loss\": 16}' \
