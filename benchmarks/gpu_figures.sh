@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|hostdiag   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -148,4 +148,12 @@ if want late; then
   part largest_upstream 220 python3 benchmarks/largest_model_gpu.py --out "$WORK/largest_upstream.jsonl" \
     --impl upstream --states fp32 --bisect 88,110 --budget-s 210
   cp "$WORK/largest_upstream.jsonl" "$OUT/" 2>/dev/null
+fi
+
+if want hostdiag; then
+  # The host update alone at 1 B parameters, from the main thread or a worker, with and without the rounded copy
+  # (to page-locked or pageable staging), and with page-locked master and gradient: which difference from the
+  # floor's update makes the engine's slower.
+  part host_adam_variants 150 python3 benchmarks/offload_overlap_gpu.py --cases host_adam_variants --steps 4 \
+    --variant-params 1000000000 --out "$WORK/host_adam_variants.jsonl"
 fi

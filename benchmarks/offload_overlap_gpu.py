@@ -308,37 +308,52 @@ def _fwd_bwd(args: argparse.Namespace) -> tuple[float, int]:
     return seconds, params
 
 
-def _host_adam(params: int, steps: int, as_engine: bool = False) -> float:
-    """The host optimizer alone; ``as_engine``: stepped from a worker thread, each chunk's rounded bf16 copy
-    written into one of two pinned staging buffers, as the overlapped engine step does."""
-    from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
+def _host_adam(params: int, steps: int, worker: bool = False, copy_to: str = "", pinned_state: bool = False) -> float:
+    """The host optimizer alone, stepped chunk by chunk as the engine steps it. ``worker``: from a worker thread;
+    ``copy_to`` (``"pinned"`` / ``"pageable"``): each chunk's rounded bf16 copy written into one of two staging
+    buffers of that kind in the step's own pass; ``pinned_state``: master and gradient in page-locked memory."""
+    from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    master = torch.nn.Parameter(torch.zeros(params, dtype=torch.float32), requires_grad=False)
-    grad = torch.full((params,), 1e-3, dtype=torch.bfloat16)
+    master = torch.nn.Parameter(torch.zeros(params, dtype=torch.float32, pin_memory=pinned_state), requires_grad=False)
+    grad = torch.full((params,), 1e-3, dtype=torch.bfloat16, pin_memory=pinned_state)
     opt = DeepSpeedCPUAdam([master], lr=1e-5)
     chunk = step_chunk_numel(torch.float32, 0)
-    staging = [torch.empty(chunk, dtype=torch.bfloat16, pin_memory=True) for _ in range(2)] if as_engine else []
+    staging = [
+        torch.empty(chunk, dtype=torch.bfloat16, pin_memory=copy_to == "pinned") for _ in range(2 * bool(copy_to))
+    ]
 
-    def stepped_like_the_engine() -> None:
+    def stepped() -> None:
         stepper = ChunkStepper(opt, 0, chunk)
         try:
             for i, (start, end) in enumerate(stepper.ranges()):
-                stepper.step_range(start, end, grad, 1.0, copy_out=staging[i % 2][: end - start])
+                out = staging[i % 2][: end - start] if staging else None
+                stepper.step_range(start, end, grad, 1.0, copy_out=out)
         finally:
             stepper.close()
 
     def run() -> None:
-        if not as_engine:
-            step_in_chunks(opt, 0, grad, chunk)
+        if not worker:
+            stepped()
             return
-        worker = threading.Thread(target=stepped_like_the_engine)
-        worker.start()
-        worker.join()
+        thread = threading.Thread(target=stepped)
+        thread.start()
+        thread.join()
 
     seconds = _median(run, steps, warmup=1)
     gc.collect()
     return seconds
+
+
+HOST_ADAM_VARIANTS = {
+    "host_adam_worker": {"worker": True},
+    "host_adam_copy_pinned": {"copy_to": "pinned"},
+    "host_adam_copy_pageable": {"copy_to": "pageable"},
+    "host_adam_worker_copy_pageable": {"worker": True, "copy_to": "pageable"},
+    "host_adam_as_engine": {"worker": True, "copy_to": "pinned"},
+    "host_adam_pinned_state": {"pinned_state": True},
+}
+"""``--cases host_adam_variants``: the host update alone in each way the engine's differs from the floor's."""
 
 
 def _copies(params: int, steps: int) -> tuple[float, float]:
@@ -386,6 +401,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
     parser.add_argument("--cases", default="overlap_on,overlap_off,bf16_states,floor", help=", ".join(ENGINE_CASES))
+    parser.add_argument("--variant-params", type=int, default=1_000_000_000, help="host_adam_variants' size")
     parser.add_argument("--nvme-path", default="/tmp/nvme_swap", help="swap folder of the nvme case")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--breakdown", action="store_true", help="time the step's phases per thread")
@@ -404,6 +420,14 @@ def main() -> None:
     meta = {"layers": args.layers, "seq": args.seq, "stage": args.stage, "device": torch.cuda.get_device_name()}
     cases = args.cases.split(",")
     records = []
+    if cases == ["host_adam_variants"]:  # the host update alone, at --variant-params parameters
+        runs = max(2, args.steps // 2)
+        records = [{"case": "host_adam", "seconds": _host_adam(args.variant_params, runs)}]
+        records += [
+            {"case": k, "seconds": _host_adam(args.variant_params, runs, **v)} for k, v in HOST_ADAM_VARIANTS.items()
+        ]
+        _emit(args, meta, args.variant_params, records)
+        return
     fwd_bwd, params = _fwd_bwd(args)
     records.append({"case": "fwd_bwd", "seconds": fwd_bwd})
     for case in (c for c in cases if c in ENGINE_CASES):
@@ -416,7 +440,7 @@ def main() -> None:
         host_adam = _host_adam(params, max(2, args.steps // 2))
         records.append({"case": "host_adam", "seconds": host_adam})
         # Not part of the floor: the same update as the engine runs it, to tell its own cost from the rest.
-        as_engine = _host_adam(params, max(2, args.steps // 2), as_engine=True)
+        as_engine = _host_adam(params, max(2, args.steps // 2), **HOST_ADAM_VARIANTS["host_adam_as_engine"])
         records.append({"case": "host_adam_as_engine", "seconds": as_engine})
         d2h, h2d = _copies(params, args.steps)
         records += [{"case": "d2h", "seconds": d2h}, {"case": "h2d", "seconds": h2d}]
@@ -424,6 +448,10 @@ def main() -> None:
         # With clipping (the engine cases here), no chunk may change before the backward's global norm is known:
         # the update cannot overlap this step's forward and backward, whatever the implementation.
         records.append({"case": "floor_after_norm", "seconds": fwd_bwd + host_adam})
+    _emit(args, meta, params, records)
+
+
+def _emit(args: argparse.Namespace, meta: dict, params: int, records: list[dict]) -> None:
     lines = [json.dumps({**meta, "params": params, **r}) for r in records]
     print("\n".join(lines))
     if args.out is not None:
