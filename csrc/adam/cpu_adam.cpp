@@ -382,8 +382,14 @@ int adam_update_scaled(int optimizer_id, int64_t step, double lr, double beta1, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("create_adam", &create_adam, "Register an optimizer id and its Adam/AdamW mode");
     m.def("destroy_adam", &destroy_adam, "Forget an optimizer id");
-    m.def("adam_update", &adam_update, "One in-place Adam/AdamW step over CPU tensors");
+    // The updates run without the GIL: an offloaded step calls them from a host worker thread while the
+    // training thread runs the backward (its autograd hooks are Python). Holding the GIL for a chunk's whole
+    // update stalled that thread for as long, and the accelerator with it. They touch no Python object; the
+    // registry has its own mutex.
+    m.def("adam_update", &adam_update, "One in-place Adam/AdamW step over CPU tensors",
+          py::call_guard<py::gil_scoped_release>());
     m.def("adam_update_scaled", &adam_update_scaled,
           "One in-place Adam/AdamW step over fp32 CPU params with a scaled gradient of its own dtype and an "
-          "optional rounded copy of the updated params");
+          "optional rounded copy of the updated params",
+          py::call_guard<py::gil_scoped_release>());
 }

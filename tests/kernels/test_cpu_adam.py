@@ -329,3 +329,43 @@ def test_scaled_step_names_a_copy_buffer_that_does_not_fit(cpu_adam_op: object) 
         with pytest.raises(ValueError, match="copy_out must be a contiguous CPU tensor of 16 elements"):
             opt.step_scaled(grad, 1.0, bad)
     assert not opt.state[p] and torch.equal(p.detach(), before)
+
+
+def test_updates_run_without_the_gil(cpu_adam_op: object) -> None:
+    """A step called from a host worker thread leaves the training thread free to run Python (its autograd hooks)
+    while the kernel works: the training thread makes progress inside the kernel's calls."""
+    import sys
+    import threading
+    import time
+
+    n = 1 << 24
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = DeepSpeedCPUAdam([p], lr=1e-3)
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    assert opt.step_scaled(grad, 1.0, copy)  # the state exists: the timed calls below are the update alone
+    windows: list[tuple[float, float]] = []
+    started, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        started.set()
+        for _ in range(3):
+            t0 = time.perf_counter()
+            opt.step_scaled(grad, 1.0, copy)
+            windows.append((t0, time.perf_counter()))
+        done.set()
+
+    stamps: list[float] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # a thread holding the GIL in Python hands it over within 0.1 ms
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        started.wait()
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    inside = [s for t0, t1 in windows for s in stamps if t0 + 0.3 * (t1 - t0) < s < t1 - 0.3 * (t1 - t0)]
+    assert inside, f"the training thread never ran during the kernel's calls {windows}"
