@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 from tests._harness import run_distributed
@@ -95,8 +97,9 @@ def test_unpipelined_and_single_buffer_match(tmp_path: Path) -> None:
         assert torch.equal(a[0]["weights"][k], b[0]["weights"][k]), k
 
 
-def _resume(world: int, cfg: dict, save_dir: str) -> dict:
-    """Train, save, train on; then a fresh engine loads the save and trains the same steps again."""
+def _resume(world: int, cfg: dict, save_dir: str, build: Callable[[int], nn.Module] = make_model) -> dict:
+    """Train, save, train on; then a fresh engine loads the save and trains the same steps again (``build``: the
+    model of a seed)."""
     import deepspeed
     from deepspeed import comm as dist
 
@@ -105,13 +108,13 @@ def _resume(world: int, cfg: dict, save_dir: str) -> dict:
             engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
             engine.step()
 
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    engine, *_ = deepspeed.initialize(model=build(0), config=cfg)
     steps(engine, 0, 2)
     engine.save_checkpoint(save_dir, tag="t")
     steps(engine, 2, 2)
     straight = _weights(engine)
     engine.destroy()
-    engine, *_ = deepspeed.initialize(model=make_model(1), config=cfg)
+    engine, *_ = deepspeed.initialize(model=build(1), config=cfg)
     engine.load_checkpoint(save_dir, tag="t")
     steps(engine, 2, 2)
     resumed = _weights(engine)

@@ -1,26 +1,71 @@
 """ZeRO-3 parameter partitions on NVMe swap files: bit-equal to ``offload_param.device: "cpu"`` at world 1 and 2
 (with and without NVMe optimizer state), upstream's file layout, reads ahead of the gather, a bounded host
-footprint, checkpoints, ZeRO-1/2 ignoring the block, bad paths and damaged files."""
+footprint, checkpoints, ZeRO-1/2 ignoring the block, bad paths and damaged files.
+
+The model is the small reference MLP with two wide layers: only their weights have partitions of at least 1 MiB
+and are swapped; the other partitions are under the threshold and stay in host memory ([Note: nvme params])."""
 
 from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+from deepspeed._core.params.swap import MIN_AIO_BYTES
 from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 from tests._harness import run_distributed
 from tests.dist.test_nvme_offload import _resume, _weights
-from tests.reference.models import make_model, micro_batch
+from tests.reference.models import TinyMLP, micro_batch
 from tests.reference.zero_oracle import engine_micro_index
 
 pytestmark = pytest.mark.skipif(not AsyncIOBuilder().is_compatible(), reason="the async_io op cannot be built here")
 
 STEPS, LR = 3, 1e-2
-BUFFER = 1100  # elements per swap buffer: every partition of the test model fits
+HIDDEN = 23  # TinyMLP's default width
+WIDE = ("wide_a.weight", "wide_b.weight")  # the swapped parameters
+
+
+def _copies(world: int) -> int:
+    """Output copies of the hidden state in a wide layer: its bf16 weight partition reaches 1 MiB at ``world``."""
+    return -(-MIN_AIO_BYTES * world // (2 * HIDDEN * HIDDEN))
+
+
+def _partition(world: int) -> int:
+    """Elements of a rank's partition of a wide weight."""
+    return -(-HIDDEN * HIDDEN * _copies(world) // world)
+
+
+BUFFER = max(_partition(1), _partition(2))  # elements per swap buffer: a wide weight's partition fits
+
+
+class WideMLP(TinyMLP):
+    """The reference MLP with two wide layers in front: each maps the hidden state to ``_copies(world)`` copies and
+    averages them back, so its weight's partition is at least 1 MiB and is swapped, its bias is not."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.copies = _copies(world)
+        self.wide_a = nn.Linear(HIDDEN, HIDDEN * self.copies)
+        self.wide_b = nn.Linear(HIDDEN, HIDDEN * self.copies)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for wide in (self.wide_a, self.wide_b):
+            h = h + wide(h).unflatten(-1, (self.copies, HIDDEN)).mean(-2)
+        h = h + self.fc2(torch.relu(self.fc1(h)))
+        logits = self.head(self.norm(h)).float()
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def wide_model(seed: int, world: int) -> WideMLP:
+    """A freshly initialised :class:`WideMLP` whose weights depend only on ``seed``."""
+    torch.manual_seed(seed)
+    return WideMLP(world)
 
 
 def _config(param_path: str | None, opt_path: str | None = None, stage: int = 3, **param: object) -> dict:
@@ -28,6 +73,9 @@ def _config(param_path: str | None, opt_path: str | None = None, stage: int = 3,
     if param_path:
         offload_param |= {"buffer_count": 3, "buffer_size": BUFFER, "max_in_cpu": 0}
     offload_opt = {"device": "nvme", "nvme_path": opt_path} if opt_path else {"device": "cpu"}
+    # With parameters on NVMe gradients wait in the host accumulator (lean_grads_in_param_shards has no effect);
+    # the reference takes the same path: the in-shard one sums the clipping norm in another order.
+    grads = {} if param_path else {"lean_grads_in_param_shards": False}
     return {
         "train_micro_batch_size_per_gpu": 3,
         "gradient_accumulation_steps": 1,
@@ -38,10 +86,11 @@ def _config(param_path: str | None, opt_path: str | None = None, stage: int = 3,
         "zero_optimization": {
             "stage": stage,
             "reduce_bucket_size": 500,
-            "sub_group_size": 256,
+            "sub_group_size": 100_000,  # step chunks that split the wide weights' partitions
             "stage3_param_persistence_threshold": 0,  # every parameter is fetched (and swapped) per use
             "offload_param": {**offload_param, **param},
             "offload_optimizer": offload_opt,
+            **grads,
         },
     }
 
@@ -51,11 +100,18 @@ def _swapper(engine):
     return None if manager is None else manager.gatherer.swapper
 
 
+def _swapped_names(engine) -> set[str]:
+    from deepspeed._core.params.param import zero_state
+
+    entries = _swapper(engine).entries
+    return {name for name, p in engine.module.named_parameters() if zero_state(p).ds_id in entries}
+
+
 def _train(world: int, cfg: dict, steps: int = STEPS) -> dict:
     import deepspeed
     from deepspeed import comm as dist
 
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    engine, *_ = deepspeed.initialize(model=wide_model(0, world), config=cfg)
     losses = []
     for step in range(steps):
         loss = engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world)))
@@ -66,6 +122,9 @@ def _train(world: int, cfg: dict, steps: int = STEPS) -> dict:
     swapper = _swapper(engine)
     if swapper is not None:
         out["files"] = sorted(str(e.path) for e in swapper.entries.values())
+        out["swapped"] = _swapped_names(engine)
+        folder = Path(cfg["zero_optimization"]["offload_param"]["nvme_path"]) / "zero_stage_3"
+        out["on_disk"] = sorted(str(f) for f in folder.glob(f"*/rank{dist.get_rank()}/*"))
         out["stats"] = swapper.stats
         out["host"] = (swapper.pool_bytes(), swapper.resident_bytes)
         out["partition_bytes"] = sum(s.layout.partition_numel * 2 for s in engine.optimizer.manager.states.values())
@@ -97,8 +156,10 @@ def test_nvme_params_bit_equal_to_cpu_offload(world: int, opt_nvme: bool, persis
         # Reads were started ahead of the gathers (trace order) and the gathers found them in a buffer.
         assert stats.read_ahead > 0 and stats.read_ahead_used > 0, stats
     for rank, r in enumerate(nvme):
+        assert r["swapped"] == set(WIDE), r["swapped"]  # every partition under 1 MiB stays in host memory
         folder = tmp_path / "zero_stage_3" / "bfloat16params" / f"rank{rank}"
-        assert r["files"] and all(Path(p).parent == folder for p in r["files"]), r["files"]
+        assert r["on_disk"] == r["files"]  # no file for a partition kept in host memory
+        assert len(r["files"]) == len(WIDE) and all(Path(p).parent == folder for p in r["files"]), r["files"]
         assert all(Path(p).name.endswith("_param.tensor.swp") and Path(p).name[0].isdigit() for p in r["files"])
 
 
@@ -107,7 +168,7 @@ def _footprint(world: int, cfg: dict) -> dict:
     storage behind a shard, plus the swap buffers."""
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    engine, *_ = deepspeed.initialize(model=wide_model(0, world), config=cfg)
     manager, swapper = engine.optimizer.manager, _swapper(engine)
     samples: list[int] = []
 
@@ -137,15 +198,17 @@ def _footprint(world: int, cfg: dict) -> dict:
     return out
 
 
-def test_host_memory_is_the_pool_plus_max_in_cpu(tmp_path: Path) -> None:
-    max_in_cpu, count = 851, 1  # the embedding stays on the host; one buffer serves every other partition
-    cfg = _config(str(tmp_path), buffer_count=count, max_in_cpu=max_in_cpu)
+def test_host_memory_is_the_pool_plus_the_kept_partitions(tmp_path: Path) -> None:
+    # The small partitions stay on the host; one buffer serves both wide weights.
+    count = 1
+    cfg = _config(str(tmp_path), buffer_count=count)
     (r,) = run_distributed(_footprint, 1, 1, cfg)
     (ref,) = run_distributed(_train, 1, 1, _config(None))
     for k in ref["weights"]:
         assert torch.equal(ref["weights"][k], r["weights"][k]), k
-    bound = count * BUFFER * 2 + max_in_cpu * 2 + r["states"] * 2  # + the one-element placeholders
-    assert r["pool"] <= count * BUFFER * 2 and r["resident"] <= max_in_cpu * 2
+    assert r["resident"] == r["all"] - len(WIDE) * _partition(1) * 2, r  # every partition but the wide weights
+    bound = count * BUFFER * 2 + r["resident"] + r["states"] * 2  # + the one-element placeholders
+    assert r["pool"] <= count * BUFFER * 2
     assert r["samples"] and max(r["samples"]) <= bound, (r["samples"], bound)
     assert max(r["samples"]) < r["all"], (r["samples"], r["all"])  # not every partition in memory
 
@@ -155,7 +218,8 @@ def test_checkpoint_round_trip_with_nvme_params(world: int, opt_nvme: bool, tmp_
     (tmp_path / "opt").mkdir()
     cfg = _config(str(tmp_path / "swap"), str(tmp_path / "opt") if opt_nvme else None)
     (tmp_path / "swap").mkdir()
-    for r in run_distributed(_resume, world, world, cfg, str(tmp_path / "ckpt")):
+    build = partial(wide_model, world=world)
+    for r in run_distributed(_resume, world, world, cfg, str(tmp_path / "ckpt"), build):
         for k in r["straight"]:
             assert torch.equal(r["straight"][k], r["resumed"][k]), k
 
@@ -164,7 +228,7 @@ def _build(world: int, cfg: dict) -> str:
     import deepspeed
 
     try:
-        deepspeed.initialize(model=make_model(0), config=cfg)
+        deepspeed.initialize(model=wide_model(0, world), config=cfg)
     except ValueError as err:
         return str(err)
     return ""
@@ -173,8 +237,9 @@ def _build(world: int, cfg: dict) -> str:
 def test_partition_larger_than_buffer_size_is_refused_before_partitioning(tmp_path: Path) -> None:
     # World 2: each rank raises on its own, before any collective (a rank waiting in one would hang the test).
     for message in run_distributed(_build, 2, 2, _config(str(tmp_path), buffer_size=500)):
-        assert "offload_param.buffer_size=500" in message and "541 elements" in message, message
-        assert "at least 541" in message and "max_in_cpu" in message, message
+        assert "offload_param.buffer_size=500" in message and "than 2 parameter partition(s)" in message, message
+        assert f"{_partition(2)} elements" in message and f"at least {_partition(2)}" in message, message
+        assert "max_in_cpu" in message, message
     assert not (tmp_path / "zero_stage_3").exists()  # nothing written
 
 
@@ -220,7 +285,7 @@ def _fault(world: int, cfg: dict, fault: str) -> str:
     """Train a step, damage one swap file, step again: the error message (or '')."""
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    engine, *_ = deepspeed.initialize(model=wide_model(0, world), config=cfg)
     for step in range(2):
         if step == 1:
             victim = max(_swapper(engine).entries.values(), key=lambda e: e.numel).path
@@ -247,7 +312,7 @@ def _train_zero_init(world: int, cfg: dict) -> dict:
     import deepspeed
 
     with deepspeed.zero.Init(config_dict_or_path=cfg):
-        model = make_model(0)
+        model = wide_model(0, world)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     for step in range(2):
         engine.backward(engine(*micro_batch(step, engine_micro_index(0, 0, world))))
@@ -261,7 +326,7 @@ def _train_zero_init(world: int, cfg: dict) -> dict:
 def test_zero_init_partitions_move_to_swap_files(tmp_path: Path) -> None:
     (a,) = run_distributed(_train_zero_init, 1, 1, _config(str(tmp_path)))
     (b,) = run_distributed(_train_zero_init, 1, 1, _config(None))
-    assert a["swapped"] == 8 and b["swapped"] == 0
+    assert a["swapped"] == len(WIDE) and b["swapped"] == 0
     for k in b["weights"]:
         assert torch.equal(a["weights"][k], b["weights"][k]), k
 
@@ -269,9 +334,9 @@ def test_zero_init_partitions_move_to_swap_files(tmp_path: Path) -> None:
 def _two_engines(world: int, cfg: dict, stale: str) -> dict:
     import deepspeed
 
-    first, *_ = deepspeed.initialize(model=make_model(0), config=cfg)
+    first, *_ = deepspeed.initialize(model=wide_model(0, world), config=cfg)
     emptied = not Path(stale).exists()
-    second, *_ = deepspeed.initialize(model=make_model(1), config=cfg)
+    second, *_ = deepspeed.initialize(model=wide_model(1, world), config=cfg)
     for engine in (first, second, first):
         engine.backward(engine(*micro_batch(0, engine_micro_index(0, 0, world))))
         engine.step()

@@ -54,7 +54,7 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 
     max_in_cpu: int = Field(pp_int(1e9), ge=0)
     """Elements of partitions (the first ones partitioned) kept in host memory instead of swapped
-    (``device: nvme``)."""
+    (``device: nvme``). Partitions under max(1 MiB, ``aio.block_size``) bytes always stay and do not count."""
 
     pin_memory: bool = True
     """Use page-locked host buffers (faster copies, more pinned RAM). Default true since upstream v0.19.5."""

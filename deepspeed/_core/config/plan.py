@@ -196,7 +196,8 @@ class ParamOffloadPolicy(OffloadPolicy):
         nvme_path: directory of the parameter swap files.
         buffer_count: pinned host buffers partitions are read into for a gather.
         buffer_size: elements of each buffer (the largest partition that can be swapped).
-        max_in_cpu: elements of partitions kept in host memory instead of swapped.
+        max_in_cpu: elements of partitions kept in host memory instead of swapped (partitions under
+            max(1 MiB, ``aio.block_size``) bytes always stay and do not count).
     """
 
     nvme_path: str | None = key("nvme_path", None, lambda path: None if path is None else str(path))

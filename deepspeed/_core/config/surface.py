@@ -188,7 +188,8 @@ _ZERO: dict[str, KeyRule] = {
         "elements per buffer; a larger partition is refused before partitioning; " + _NVME_PARAM
     ),
     "offload_param.max_in_cpu": _impl(
-        "elements of the first partitions kept in host memory instead of swapped; " + _NVME_PARAM
+        "elements of the first partitions kept in host memory instead of swapped (partitions under "
+        "max(1 MiB, aio.block_size) bytes always stay and do not count); " + _NVME_PARAM
     ),
     "offload_param.pin_memory": _impl(),
     "offload_optimizer.device": _impl("nvme: swap files at ZeRO-3; ZeRO-1/2 keep the state on the cpu (a warning)"),

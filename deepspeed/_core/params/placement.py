@@ -56,8 +56,8 @@ class ShardPlacement:
         if policy.device is OffloadDevice.CPU:
             return cls(torch.device("cpu"), Pinning.PINNED if policy.pin_memory else Pinning.PAGEABLE)
         if policy.device is OffloadDevice.NVME:
-            # A new shard is filled on the host and then written to its swap file (or kept, within max_in_cpu,
-            # and pinned then): a pageable staging tensor, not a page-locked allocation per parameter.
+            # A new shard is filled on the host and then written to its swap file (or kept, when small or within
+            # max_in_cpu, and pinned then): a pageable staging tensor, not a page-locked allocation per parameter.
             return cls(torch.device("cpu"), Pinning.PAGEABLE)
         raise ValueError(f"offload_param.device={policy.device.value!r} is not supported; use 'none', 'cpu' or 'nvme'")
 

@@ -19,10 +19,19 @@ into one of ``buffer_count`` page-locked buffers of ``buffer_size`` elements:
 * anyone writing a partition (the optimizer's write-back, a ``GatheredParameters`` modifier, a checkpoint load)
   opens it through ``ZeroParam.open_shard``: read into a buffer, changed, written back synchronously.
 
-The first partitions, up to ``max_in_cpu`` elements, stay ordinary host shards; non-floating partitions too. Host
-memory for parameters is therefore at most ``buffer_count`` buffers plus ``max_in_cpu`` elements. Before every
-read the file is checked to exist with its size, so a file removed or truncated between steps stops training with
-its name; nothing is ever read as zeros.
+Some partitions are never swapped and stay ordinary host shards (page-locked with ``offload_param.pin_memory``):
+
+* a partition of fewer than ``max(1 MiB, aio.block_size)`` bytes (upstream's rule): reading many small files
+  (norms, biases) with asynchronous I/O costs more than the host memory they take;
+* a non-floating partition;
+* the first of the remaining partitions, up to ``max_in_cpu`` elements in all. Only partitions that would
+  otherwise be swapped count toward ``max_in_cpu`` (upstream does not count the small ones either), so a model
+  of many norms and biases does not use up the budget meant for its large weights.
+
+Host memory for parameters is therefore at most ``buffer_count`` buffers, plus ``max_in_cpu`` elements, plus the
+small and non-floating partitions; ``resident_bytes`` counts every partition kept. Before every read the file is
+checked to exist with its size, so a file removed or truncated between steps stops training with its name;
+nothing is ever read as zeros.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ from deepspeed._foundation.logging import logger
 from deepspeed.accelerator import get_accelerator
 
 KEY = "zero_optimization.offload_param"
+MIN_AIO_BYTES = 1024**2
+"""Partitions smaller than this many bytes (or than ``aio.block_size``, if larger) are never swapped."""
 _EMPTIED: set[Path] = set()
 """Folders this process has emptied: an earlier run's files go, but a second engine of this process (a reference
 model with the same config) keeps the first one's files (``ds_id`` s are unique per process, so names never clash)."""
@@ -140,22 +151,31 @@ class ParamSwapper:
         self.slots = [_Slot(swap_file.open_handle(self._op, aio)) for _ in range(self.capacity)]
         self.entries: dict[int, _Entry] = {}
         self.decided: set[int] = set()
-        self.resident_numel = 0
+        self.min_swap_bytes = max(MIN_AIO_BYTES, aio.block_size)
+        self.resident_numel = 0  # every partition kept in host memory
         self.resident_bytes = 0
+        self.max_in_cpu_used = 0  # elements kept only because they fit max_in_cpu
         self.widest = 0  # bytes of the largest swapped partition: the buffers' size
         self.folders: dict[torch.dtype, Path] = {}
         self.stats = SwapStats()
 
     # ---------------------------------------------------------------- which partitions are swapped
-    def _keeps(self, resident: int, numel: int, dtype: torch.dtype) -> bool:
-        return not dtype.is_floating_point or resident + numel <= self.policy.max_in_cpu
+    def _exempt(self, numel: int, dtype: torch.dtype) -> bool:
+        """Kept in host memory whatever ``max_in_cpu`` says: non-floating, or too small to read well with async I/O."""
+        return not dtype.is_floating_point or numel * dtype.itemsize < self.min_swap_bytes
+
+    def _keeps(self, used: int, numel: int, dtype: torch.dtype) -> bool:
+        """Whether a partition stays on the host, ``used`` elements of ``max_in_cpu`` being taken already."""
+        return self._exempt(numel, dtype) or used + numel <= self.policy.max_in_cpu
 
     def check_partitions(self, partitions: Iterable[tuple[int, torch.dtype]]) -> None:
         """Raise before anything is partitioned if a partition to swap is larger than ``buffer_size``."""
-        resident, too_large = self.resident_numel, []
+        used, too_large = self.max_in_cpu_used, []
         for numel, dtype in partitions:
-            if self._keeps(resident, numel, dtype):
-                resident += numel
+            if self._exempt(numel, dtype):
+                continue
+            if self._keeps(used, numel, dtype):
+                used += numel
             elif numel > self.policy.buffer_size:
                 too_large.append(numel)
         if too_large:
@@ -166,14 +186,19 @@ class ParamSwapper:
             )
 
     def adopt(self, state: ZeroParam) -> None:
-        """Swap ``state``'s (just written) shard out to its file, or keep it in host memory within ``max_in_cpu``."""
+        """Swap ``state``'s (just written) shard out to its file, or keep it in host memory: a small or
+        non-floating partition, or one within ``max_in_cpu`` ([Note: nvme params])."""
         if state.ds_id in self.decided:
             return
         self.decided.add(state.ds_id)
         shard = state.shard
         numel, dtype = shard.numel(), shard.dtype
         movable = state.state is ShardedState.SHARDED and not state.shard_is_master and not state.holds_gradient
-        if not movable or self._keeps(self.resident_numel, numel, dtype):
+        if not movable or self._exempt(numel, dtype):
+            self._keep(state)
+            return
+        if self._keeps(self.max_in_cpu_used, numel, dtype):
+            self.max_in_cpu_used += numel
             self._keep(state)
             return
         self.check_partitions([(numel, dtype)])
@@ -219,7 +244,8 @@ class ParamSwapper:
         return sum(s.buffer.numel() for s in self.slots if s.buffer is not None)
 
     def host_bytes(self) -> int:
-        """Host memory holding parameter partitions: the buffers plus the partitions kept resident."""
+        """Host memory holding parameter partitions: the buffers plus every partition kept resident (small,
+        non-floating and within ``max_in_cpu``)."""
         return self.pool_bytes() + self.resident_bytes
 
     def _view(self, entry: _Entry) -> torch.Tensor:
