@@ -17,6 +17,8 @@ pip_target /tmp/upstream_ds .whl_upstream/deepspeed-0.19.8-py3-none-any.whl || e
 export BENCH_EXTRA_SITE=/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext PYTHONUNBUFFERED=1 OUT
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda)'
+  python3 -c 'import torch; print("torch threads", torch.get_num_threads()); print(torch.__config__.parallel_info())'
+  lscpu  # cores, threads per core and NUMA nodes: the host optimizer's figures depend on them
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [[ "${1:-}" == *.sh ]]; then
