@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|hostdiag   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|hostdiag|delayed   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -156,4 +156,11 @@ if want hostdiag; then
   # floor's update makes the engine's slower.
   part host_adam_variants 150 python3 benchmarks/offload_overlap_gpu.py --cases host_adam_variants --steps 4 \
     --variant-params 1000000000 --out "$WORK/host_adam_variants.jsonl"
+fi
+
+if want delayed; then
+  # The one-step-delayed update (ZenFlow, ZeRO-2, optimizer on the host) against the same model with its
+  # optimizer on the GPU; 6 timed steps so the median spans the 4-step update interval.
+  part offload_delayed 170 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 \
+    --cases zenflow,gpu_resident --out "$WORK/offload_delayed.jsonl"
 fi

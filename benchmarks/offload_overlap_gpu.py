@@ -18,6 +18,9 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
   as the engine runs it, from a worker thread with each chunk's rounded copy written to pinned staging;
   ``floor_after_norm`` = fwd_bwd + host_adam, the bound when the update must wait
   for the global gradient norm (clipping, as configured here);
+- ``zenflow`` / ``gpu_resident`` (ZeRO-2 whatever ``--stage`` says): the one-step-delayed update
+  (``zero_optimization.zenflow``, 10 % of the columns every step, the rest every 4 steps, the host update
+  overlapping the next step) against the same model with its optimizer on the GPU;
 - ``overlap_on_long_route``: ``overlap_on`` with the host Adam's scaled step turned off (each chunk's gradient
   converted to fp32 and scaled in passes of its own, the copy up rounded from the master afterwards), for the
   same-call ratio of that one-pass form;
@@ -66,6 +69,8 @@ ENGINE_CASES = {
     "overlap_on_noclip": (True, False, False),
     "bf16_states": (True, True, False),
     "nvme": (True, False, True),
+    "zenflow": (True, False, False),
+    "gpu_resident": (False, False, False),
 }
 
 
@@ -217,6 +222,13 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
             "lean_overlap_offload_step": overlap,
         },
     }
+    zero = cfg["zero_optimization"]
+    if label in ("zenflow", "gpu_resident"):  # the delayed update and what it is held against: ZeRO-2
+        zero["stage"] = 2
+    if label == "zenflow":
+        zero["zenflow"] = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": "auto", "overlap_step": True}
+    if label == "gpu_resident":
+        del zero["offload_optimizer"]
     model = _model(args.layers, "cuda")
     params = sum(p.numel() for p in model.parameters())
     client = None
