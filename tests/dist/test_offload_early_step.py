@@ -66,7 +66,7 @@ def _train(world: int, stage: int, gas: int, overlap: bool, clip: float) -> dict
     stage12.step_chunk_numel = lambda *_: CHUNK  # type: ignore[assignment]
     engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(stage, gas, overlap, clip))
     opt = engine.optimizer
-    early_before_last, seconds = [], 0.0
+    early_before_last, seconds, norms = [], 0.0, []
     for step in range(STEPS):
         log = _EventLog(len(opt.reducer.buckets) - 1, hold=overlap and clip == 0)
         if opt.host_step is not None:
@@ -79,6 +79,7 @@ def _train(world: int, stage: int, gas: int, overlap: bool, clip: float) -> dict
             engine.backward(engine(*micro_batch(step, index)))
             engine.step()
         seconds += time.perf_counter() - began
+        norms.append(engine.get_global_grad_norm())  # what a trainer logs as grad_norm
         if opt.host_step is not None:
             early_before_last.append(log.first_step_before_last_reduce())
     result = {
@@ -87,6 +88,7 @@ def _train(world: int, stage: int, gas: int, overlap: bool, clip: float) -> dict
         "early_before_last": early_before_last,
         "chunks": sum(-(-g.master.numel() // CHUNK) for g in opt.groups),
         "seconds": seconds,
+        "norms": norms,
     }
     engine.destroy()
     return result
@@ -111,6 +113,8 @@ def test_offloaded_step_starts_during_backward_and_is_bit_identical(world: int, 
         assert all(early["early_before_last"]), early["early_before_last"]
         assert early["seconds"] < STEPS * WAIT_S  # the held backward never had to wait the timeout out
         assert_bit_equal(early, sync)
+        # The reported norm counts the chunks stepped early too.
+        assert early["norms"] == sync["norms"] and all(n > 0 for n in early["norms"]), (early["norms"], sync["norms"])
         # Clipping needs the global norm first: the update waits for the backward, as before.
         assert clipped["early_chunks"] == 0
         assert not any(clipped["early_before_last"]), clipped["early_before_last"]

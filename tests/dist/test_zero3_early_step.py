@@ -100,7 +100,7 @@ def _train(
     if opt.host_step is not None:
         opt.host_step.log = hold.host
     engine.module.embed.register_full_backward_pre_hook(hold.embed)
-    gas, before_embed = cfg["gradient_accumulation_steps"], []
+    gas, before_embed, norms = cfg["gradient_accumulation_steps"], [], []
     for step, skip in enumerate(skips):
         engine.module.skip = skip
         for micro in range(gas):
@@ -112,7 +112,9 @@ def _train(
             if hold.armed:
                 before_embed.append(hold.stepped_before_embed())
             engine.step()
+        norms.append(engine.get_global_grad_norm())  # what a trainer logs as grad_norm
     result = {**optimizer_snapshot(engine), "early_chunks": opt.early_chunks, "before_embed": before_embed}
+    result["norms"] = norms
     result["chunks"] = sum(-(-g.master.numel() // CHUNK) for g in opt.groups)
     engine.destroy()
     return result
@@ -140,6 +142,8 @@ def test_zero3_offloaded_step_starts_during_backward_and_is_bit_identical(
         assert early["early_chunks"] > 0
         assert early["before_embed"] == [True] * (STEPS - 1), early["before_embed"]
         assert_bit_equal(early, sync)
+        # The reported norm counts the chunks stepped early too.
+        assert early["norms"] == sync["norms"] and all(n > 0 for n in early["norms"]), (early["norms"], sync["norms"])
         # Clipping needs the global norm first: the update waits for the backward.
         assert clipped["early_chunks"] == 0 and clipped["before_embed"] == []
 
