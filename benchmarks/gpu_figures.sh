@@ -2,7 +2,8 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|hostdiag|delayed   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|hostdiag|delayed|resume
+#   (no argument: all)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -150,7 +151,7 @@ if want late; then
   cp "$WORK/largest_upstream.jsonl" "$OUT/" 2>/dev/null
 fi
 
-if want hostdiag; then
+if want hostdiag || want resume; then
   # The host update alone at 1 B parameters, from the main thread or a worker, with and without the rounded copy
   # (to page-locked or pageable staging), and with page-locked master and gradient: which difference from the
   # floor's update makes the engine's slower.
@@ -158,7 +159,14 @@ if want hostdiag; then
     --variant-params 1000000000 --out "$WORK/host_adam_variants.jsonl"
 fi
 
-if want delayed; then
+if want resume; then
+  # The offloaded step with and without clipping after the host Adam released the GIL (the update during the
+  # backward was measured only before).
+  part offload_resume 170 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,overlap_on_noclip --breakdown --out "$WORK/offload_resume.jsonl"
+fi
+
+if want delayed || want resume; then
   # The one-step-delayed update (ZenFlow, ZeRO-2, optimizer on the host) against the same model with its
   # optimizer on the GPU; 6 timed steps so the median spans the 4-step update interval.
   part offload_delayed 170 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 \
