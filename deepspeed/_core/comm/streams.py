@@ -9,6 +9,15 @@ The device runtime is reached through a :class:`StreamBackend`, so tests can inj
 example events that stay "not complete" for a while, emulating a GPU that lags far behind the CPU). Code without
 a :class:`StreamSet` (the offload paths' host-side waits) takes its events from :func:`record_current`, so no event
 is created anywhere else in ``deepspeed/_core``.
+
+[Note: worker stream] A thread's current stream is its own; a new thread starts on the device's default stream,
+which is the training loop's compute stream. A host worker that copies gradients down while the backward still
+runs ([Note: early host step]) would queue those copies between the backward's kernels, and the backward would
+wait for them. Its device work goes on a :class:`WorkerStream` instead: ``mark`` records an event on the
+submitting thread's stream when a job is handed over, the job runs inside ``after`` (the side stream waits for
+that event on the device, so the copies see everything queued before the hand-over), and ``join`` makes the
+submitting thread's stream, and the host, wait for all of it before the memory the copies read or wrote can be
+freed or reused.
 """
 
 from __future__ import annotations
@@ -151,6 +160,41 @@ def record_current(backend: StreamBackend | None = None) -> Any:
     event = backend.new_event()
     event.record(backend.current_stream())
     return event
+
+
+class WorkerStream:
+    """The side stream a host worker thread queues its device work on (the offloaded step's copies of
+    device-resident gradients down), ordered after the submitting thread's stream by events ([Note: worker
+    stream])."""
+
+    def __init__(self, backend: StreamBackend | None = None) -> None:
+        """A worker stream on ``backend`` (default: the accelerator), created on first use."""
+        self.backend: StreamBackend = backend if backend is not None else _ACCELERATOR_STREAMS
+        self._stream: Any = None
+
+    def mark(self) -> Any:
+        """On the submitting thread: an event covering everything queued on its stream so far."""
+        return record_current(self.backend)
+
+    @contextlib.contextmanager
+    def after(self, event: Any) -> Iterator[None]:
+        """On the worker: make this stream current, waiting (on the device) for ``event`` first."""
+        if self._stream is None:
+            self._stream = self.backend.new_stream()
+        self._stream.wait_event(event)
+        with self.backend.use_stream(self._stream):
+            yield
+
+    def join(self) -> None:
+        """On the submitting thread, once the worker's jobs are done: order its stream after all work queued on
+        this stream, and wait for that work on the host too (a copy left in flight, such as a read-ahead nobody
+        consumed, may be writing into a page-locked buffer that goes back to its pool now)."""
+        if self._stream is None:
+            return
+        event = self.backend.new_event()
+        event.record(self._stream)
+        self.backend.current_stream().wait_event(event)
+        event.synchronize()
 
 
 @dataclass

@@ -10,6 +10,8 @@ buffer is refilled once an event says its last copy has left. The accelerator's 
 run while the host steps chunk ``k + 1``, and the two threads never do host-side element work at the same time
 (both would draw on the same cores and memory bandwidth). An update started during the backward
 ([Note: early host step]) leaves the conversion to the caller's thread, which publishes only after the backward.
+The worker's own device work, copying device-resident gradients down, goes on a side stream ordered by the
+event recorded when each range is handed over ([Note: worker stream]), not between the backward's kernels.
 
 Exactness: every chunk goes through :meth:`~deepspeed._core.optim.chunked_step.ChunkStepper.step_range`, the
 same operations on the same values as the synchronous loop, and each chunk's conversion is elementwise, so the
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from deepspeed._core.comm.pinned_pool import PinnedPool, Pinning
-from deepspeed._core.comm.streams import record_current
+from deepspeed._core.comm.streams import WorkerStream, record_current
 from deepspeed._core.config.plan import RunPlan
 from deepspeed._core.grads.convert import Coef
 from deepspeed._core.optim.chunked_step import ChunkStepper
@@ -82,6 +84,7 @@ class OverlappedHostStep:
     def __init__(self, pool: PinnedPool) -> None:
         self.pool = pool
         self._worker: ThreadPoolExecutor | None = None
+        self.device_work = WorkerStream()  # the worker's copies of device gradients ([Note: worker stream])
         self.chunks_published = 0  # for tests: chunks that took the overlapped route
         # For tests: called on the worker as ``log("host_step", group, start)`` right before a range steps.
         self.log: Callable[[str, int, int], None] | None = None
@@ -157,10 +160,15 @@ class StepRun:
         if (group_index, start) in self.submitted:
             return
         self.submitted.add((group_index, start))
-        job = self.owner._executor().submit(self._step, group_index, start, end, len(self.jobs))
+        ready = self.owner.device_work.mark()  # the range's gradients are written on this thread's stream
+        job = self.owner._executor().submit(self._step, group_index, start, end, len(self.jobs), ready)
         self.jobs.append((group_index, start, end, job))
 
-    def _step(self, group_index: int, start: int, end: int, index: int) -> torch.Tensor | None:
+    def _step(self, group_index: int, start: int, end: int, index: int, ready: Any) -> torch.Tensor | None:
+        with self.owner.device_work.after(ready):  # [Note: worker stream]
+            return self._step_range(group_index, start, end, index)
+
+    def _step_range(self, group_index: int, start: int, end: int, index: int) -> torch.Tensor | None:
         if self.owner.log is not None:
             self.owner.log("host_step", group_index, start)
         group = self.groups[group_index]
@@ -240,6 +248,7 @@ class StepRun:
             slot.free.set()  # a worker waiting for a buffer that will never be published goes on
         for _, _, _, job in self.jobs:
             _wait_quietly(job)
+        self.owner.device_work.join()  # nothing the worker queued is in flight once the update is over
         for group in self.groups:
             group.stepper.close()
         self.done = True

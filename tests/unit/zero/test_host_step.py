@@ -83,3 +83,92 @@ def test_an_update_of_no_groups_publishes_nothing() -> None:
     host.run([], 1.0)
     assert host.chunks_published == 0
     host.shutdown()
+
+
+class _RecordingStreams:
+    """A stream backend that logs, per thread, which stream is current and every wait and record."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.compute = self._Stream("compute", self.log)
+        self._current = threading.local()
+
+    class _Stream:
+        def __init__(self, name: str, log: list) -> None:
+            self.name, self.log = name, log
+
+        def wait_event(self, event: object) -> None:
+            self.log.append(("wait", self.name, event.name))  # type: ignore[attr-defined]
+
+    class _Event:
+        count = 0
+
+        def __init__(self, log: list) -> None:
+            self.log, self.name = log, None
+
+        def record(self, stream: object) -> None:
+            _RecordingStreams._Event.count += 1
+            self.name = f"{stream.name}#{_RecordingStreams._Event.count}"  # type: ignore[attr-defined]
+            self.log.append(("record", self.name))
+
+        def synchronize(self) -> None:
+            pass
+
+    def new_stream(self) -> object:
+        return self._Stream("side", self.log)
+
+    def new_event(self) -> object:
+        return self._Event(self.log)
+
+    def current_stream(self) -> object:
+        return getattr(self._current, "stream", self.compute)
+
+    def use_stream(self, stream: object):
+        import contextlib
+
+        @contextlib.contextmanager
+        def switch():
+            previous = self.current_stream()
+            self._current.stream = stream
+            try:
+                yield
+            finally:
+                self._current.stream = previous
+
+        return switch()
+
+
+def test_the_workers_device_work_runs_on_a_side_stream_ordered_by_the_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: worker stream]: a range's step runs with the side stream current, after that stream waited for the
+    event recorded on the submitting thread's stream when the range was handed over; at the end the submitting
+    thread's stream waits for the side stream before anything is freed there."""
+    from deepspeed._core.comm.streams import WorkerStream
+
+    streams = _RecordingStreams()
+    master = torch.nn.Parameter(torch.randn(300), requires_grad=False)
+    opt = torch.optim.AdamW([master], lr=1e-2)
+    host = OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE))
+    host.device_work = WorkerStream(streams)
+    real = ChunkStepper.step_range
+
+    def logged(self: ChunkStepper, start: int, *a: object, **k: object) -> None:
+        streams.log.append(("step", start, streams.current_stream().name))
+        real(self, start, *a, **k)
+
+    monkeypatch.setattr(ChunkStepper, "step_range", logged)
+    group = GroupStep(ChunkStepper(opt, 0, 128), torch.zeros(300), lambda s, p: None, torch.bfloat16)
+    update = host.begin([group], 1.0)
+    update.submit_rest()
+    update.publish()
+    host.shutdown()
+    log = streams.log
+    steps = [e for e in log if e[0] == "step"]
+    assert [s[1] for s in steps] == [0, 128, 256] and all(s[2] == "side" for s in steps), log
+    hand_overs = [e[1] for e in log if e[0] == "record" and e[1].startswith("compute")]
+    for start, event in zip([0, 128, 256], hand_overs[:3], strict=True):
+        # the side stream waited for that range's hand-over event before the range stepped
+        assert log.index(("wait", "side", event)) < log.index(("step", start, "side")), log
+    last_side = [e[1] for e in log if e[0] == "record" and e[1].startswith("side")][-1]
+    assert log[-1] == ("wait", "compute", last_side), log
