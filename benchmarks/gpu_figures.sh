@@ -151,6 +151,16 @@ if want late; then
   cp "$WORK/largest_upstream.jsonl" "$OUT/" 2>/dev/null
 fi
 
+if want resume; then
+  # The GPU-marked tests first (streams, events and kernels run for real only there); pytest comes from the
+  # carried wheels (.whl_upstream/tests).
+  GPU_TESTS=$(grep -rl 'mark.gpu' tests | sort | tr '\n' ' ')
+  part gpu_tests 150 bash -c "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl_upstream/tests/*.whl && DS_ACCELERATOR=cuda python3 -m pytest -q -p no:cacheprovider --timeout=120 -m gpu \
+    --continue-on-collection-errors $GPU_TESTS; python3 -m pytest -q -p no:cacheprovider --timeout=120 \
+    tests/kernels/test_cpu_adam.py -k gil"
+fi
+
 if want hostdiag || want resume; then
   # The host update alone at 1 B parameters, from the main thread or a worker, with and without the rounded copy
   # (to page-locked or pageable staging), and with page-locked master and gradient: which difference from the
@@ -166,7 +176,7 @@ if want resume; then
     --cases overlap_on,overlap_on_noclip --breakdown --out "$WORK/offload_resume.jsonl"
 fi
 
-if want delayed || want resume; then
+if want delayed; then
   # The one-step-delayed update (ZenFlow, ZeRO-2, optimizer on the host) against the same model with its
   # optimizer on the GPU; 6 timed steps so the median spans the 4-step update interval.
   part offload_delayed 170 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 \
