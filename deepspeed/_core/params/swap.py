@@ -164,9 +164,10 @@ class ParamSwapper:
         """Kept in host memory whatever ``max_in_cpu`` says: non-floating, or too small to read well with async I/O."""
         return not dtype.is_floating_point or numel * dtype.itemsize < self.min_swap_bytes
 
-    def _keeps(self, used: int, numel: int, dtype: torch.dtype) -> bool:
-        """Whether a partition stays on the host, ``used`` elements of ``max_in_cpu`` being taken already."""
-        return self._exempt(numel, dtype) or used + numel <= self.policy.max_in_cpu
+    def _fits_max_in_cpu(self, used: int, numel: int) -> bool:
+        """Whether a partition that is not exempt stays on the host, ``used`` elements of ``max_in_cpu`` being
+        taken already."""
+        return used + numel <= self.policy.max_in_cpu
 
     def check_partitions(self, partitions: Iterable[tuple[int, torch.dtype]]) -> None:
         """Raise before anything is partitioned if a partition to swap is larger than ``buffer_size``."""
@@ -174,7 +175,7 @@ class ParamSwapper:
         for numel, dtype in partitions:
             if self._exempt(numel, dtype):
                 continue
-            if self._keeps(used, numel, dtype):
+            if self._fits_max_in_cpu(used, numel):
                 used += numel
             elif numel > self.policy.buffer_size:
                 too_large.append(numel)
@@ -197,7 +198,7 @@ class ParamSwapper:
         if not movable or self._exempt(numel, dtype):
             self._keep(state)
             return
-        if self._keeps(self.max_in_cpu_used, numel, dtype):
+        if self._fits_max_in_cpu(self.max_in_cpu_used, numel):
             self.max_in_cpu_used += numel
             self._keep(state)
             return
