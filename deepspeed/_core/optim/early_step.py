@@ -303,8 +303,10 @@ class ArrivalRecord:
 
 class FixedChunkGrads:
     """A group's gradient for an update whose chunks are submitted one at a time: each chunk reads the gradient
-    object fixed for it at its submission (once the event recorded then has fired: its device-resident pieces
-    were written on the caller's stream), the chunks submitted at ``step()`` read :attr:`rest`."""
+    object fixed for it at its submission, the chunks submitted at ``step()`` read :attr:`rest`. The host waits
+    for the event recorded at submission before a chunk reads: host-resident pieces (side tensors) are filled by
+    non-blocking copies from the device, which a stream wait cannot order for host code ([Note: worker stream]
+    orders the device-resident ones)."""
 
     def __init__(self) -> None:
         self.fixed: dict[int, tuple[Any, Any]] = {}  # chunk start -> (gradient, event or None)
