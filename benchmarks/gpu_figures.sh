@@ -2,8 +2,8 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|hostdiag|delayed|resume
-#   (no argument: all)
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|hostdiag|delayed|resume
+#   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
 set -uo pipefail
@@ -26,7 +26,7 @@ part() {  # part NAME SECONDS COMMAND...
 }
 
 GROUP=${1:-all}
-want() { [[ $GROUP == all || $GROUP == "$1" ]]; }
+want() { [[ $GROUP == all || ",$GROUP," == *",$1,"* ]]; }  # GROUP may list several, comma-separated
 
 if want long; then
   # Long sequences (3B Qwen2-shaped, ZeRO-3, optimizer offloaded): one process per row, lengths in increasing order
@@ -137,13 +137,16 @@ if want spfake || want extra; then
   cp "$WORK/sp_fake.jsonl" "$OUT/"
 fi
 
-if want late; then
-  # Upstream 0.19.8 and FSDP2 with CPU offload on the 3B step; NVMe optimizer state alone in its process (its
-  # resident memory without another case's leftovers); upstream's step at 7.09 B parameters with a limit long
-  # enough for its set-up.
+if want late || want baselines; then
+  # Upstream 0.19.8 and FSDP2 with CPU offload on the 3B step.
   part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
     --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
     --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
+fi
+
+if want late; then
+  # NVMe optimizer state alone in its process (its resident memory without another case's leftovers); upstream's
+  # step at 7.09 B parameters with a limit long enough for its set-up.
   part offload_nvme_alone 130 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
     --cases nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme_alone.jsonl"
   part largest_upstream 220 python3 benchmarks/largest_model_gpu.py --out "$WORK/largest_upstream.jsonl" \
@@ -169,11 +172,10 @@ if want hostdiag || want resume; then
     --variant-params 1000000000 --out "$WORK/host_adam_variants.jsonl"
 fi
 
-if want resume; then
-  # The offloaded step with and without clipping after the host Adam released the GIL (the update during the
-  # backward was measured only before).
-  part offload_resume 170 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
-    --cases overlap_on,overlap_on_noclip --breakdown --out "$WORK/offload_resume.jsonl"
+if want resume || want step; then
+  # The offloaded step with and without clipping (with ``baselines``: beside upstream and FSDP2 in one call).
+  part offload_resume 200 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
+    --cases overlap_on,overlap_on_noclip,floor --breakdown --out "$WORK/offload_resume.jsonl"
 fi
 
 if want delayed; then
