@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|hostdiag|delayed|resume
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|hostdiag|delayed|resume
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -103,7 +103,7 @@ if want next || want core; then
     --cases overlap_on,overlap_on_noclip,floor --breakdown --out "$WORK/offload_next.jsonl"
 fi
 
-if want next; then
+if want next || want tiled; then
   S3="python3 benchmarks/run_all.py --scenario s3 --extra-site /tmp/site --job-timeout-s 50"
   ROW='"seq": 2048, "micro_batch": 4, "trace": false, "warmup": 1, "timed_steps": 3'
   part tiled_8192 130 bash -c "$S3 --out $WORK/tiled_8192_ours16 --impl ours --set '{$ROW, \"tile_loss\": 16}' \
