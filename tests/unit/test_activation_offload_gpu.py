@@ -57,7 +57,11 @@ def test_offload_frees_device_bytes_and_keeps_gradients() -> None:
     assert held_plain >= LAYERS * per_input
     assert held_offload <= 3 * per_input
     stats = core.current_state().offloader().stats
-    assert stats.offloaded_tensors == stats.restored_tensors == LAYERS - 1
+    # Every input but the last goes down; each comes back up, except one whose copy was still in flight when the
+    # backward began: its device tensor is used as it is.
+    assert stats.offloaded_tensors == LAYERS - 1
+    assert LAYERS - 2 <= stats.restored_tensors <= LAYERS - 1
+    assert stats.kept_last_tensors == 1
 
 
 def test_tiled_loss_peak_stays_below_full_logits() -> None:
