@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|hostdiag|delayed|resume
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -176,6 +176,16 @@ if want resume || want step; then
   # The offloaded step with and without clipping (with ``baselines``: beside upstream and FSDP2 in one call).
   part offload_resume 200 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 \
     --cases overlap_on,overlap_on_noclip,floor --breakdown --out "$WORK/offload_resume.jsonl"
+fi
+
+if want gil; then
+  # The host update beside a busy training thread (chunk size, switch interval, worker threads), then the
+  # offloaded step with the short switch interval on and off, with and without clipping.
+  part host_contention 120 python3 benchmarks/host_adam_contention.py --params 1000000000 --chunk-mib 64,256 \
+    --switch-ms 5,0.5 --out "$WORK/host_contention.jsonl"
+  part offload_switch 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 --breakdown \
+    --cases overlap_on,overlap_on_long_switch,overlap_on_noclip,overlap_on_noclip_long_switch \
+    --out "$WORK/offload_switch.jsonl"
 fi
 
 if want delayed; then

@@ -28,6 +28,9 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
   global decision, so the update of each step chunk whose gradients are final starts during the backward (at
   ZeRO-3 from the second step on, once each parameter's gradient arrivals are recorded); the engine's count of
   chunks so started is recorded as ``early_chunks``;
+- ``overlap_on_long_switch`` / ``overlap_on_noclip_long_switch``: those two with
+  ``zero_optimization.lean_short_switch_interval`` false (the interpreter's switch interval left at 5 ms while the
+  host worker steps), for the same-call ratio of the short interval;
 - ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
   overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3).
 
@@ -67,6 +70,8 @@ ENGINE_CASES = {
     "overlap_off": (False, False, False),
     "overlap_on_long_route": (True, False, False),
     "overlap_on_noclip": (True, False, False),
+    "overlap_on_long_switch": (True, False, False),
+    "overlap_on_noclip_long_switch": (True, False, False),
     "bf16_states": (True, True, False),
     "nvme": (True, False, True),
     "zenflow": (True, False, False),
@@ -206,7 +211,7 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
 
     import deepspeed
 
-    noclip = label.endswith("_noclip")
+    noclip = "_noclip" in label
     bf16 = {"enabled": True, **({"check_grad_overflow": False} if noclip else {})}
     if bf16_states:
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
@@ -220,6 +225,7 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
             "stage": args.stage,
             "offload_optimizer": {**offload, "pin_memory": True},
             "lean_overlap_offload_step": overlap,
+            "lean_short_switch_interval": not label.endswith("_long_switch"),
         },
     }
     zero = cfg["zero_optimization"]

@@ -15,7 +15,7 @@ STEPS = 3
 CHUNK = 256  # elements per step chunk: the tiny model's groups step in several chunks
 
 
-def _config(stage: int, overlap: bool) -> dict:
+def _config(stage: int, overlap: bool, short_switch: bool = True) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 3,
         "gradient_clipping": 0.5,
@@ -27,6 +27,7 @@ def _config(stage: int, overlap: bool) -> dict:
             "stage3_param_persistence_threshold": 30,
             "offload_optimizer": {"device": "cpu"},
             "lean_overlap_offload_step": overlap,
+            "lean_short_switch_interval": short_switch,
         },
     }
 
@@ -60,7 +61,7 @@ def assert_bit_equal(a: dict, b: dict) -> None:
             assert torch.equal(sa[k], sb[k]), k
 
 
-def _train(world: int, stage: int, overlap: bool) -> dict:
+def _train(world: int, stage: int, overlap: bool, short_switch: bool = True) -> dict:
     import deepspeed
     import deepspeed._core.optim.stage3 as stage3
     import deepspeed._core.optim.stage12 as stage12
@@ -68,7 +69,7 @@ def _train(world: int, stage: int, overlap: bool) -> dict:
 
     for module in (stage12, stage3):  # small chunks, same for both orders
         module.step_chunk_numel = lambda *_: CHUNK  # type: ignore[assignment]
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(stage, overlap))
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(stage, overlap, short_switch))
     opt = engine.optimizer
     allocations = []
     for step in range(STEPS):
@@ -79,6 +80,7 @@ def _train(world: int, stage: int, overlap: bool) -> dict:
     result = {
         **optimizer_snapshot(engine),
         "published": published,
+        "short_switch": opt.host_step.handoff.value == "short_switch" if opt.host_step is not None else None,
         "allocations": allocations,
         "held": opt.pinned.held_bytes,
         "bound": opt.pinned.max_bytes,
@@ -91,9 +93,11 @@ def _train(world: int, stage: int, overlap: bool) -> dict:
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("world", [1, 2])
 def test_overlapped_offload_step_is_bit_identical_to_the_synchronous_one(world: int, stage: int) -> None:
-    overlapped = run_distributed(_train, world, world, stage, True)
+    short_switch = world == 1  # the switch interval is timing only: both settings give the same bits
+    overlapped = run_distributed(_train, world, world, stage, True, short_switch)
     synchronous = run_distributed(_train, world, world, stage, False)
     for over, sync in zip(overlapped, synchronous, strict=True):
+        assert over["short_switch"] is short_switch  # lean_short_switch_interval reaches the host worker
         assert over["chunks"] > 2  # several chunks per step, so the pipeline really interleaves
         assert over["published"] == STEPS * over["chunks"], "the overlapped route did not run"
         assert sync["published"] == 0

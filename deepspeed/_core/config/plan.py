@@ -228,6 +228,8 @@ class LeanPolicy:
             end of the unit's backward, not in ``reduce_bucket_size`` buckets.
         overlap_offload_step: with ``offload_optimizer``, a host worker steps chunk by chunk while each stepped chunk
             goes up to the accelerator ([Note: overlapped host step]).
+        short_switch_interval: while that worker has chunks, the interpreter's switch interval is short
+            ([Note: short switch interval]).
     """
 
     inplace_flatten: bool = key("lean_inplace_flatten", True)
@@ -239,6 +241,7 @@ class LeanPolicy:
     block_fetch_units: bool = key("lean_block_fetch_units", True)
     unit_grad_reduce: bool = key("lean_unit_grad_reduce", True)
     overlap_offload_step: bool = key("lean_overlap_offload_step", True)
+    short_switch_interval: bool = key("lean_short_switch_interval", True)
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

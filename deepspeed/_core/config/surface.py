@@ -265,6 +265,7 @@ _ZERO: dict[str, KeyRule] = {
     "lean_block_fetch_units": _impl(),
     "lean_unit_grad_reduce": _impl(),
     "lean_overlap_offload_step": _impl(),
+    "lean_short_switch_interval": _impl(),
 }
 
 _PRECISION: dict[str, KeyRule] = {

@@ -303,6 +303,12 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     reused page-locked buffers; the copies of one chunk run while the next is stepped. The result is bit-identical
     to the synchronous order. ``false`` steps every chunk, then writes the weights back (for A/B)."""
 
+    lean_short_switch_interval: bool = True
+    """deepspeed-lean: while the host worker of ``lean_overlap_offload_step`` has chunks to step, Python's thread
+    switch interval is 0.5 ms instead of its default 5 ms (restored afterwards), so the worker gets the interpreter
+    back after each chunk without waiting out the training thread's time slice, and the training thread is not held
+    up by the worker either. ``false`` leaves the interval alone (for A/B)."""
+
     @field_validator("stage", mode="before")
     @classmethod
     def _stage_in_range(cls, value: Any) -> Any:

@@ -22,10 +22,23 @@ may be submitted during the backward, as soon as its own gradient is final ([Not
 [Note: final gradient count]).
 Switch: ``zero_optimization.lean_overlap_offload_step``; ``false`` steps every chunk first and writes the weights
 back afterwards (the synchronous order).
+
+[Note: short switch interval] Each chunk's kernel runs without the GIL, and the worker needs it back after every
+chunk (and at every tensor operation of the Python between them). While the training thread runs Python, as it
+does through the backward's hooks and the publishing, the interpreter hands the GIL over only when the holder
+releases it or every ``sys.getswitchinterval()`` seconds (5 ms by default). With a few hundred chunks per update,
+the worker then waits a few milliseconds per chunk, tenths of a second per step; a 2-core run of
+``benchmarks/host_adam_contention.py`` showed the worker 1.4-1.8x as slow beside a busy training thread, and the
+training thread slower too. So while an update has chunks on the worker the switch interval is
+:data:`HANDOFF_SWITCH_INTERVAL_S`, and the previous value comes back once no update is in flight (a count across
+engines in one process). Switch: ``zero_optimization.lean_short_switch_interval``; ``false`` leaves the
+interval alone.
 """
 
 from __future__ import annotations
 
+import enum
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +75,43 @@ STAGING_BUFFERS = 4
 two gradient windows of ZeRO-3's parked gradients."""
 
 
+HANDOFF_SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's switch interval while a host update is in flight ([Note: short switch interval])."""
+
+
+class Handoff(enum.Enum):
+    """How the worker gets the interpreter back between chunks: ``SHORT_SWITCH`` shortens the switch interval while
+    an update is in flight ([Note: short switch interval]); ``DEFAULT`` leaves it alone."""
+
+    SHORT_SWITCH = "short_switch"
+    DEFAULT = "default"
+
+
+class _SwitchInterval:
+    """The process's switch interval, shortened while at least one holder is in (a count, so that two engines'
+    updates in one process restore the value only once both are over)."""
+
+    _lock = threading.Lock()
+    _holders = 0
+    _saved: float | None = None
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls._lock:
+            if cls._holders == 0:
+                cls._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(cls._saved, HANDOFF_SWITCH_INTERVAL_S))
+            cls._holders += 1
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls._lock:
+            cls._holders -= 1
+            if cls._holders == 0 and cls._saved is not None:
+                sys.setswitchinterval(cls._saved)
+                cls._saved = None
+
+
 def pool_for_step(chunk_numel: int, pinning: Pinning) -> PinnedPool:
     """The pinned pool of an optimizer stepping ``chunk_numel``-element chunks: :data:`STAGING_BUFFERS` buffers of
     one fp32 chunk at most, whatever the model size."""
@@ -79,10 +129,13 @@ class OverlappedHostStep:
 
     Args:
         pool: where the two staging buffers come from (bounded, reused across steps).
+        handoff: whether the interpreter's switch interval is short while an update has chunks on the worker
+            ([Note: short switch interval]).
     """
 
-    def __init__(self, pool: PinnedPool) -> None:
+    def __init__(self, pool: PinnedPool, handoff: Handoff = Handoff.SHORT_SWITCH) -> None:
         self.pool = pool
+        self.handoff = handoff
         self._worker: ThreadPoolExecutor | None = None
         self.device_work = WorkerStream()  # the worker's copies of device gradients ([Note: worker stream])
         self.chunks_published = 0  # for tests: chunks that took the overlapped route
@@ -154,12 +207,16 @@ class StepRun:
         self.submitted: set[tuple[int, int]] = set()
         self.done = False
         self.slots = slots
+        self._short_switch = False  # this update holds the short switch interval ([Note: short switch interval])
 
     def submit(self, group_index: int, start: int, end: int) -> None:
         """Hand range ``[start, end)`` (one of the stepper's ranges) of group ``group_index`` to the worker."""
         if (group_index, start) in self.submitted:
             return
         self.submitted.add((group_index, start))
+        if self.owner.handoff is Handoff.SHORT_SWITCH and not self._short_switch:
+            _SwitchInterval.enter()
+            self._short_switch = True
         ready = self.owner.device_work.mark()  # the range's gradients are written on this thread's stream
         job = self.owner._executor().submit(self._step, group_index, start, end, len(self.jobs), ready)
         self.jobs.append((group_index, start, end, job))
@@ -248,6 +305,9 @@ class StepRun:
             slot.free.set()  # a worker waiting for a buffer that will never be published goes on
         for _, _, _, job in self.jobs:
             _wait_quietly(job)
+        if self._short_switch:  # nothing is on the worker any more
+            self._short_switch = False
+            _SwitchInterval.leave()
         self.owner.device_work.join()  # nothing the worker queued is in flight once the update is over
         for group in self.groups:
             group.stepper.close()

@@ -32,7 +32,7 @@ from deepspeed._core.optim.base import MicroStepKind
 from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel, step_in_chunks
 from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
 from deepspeed._core.optim.early_step import EarlyUpdate, GroupSpan, LandingPlan, LazyPartitionGrad, needs_no_norm
-from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
+from deepspeed._core.optim.host_step import GroupStep, Handoff, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
 from deepspeed._core.optim.master import MasterPlacement, MasterShard
 from deepspeed._core.optim.sharded import (
@@ -126,7 +126,8 @@ class ZeroOptimizer(ShardedOptimizer):
         # [Note: overlapped host step]: an offloaded update is stepped on a host worker, published chunk by chunk.
         self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
         overlap = plan.zero.offload_optimizer.enabled and plan.zero.lean.overlap_offload_step
-        self.host_step = OverlappedHostStep(self.pinned) if overlap else None
+        handoff = Handoff.SHORT_SWITCH if plan.zero.lean.short_switch_interval else Handoff.DEFAULT
+        self.host_step = OverlappedHostStep(self.pinned, handoff) if overlap else None
         self._plan_early_step()
         self.zenflow = self._build_zenflow()
         attach_hp_mapping(self)  # lets safe_get_full_fp32_param & co. find a parameter's partition

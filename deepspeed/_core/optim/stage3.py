@@ -50,7 +50,7 @@ from deepspeed._core.optim.early_step import (
     RegionSpan,
     needs_no_norm,
 )
-from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pinning_of, pool_for_step
+from deepspeed._core.optim.host_step import GroupStep, Handoff, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.master import MasterShard, send_through_host, writer_into
 from deepspeed._core.optim.sharded import INIT_OPTIMIZER_TIMER, OPTIMIZER_STEP_TIMER, ShardedOptimizer
 from deepspeed._core.optim.stage3_access import Region, ShardIndex, Stage3ParamAccess
@@ -138,7 +138,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self._window_buffers: list[torch.Tensor] = []  # two step chunks for ParkedWindow, from the pinned pool
         # [Note: overlapped host step]: an offloaded update is stepped on a host worker, published chunk by chunk.
         self.pinned = pool_for_step(self._step_chunk_numel, pinning_of(plan))
-        self.host_step = OverlappedHostStep(self.pinned) if overlap else None
+        handoff = Handoff.SHORT_SWITCH if plan.zero.lean.short_switch_interval else Handoff.DEFAULT
+        self.host_step = OverlappedHostStep(self.pinned, handoff) if overlap else None
         self._folded: set[tuple[int, int]] = set()  # (group, offset) regions folded in this window
         self._plan_early_step()
         self._build_reduction()

@@ -9,7 +9,7 @@ import torch
 
 from deepspeed._core.comm.pinned_pool import Pinning
 from deepspeed._core.optim.chunked_step import ChunkStepper
-from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, StepRun, pool_for_step
+from deepspeed._core.optim.host_step import GroupStep, Handoff, OverlappedHostStep, StepRun, pool_for_step
 
 
 def _update(rounded_by_worker: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, torch.Tensor, set]:
@@ -172,3 +172,66 @@ def test_the_workers_device_work_runs_on_a_side_stream_ordered_by_the_hand_over(
         assert log.index(("wait", "side", event)) < log.index(("step", start, "side")), log
     last_side = [e[1] for e in log if e[0] == "record" and e[1].startswith("side")][-1]
     assert log[-1] == ("wait", "compute", last_side), log
+
+
+def _update_seeing_interval(short: bool, fail: bool = False) -> list[float]:
+    """Run one update whose worker records the switch interval it sees before each range."""
+    import sys
+
+    master = torch.nn.Parameter(torch.randn(600), requires_grad=False)
+    opt = torch.optim.AdamW([master], lr=1e-2)
+    handoff = Handoff.SHORT_SWITCH if short else Handoff.DEFAULT
+    host = OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE), handoff)
+    seen: list[float] = []
+
+    def log(what: str, group: int, start: int) -> None:
+        seen.append(sys.getswitchinterval())
+        if fail and start == 256:
+            raise RuntimeError("range failed")
+
+    host.log = log
+    update = host.begin([GroupStep(ChunkStepper(opt, 0, 128), torch.zeros(600), lambda s, p: None, torch.float32)], 1.0)
+    update.submit_rest()
+    try:
+        update.publish()
+    finally:
+        host.shutdown()
+    return seen
+
+
+def test_the_switch_interval_is_short_while_the_worker_steps_and_restored_after() -> None:
+    import sys
+
+    from deepspeed._core.optim.host_step import HANDOFF_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    assert before > HANDOFF_SWITCH_INTERVAL_S  # the interpreter's default, 5 ms
+    seen = _update_seeing_interval(short=True)
+    assert len(seen) == 5 and all(v == pytest.approx(HANDOFF_SWITCH_INTERVAL_S) for v in seen)
+    assert sys.getswitchinterval() == before
+    assert _update_seeing_interval(short=False) == [before] * 5  # the switch off leaves it alone
+    with pytest.raises(RuntimeError, match="range failed"):
+        _update_seeing_interval(short=True, fail=True)
+    assert sys.getswitchinterval() == before  # also restored when a range raises
+
+
+def test_two_updates_in_flight_restore_the_interval_once_both_end() -> None:
+    import sys
+
+    from deepspeed._core.optim.host_step import HANDOFF_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    masters = [torch.nn.Parameter(torch.randn(300), requires_grad=False) for _ in range(2)]
+    hosts = [OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE)) for _ in masters]
+    runs = []
+    for host, master in zip(hosts, masters, strict=True):
+        opt = torch.optim.AdamW([master], lr=1e-2)
+        step = GroupStep(ChunkStepper(opt, 0, 128), torch.zeros(300), lambda s, p: None, torch.float32)
+        runs.append(host.begin([step], 1.0))
+        runs[-1].submit_rest()
+    runs[0].publish()
+    assert sys.getswitchinterval() == pytest.approx(HANDOFF_SWITCH_INTERVAL_S)  # the second is still in flight
+    runs[1].publish()
+    assert sys.getswitchinterval() == before
+    for host in hosts:
+        host.shutdown()
