@@ -179,13 +179,13 @@ if want resume || want step; then
 fi
 
 if want gil; then
-  # The host update beside a busy training thread (chunk size, switch interval, worker threads), then the
-  # offloaded step with the short switch interval on and off, with and without clipping.
+  # The offloaded step with the short switch interval on and off, with and without clipping; then the host update
+  # beside a busy training thread (chunk size, switch interval, worker threads).
+  part offload_switch 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 --breakdown \
+    --cases overlap_on_noclip,overlap_on_noclip_long_switch,overlap_on,overlap_on_long_switch \
+    --out "$WORK/offload_switch.jsonl"
   part host_contention 120 python3 benchmarks/host_adam_contention.py --params 1000000000 --chunk-mib 64,256 \
     --switch-ms 5,0.5 --out "$WORK/host_contention.jsonl"
-  part offload_switch 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 3 --breakdown \
-    --cases overlap_on,overlap_on_long_switch,overlap_on_noclip,overlap_on_noclip_long_switch \
-    --out "$WORK/offload_switch.jsonl"
 fi
 
 if want delayed; then
