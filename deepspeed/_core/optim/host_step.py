@@ -27,9 +27,8 @@ back afterwards (the synchronous order).
 chunk (and at every tensor operation of the Python between them). While the training thread runs Python, as it
 does through the backward's hooks and the publishing, the interpreter hands the GIL over only when the holder
 releases it or every ``sys.getswitchinterval()`` seconds (5 ms by default). With a few hundred chunks per update,
-the worker then waits a few milliseconds per chunk, tenths of a second per step; a 2-core run of
-``benchmarks/host_adam_contention.py`` showed the worker 1.4-1.8x as slow beside a busy training thread, and the
-training thread slower too. So while an update has chunks on the worker the switch interval is
+the worker can wait up to that long per chunk, tenths of a second per step, and the training thread waits the same
+way behind the worker's Python between chunks. So while an update has chunks on the worker the switch interval is
 :data:`HANDOFF_SWITCH_INTERVAL_S`, and the previous value comes back once no update is in flight (a count across
 engines in one process). Switch: ``zero_optimization.lean_short_switch_interval``; ``false`` leaves the
 interval alone.
