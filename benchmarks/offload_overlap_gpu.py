@@ -54,9 +54,9 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -327,7 +327,8 @@ def _fwd_bwd(args: argparse.Namespace) -> tuple[float, int]:
 
 
 def _host_adam(params: int, steps: int, worker: bool = False, copy_to: str = "", pinned_state: bool = False) -> float:
-    """The host optimizer alone, stepped chunk by chunk as the engine steps it. ``worker``: from a worker thread;
+    """The host optimizer alone, stepped chunk by chunk as the engine steps it. ``worker``: from one worker thread
+    kept across updates;
     ``copy_to`` (``"pinned"`` / ``"pageable"``): each chunk's rounded bf16 copy written into one of two staging
     buffers of that kind in the step's own pass; ``pinned_state``: master and gradient in page-locked memory."""
     from deepspeed._core.optim.chunked_step import ChunkStepper, step_chunk_numel
@@ -350,15 +351,18 @@ def _host_adam(params: int, steps: int, worker: bool = False, copy_to: str = "",
         finally:
             stepper.close()
 
+    # One worker thread for every update, as the engine keeps one: its thread pool is set up once, in the warm-up.
+    pool = ThreadPoolExecutor(max_workers=1) if worker else None
+
     def run() -> None:
-        if not worker:
+        if pool is None:
             stepped()
             return
-        thread = threading.Thread(target=stepped)
-        thread.start()
-        thread.join()
+        pool.submit(stepped).result()
 
     seconds = _median(run, steps, warmup=1)
+    if pool is not None:
+        pool.shutdown()
     gc.collect()
     return seconds
 
