@@ -136,6 +136,7 @@ class OverlappedHostStep:
         self.pool = pool
         self.handoff = handoff
         self._worker: ThreadPoolExecutor | None = None
+        self._open: set[StepRun] = set()  # updates begun and not yet over: shutdown() ends them
         self.device_work = WorkerStream()  # the worker's copies of device gradients ([Note: worker stream])
         self.chunks_published = 0  # for tests: chunks that took the overlapped route
         # For tests: called on the worker as ``log("host_step", group, start)`` right before a range steps.
@@ -166,7 +167,9 @@ class OverlappedHostStep:
             slots = [_Slot(self.pool.acquire(width, torch.uint8), threading.Event()) for _ in range(2)]
             for slot in slots:
                 slot.free.set()
-        return StepRun(self, groups, coef, slots)
+        run = StepRun(self, groups, coef, slots)
+        self._open.add(run)
+        return run
 
     def run(self, groups: Sequence[GroupStep], coef: Coef) -> None:
         """Step every group's chunks in order on the worker; publish each as soon as it is stepped.
@@ -179,7 +182,9 @@ class OverlappedHostStep:
         update.publish()
 
     def shutdown(self) -> None:
-        """Stop the worker thread (the engine is being destroyed)."""
+        """End any update still open and stop the worker thread (the engine is being destroyed)."""
+        for run in list(self._open):
+            run.abandon()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
@@ -311,6 +316,7 @@ class StepRun:
         for group in self.groups:
             group.stepper.close()
         self.done = True
+        self.owner._open.discard(self)
 
     def _widest_bytes(self) -> int:
         """Bytes of the widest chunk in its working dtype: the size of each staging buffer."""

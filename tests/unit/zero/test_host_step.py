@@ -235,3 +235,21 @@ def test_two_updates_in_flight_restore_the_interval_once_both_end() -> None:
     assert sys.getswitchinterval() == before
     for host in hosts:
         host.shutdown()
+
+
+def test_shutdown_ends_an_open_update_and_restores_the_interval() -> None:
+    """An update begun and never published (an error between the backward and the step) ends with the engine."""
+    import sys
+
+    from deepspeed._core.optim.host_step import HANDOFF_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    master = torch.nn.Parameter(torch.randn(300), requires_grad=False)
+    opt = torch.optim.AdamW([master], lr=1e-2)
+    host = OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE))
+    run = host.begin([GroupStep(ChunkStepper(opt, 0, 128), torch.zeros(300), lambda s, p: None, torch.float32)], 1.0)
+    run.submit(0, 0, 128)
+    assert sys.getswitchinterval() == pytest.approx(HANDOFF_SWITCH_INTERVAL_S)
+    host.shutdown()
+    assert sys.getswitchinterval() == before
+    assert opt.state[master]  # the stepper was closed: the state is back in the optimizer
