@@ -155,11 +155,11 @@ if want late; then
 fi
 
 if want resume; then
-  # The GPU-marked tests first (streams, events and kernels run for real only there); pytest comes from the
-  # carried wheels (.whl_upstream/tests).
+  # The GPU-marked tests first (streams, events and kernels run for real only there); pytest and pytest-timeout
+  # come from the image, or else from carried wheels (.whl_upstream/tests).
   GPU_TESTS=$(grep -rl 'mark.gpu' tests | sort | tr '\n' ' ')
-  part gpu_tests 150 bash -c "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    .whl_upstream/tests/*.whl && DS_ACCELERATOR=cuda python3 -m pytest -q -p no:cacheprovider --timeout=120 -m gpu \
+  part gpu_tests 150 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
+    --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda python3 -m pytest -q -p no:cacheprovider --timeout=120 -m gpu \
     --continue-on-collection-errors $GPU_TESTS; python3 -m pytest -q -p no:cacheprovider --timeout=120 \
     tests/kernels/test_cpu_adam.py -k gil"
 fi
