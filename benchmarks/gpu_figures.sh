@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -193,4 +193,15 @@ if want delayed; then
   # optimizer on the GPU; 6 timed steps so the median spans the 4-step update interval.
   part offload_delayed 170 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 \
     --cases zenflow,gpu_resident --out "$WORK/offload_delayed.jsonl"
+fi
+
+if want maxlen; then
+  # The longest step with ALST, on either side of the 1.25x line: upstream at 256K (its 128K step peaked at 35 GiB
+  # allocated and 59.5 GiB reserved of 80), then ours at 320K (1.25 x 256K). One length each, after the 8192-token
+  # warm-up step (a warm-up sets no step-time estimate, so the length is always tried).
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/maxlen.jsonl"
+  ALST="--tile-mlp 8 --tile-loss 16 --act-offload --warmup-seq 8192 --budget-s 600"
+  part maxlen_upstream 230 $LC --impl upstream $ALST --lengths 262144
+  part maxlen_ours 320 $LC --impl ours $ALST --lengths 327680
+  cp "$WORK/maxlen.jsonl" "$OUT/"
 fi
