@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -144,6 +144,12 @@ if want late || want baselines; then
   part offload_baselines 120 python3 benchmarks/run_all.py --scenario s3 --impl upstream,fsdp2 \
     --out "$WORK/offload_baselines" --extra-site /tmp/site --job-timeout-s 58 \
     --set '{"seq": 8192, "offload": true, "trace": false, "warmup": 1, "timed_steps": 2}'
+fi
+
+if want late || want disk; then
+  # The disk under /tmp (where the NVMe rows swap): write and read throughput of the async I/O op per setting.
+  part aio_disk 90 python3 benchmarks/kernels/bench_aio.py --dir /tmp/aio_bench --mib 1024 --queue-depths 1,8,32 \
+    --threads 1,4 --out "$WORK/aio_disk.jsonl"
 fi
 
 if want late; then

@@ -4,7 +4,9 @@
 // or in the background (async_* then wait()). Each request is cut into intra_op_parallelism contiguous parts,
 // one per worker thread, and each part into block_size pieces.
 // Backends: "libaio" (kernel AIO, up to queue_depth pieces in flight per worker; compiled only when the libaio
-// headers were found: DS_AIO_HAVE_LIBAIO) or "threads" (each worker issues blocking pread/pwrite calls).
+// headers were found: DS_AIO_HAVE_LIBAIO) or "threads" (blocking pread/pwrite calls; each worker's part is cut
+// again into min(queue_depth, kMaxLanes) lanes, one thread each, so that this backend too keeps queue_depth
+// requests in flight: an NVMe device reaches its throughput only with several, one at a time gave a third of it).
 // O_DIRECT: used where the file system accepts it (not tmpfs, for example). Direct I/O needs the memory address,
 // the file offset and the length aligned to kAlign; pieces whose memory is not aligned go through an aligned
 // bounce buffer, and a tail shorter than kAlign goes through a second, buffered descriptor of the same file.
@@ -39,6 +41,8 @@
 namespace {
 
 constexpr int64_t kAlign = 4096;
+constexpr int kMaxLanes = 16;    // threads backend: blocking calls in flight per intra-op worker, at most
+constexpr int kMaxWorkers = 64;  // threads of one handle's pool, at most
 
 int64_t round_down(int64_t v, int64_t a) { return v / a * a; }
 bool aligned(int64_t v) { return v % kAlign == 0; }
@@ -291,7 +295,7 @@ public:
         cv_.notify_all();
     }
     int size() const { return static_cast<int>(workers_.size()); }
-    std::vector<std::deque<std::function<void(int)>>> queues_{64};
+    std::vector<std::deque<std::function<void(int)>>> queues_{kMaxWorkers};
 
 private:
     void loop(int index) {
@@ -340,7 +344,10 @@ public:
             TORCH_CHECK_VALUE(backend == "threads", "aio_handle: backend must be 'auto', 'libaio' or 'threads'; got '",
                               backend, "'");
         }
-        const int n = settings_.threads;
+        // The threads backend keeps its queue depth with threads of its own (Backends, at the top of this file).
+        lanes_ = settings_.use_libaio ? 1 : std::max(1, std::min(settings_.queue_depth, kMaxLanes));
+        lanes_ = std::max(1, std::min(lanes_, kMaxWorkers / settings_.threads));
+        const int n = settings_.threads * lanes_;
         bounce_.resize(n);
 #ifdef DS_AIO_HAVE_LIBAIO
         ctx_.assign(n, nullptr);
@@ -382,7 +389,7 @@ public:
         req->file = open_pair(path, write, true);
         if (!write) check_size(*req, offset + nbytes);
         auto* base = static_cast<char*>(buffer.data_ptr());
-        std::vector<Part> cut = split(base, nbytes, offset, parts);
+        std::vector<Part> cut = split(base, nbytes, offset, parts * lanes_);
         req->parts_left = static_cast<int>(cut.size());
         if (is_async) {
             std::lock_guard<std::mutex> g(mu_);
@@ -492,6 +499,7 @@ private:
     }
 
     Settings settings_;
+    int lanes_ = 1;  // parts per intra-op worker: the threads backend's requests in flight per worker
     std::vector<Bounce> bounce_;
 #ifdef DS_AIO_HAVE_LIBAIO
     std::vector<io_context_t> ctx_;

@@ -102,6 +102,33 @@ def test_many_requests_in_flight(aio_op: ModuleType, backend: str, tmp_path: Pat
     assert all(torch.equal(o, s) for o, s in zip(outs, srcs, strict=True))
 
 
+def _threads_now() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_the_threads_backend_keeps_queue_depth_requests_in_flight(aio_op: ModuleType, tmp_path: Path) -> None:
+    """Blocking calls keep one request in flight per thread, so the threads backend gives each intra-op worker
+    min(queue_depth, 16) threads; libaio keeps its depth in the kernel with one thread per worker."""
+    before = _threads_now()
+    h = _handle(aio_op, "threads", block_size=4096, queue_depth=4, intra_op_parallelism=2)
+    assert _threads_now() - before == 2 * 4
+    deep = _handle(aio_op, "threads", block_size=4096, queue_depth=128, intra_op_parallelism=8)
+    assert _threads_now() - before == 2 * 4 + 64  # 16 per worker at most, 64 in one handle
+    del deep
+    # A request is cut into one part per thread, each written and read back in place.
+    src = _random_bytes(8 * 4096 * 3 + 1234, seed=5)
+    h.sync_pwrite(src, str(tmp_path / "lanes.swp"))
+    back = torch.empty_like(src)
+    h.sync_pread(back, str(tmp_path / "lanes.swp"))
+    assert torch.equal(back, src)
+    if aio_op.libaio_compiled():
+        before = _threads_now()
+        kernel = _handle(aio_op, "libaio", block_size=4096, queue_depth=4, intra_op_parallelism=2)
+        assert _threads_now() - before == 2
+        del kernel
+
+
 def test_unaligned_memory_goes_through_o_direct(aio_op: ModuleType, backend: str, tmp_path: Path) -> None:
     """A view starting 3 bytes into a tensor is not page aligned: the direct path stages it, values stay exact."""
     h = _handle(aio_op, backend, block_size=8192, queue_depth=4, intra_op_parallelism=1)

@@ -21,9 +21,10 @@ class AioConfig(DeepSpeedLenientConfigModel):
     block_size: int = Field(1048576, gt=0)
     """Bytes per I/O request (a positive multiple of 4096)."""
     queue_depth: int = Field(8, gt=0)
-    """Requests in flight per I/O thread (libaio backend; the thread-pool backend has one per thread)."""
+    """Requests in flight per I/O worker: kernel AIO requests (libaio backend), or blocking calls on threads of
+    their own, at most 16 per worker (thread-pool backend)."""
     intra_op_parallelism: int = Field(1, gt=0, le=64, alias="thread_count")
-    """I/O threads per read or write (older spelling: ``thread_count``)."""
+    """I/O workers per read or write, each with a contiguous part of it (older spelling: ``thread_count``)."""
     single_submit: bool = False
     """Submit requests one at a time instead of in batches (libaio backend)."""
     overlap_events: bool = True

@@ -1,8 +1,9 @@
 """``AsyncIOBuilder``: the asynchronous file I/O op behind NVMe offload (``aio_handle``).
 
-The op always has a thread-pool backend (blocking ``pread``/``pwrite`` calls on worker threads). When the libaio
-development headers and library are found at build time it also compiles the kernel-AIO backend, which keeps up
-to ``queue_depth`` requests in flight per worker; ``aio_handle(backend="auto")`` then uses it.
+The op always has a thread-pool backend (blocking ``pread``/``pwrite`` calls, ``min(queue_depth, 16)`` threads
+per worker so that as many requests are in flight). When the libaio development headers and library are found at
+build time it also compiles the kernel-AIO backend, which keeps up to ``queue_depth`` requests in flight per worker
+from one thread; ``aio_handle(backend="auto")`` then uses it.
 """
 
 from __future__ import annotations
