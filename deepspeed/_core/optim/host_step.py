@@ -1,10 +1,11 @@
-"""The overlapped host step of an offloaded optimizer: a host worker steps, the caller's thread publishes.
+"""The overlapped host step of an offloaded optimizer: chunks stepped on the host while their copies go up.
 
 [Note: overlapped host step] With ``offload_optimizer`` the update runs on the host, chunk by chunk
 ([Note: chunked step]), and the updated weights must then go up to the accelerator in the working dtype. Done one
 after the other, the accelerator idles through the whole host update and then the host idles through the
-transfers. Here one host worker thread steps the chunks in order and writes each stepped chunk, in the working
-dtype, into one of two page-locked staging buffers ([Note: pinned pool]; with the host Adam in the step's own
+transfers. Here the chunks are stepped in order, by one host worker thread while the backward still runs (below)
+or else by the caller's thread ([Note: update after the decision]), and each stepped chunk is written, in the
+working dtype, into one of two page-locked staging buffers ([Note: pinned pool]; with the host Adam in the step's own
 pass, [Note: scaled step]); the caller's thread only issues each chunk's copy up, without blocking. A staging
 buffer is refilled once an event says its last copy has left. The accelerator's copies of chunk ``k`` therefore
 run while the host steps chunk ``k + 1``, and the two threads never do host-side element work at the same time
@@ -17,11 +18,19 @@ Exactness: every chunk goes through :meth:`~deepspeed._core.optim.chunked_step.C
 same operations on the same values as the synchronous loop, and each chunk's conversion is elementwise, so the
 result is bit-identical whatever the timing. Where clipping, the fp16 loss scale or the bf16 overflow check
 needs every gradient before any chunk may change, the step starts once the global norm is known (the reduction
-itself is one scalar) and the worker starts on the first chunk right after; where nothing does, a ZeRO-1/2 chunk
+itself is one scalar) and the caller's thread steps the first chunk right after; where nothing does, a ZeRO-1/2 chunk
 may be submitted during the backward, as soon as its own gradient is final ([Note: early host step]; at ZeRO-3,
 [Note: final gradient count]).
 Switch: ``zero_optimization.lean_overlap_offload_step``; ``false`` steps every chunk first and writes the weights
 back afterwards (the synchronous order).
+
+[Note: update after the decision] An update that starts only once the whole backward is over (after the global
+norm, or at ZeRO-1/2 whenever nothing started during the backward) is stepped by the caller's thread itself
+(:meth:`OverlappedHostStep.run`): it has nothing else to do until the update ends. Each chunk's kernel writes the
+rounded copy into one of the two staging buffers, the copy up is issued without blocking, and the next chunk steps
+while it runs: the same overlap as with the worker, without handing every chunk across threads (and the interpreter
+with it), and with the kernel on the caller's pool of intra-op threads. The worker earns its keep only where the
+caller's thread has other work: the backward, for an update that starts during it.
 
 [Note: short switch interval] Each chunk's kernel runs without the GIL, and the worker needs it back after every
 chunk (and at every tensor operation of the Python between them). While the training thread runs Python, as it
@@ -172,14 +181,13 @@ class OverlappedHostStep:
         return run
 
     def run(self, groups: Sequence[GroupStep], coef: Coef) -> None:
-        """Step every group's chunks in order on the worker; publish each as soon as it is stepped.
+        """Step every group's chunks in order on the caller's thread; publish each as soon as it is stepped
+        ([Note: update after the decision]).
 
         Returns once every copy up has completed. Each stepper is closed (its state back in the optimizer),
         also when a chunk raises.
         """
-        update = self.begin(groups, coef, rounded_by_worker=True)
-        update.submit_rest()
-        update.publish()
+        self.begin(groups, coef, rounded_by_worker=True).step_here()
 
     def shutdown(self) -> None:
         """End any update still open and stop the worker thread (the engine is being destroyed)."""
@@ -252,6 +260,32 @@ class StepRun:
             for start, end in group.stepper.ranges():
                 self.submit(index, start, end)
 
+    def step_here(self) -> None:
+        """Step every range in order on this thread, each rounded into a staging buffer and its copy up issued at
+        once ([Note: update after the decision]); returns as :meth:`publish` does. Nothing may have been
+        submitted."""
+        assert not self.jobs and self.slots, "step_here: an update begun with rounded_by_worker and not submitted"
+        try:
+            index = 0
+            for gi, group in enumerate(self.groups):
+                for start, end in group.stepper.ranges():
+                    self.submitted.add((gi, start))
+                    piece = self._step(gi, start, end, index, self.owner.device_work.mark())
+                    self._published(index, group, start, piece)
+                    index += 1
+                group.stepper.close()
+        finally:
+            self._end([], [None, None])
+
+    def _published(self, index: int, group: GroupStep, start: int, rounded: torch.Tensor) -> None:
+        """Issue the copy up of the range rounded into staging buffer ``index % 2``; the buffer may be refilled once
+        that copy has left it."""
+        group.publish(start, rounded)
+        slot = self.slots[index % 2]
+        slot.copied = record_current()
+        slot.free.set()
+        self.owner.chunks_published += 1
+
     def publish(self) -> None:
         """Wait for each submitted range in turn and publish it; returns once every copy up has completed and every
         stepper is closed (also when a chunk raises). Every range must have been submitted."""
@@ -263,24 +297,25 @@ class StepRun:
                 rounded = job.result()
                 group = self.groups[gi]
                 if rounded is not None:  # the worker wrote it into one of the update's staging buffers
-                    group.publish(start, rounded)
-                    slot = self.slots[index % 2]
-                    slot.copied = record_current()
-                    slot.free.set()
+                    self._published(index, group, start, rounded)
                 else:
                     self._publish_here(index, group, start, end, slots, in_flight)
-                self.owner.chunks_published += 1
+                    self.owner.chunks_published += 1
                 left[gi] -= 1
                 if not left[gi]:
                     group.stepper.close()
         finally:
-            self.abandon()
-            for event in in_flight + [slot.copied for slot in self.slots]:
-                if event is not None:
-                    event.synchronize()
-            for slot_buffer in slots + [slot.buffer for slot in self.slots]:
-                self.owner.pool.release(slot_buffer)
-            self.slots = []
+            self._end(slots, in_flight)
+
+    def _end(self, slots: list[torch.Tensor], in_flight: list[Any]) -> None:
+        """Close the update: wait for the worker and every copy up, give the staging buffers back."""
+        self.abandon()
+        for event in in_flight + [slot.copied for slot in self.slots]:
+            if event is not None:
+                event.synchronize()
+        for slot_buffer in slots + [slot.buffer for slot in self.slots]:
+            self.owner.pool.release(slot_buffer)
+        self.slots = []
 
     def _publish_here(
         self, index: int, group: GroupStep, start: int, end: int, slots: list[torch.Tensor], in_flight: list[Any]

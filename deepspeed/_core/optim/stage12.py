@@ -329,19 +329,22 @@ class ZeroOptimizer(ShardedOptimizer):
         if self._early is not None and self._early.armed:  # [Note: early host step]: some chunks may be stepped
             run = self._early.take(coef)
             self.grad_pipeline.landed = None
-        else:
+            parts.clear()
+            with self.timed(OPTIMIZER_STEP_TIMER):  # the write-back overlaps the step: both count here
+                run.submit_rest()
+                run.publish()
+            del run
+        else:  # [Note: update after the decision]
             steps = []
             for index, group in enumerate(self.groups):
                 part = parts[index]
                 grad = torch.zeros_like(group.master.param) if part is None else part
                 stepper = ChunkStepper(self.optimizer, index, self._step_chunk_numel)
                 steps.append(GroupStep(stepper, grad, group.master.writer.publish, group.flat.dtype))
-            run = self.host_step.begin(steps, coef)
-        parts.clear()
-        with self.timed(OPTIMIZER_STEP_TIMER):  # the write-back overlaps the step: both count here
-            run.submit_rest()
-            run.publish()
-        del run
+            parts.clear()
+            with self.timed(OPTIMIZER_STEP_TIMER):
+                self.host_step.run(steps, coef)
+            steps.clear()
         self._clear_grads()
         with self.timed(OPTIMIZER_ALLGATHER_TIMER):
             for group in self.groups:

@@ -530,7 +530,8 @@ class Stage3Optimizer(Stage3ParamAccess, ShardedOptimizer):
         self.parked.forget()  # the write-back replaced every parked gradient with the new values
 
     def _synchronous_order_update(self, coef: Coef) -> None:
-        """Every chunk stepped on the worker in order, each published as soon as it is stepped."""
+        """Every chunk stepped in order on this thread, each published as soon as it is stepped ([Note: update after
+        the decision])."""
         assert self.host_step is not None
         steps = []
         for index, grp in enumerate(self.groups):

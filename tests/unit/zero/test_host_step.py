@@ -253,3 +253,63 @@ def test_shutdown_ends_an_open_update_and_restores_the_interval() -> None:
     host.shutdown()
     assert sys.getswitchinterval() == before
     assert opt.state[master]  # the stepper was closed: the state is back in the optimizer
+
+
+def _groups(published: dict, seed: int = 3) -> tuple[list[GroupStep], list[torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    masters = [torch.nn.Parameter(torch.randn(n, generator=gen), requires_grad=False) for n in (700, 260)]
+    opt = torch.optim.AdamW([{"params": [m]} for m in masters], lr=1e-2)
+    groups = []
+    for index, master in enumerate(masters):
+        grad = torch.randn(master.numel(), generator=gen).bfloat16()
+
+        def publish(start: int, piece: torch.Tensor, index: int = index) -> None:
+            published[(index, start, threading.current_thread().name)] = piece.clone()
+
+        groups.append(GroupStep(ChunkStepper(opt, index, 256), grad, publish, torch.bfloat16))
+    return groups, masters
+
+
+def test_an_update_after_the_decision_steps_on_the_callers_thread() -> None:
+    """run() (the whole update after the global decision) steps every chunk on the caller's thread, starts no
+    worker, and gives the same masters and the same published pieces as the worker's route."""
+    stepped_on: set = set()
+    here: dict = {}
+    host = OverlappedHostStep(pool_for_step(256, Pinning.PAGEABLE))
+    host.log = lambda what, group, start: stepped_on.add(threading.current_thread().name)
+    groups, masters = _groups(here)
+    host.run(groups, 0.5)
+    assert host._worker is None and stepped_on == {threading.current_thread().name}
+    assert host.chunks_published == 3 + 2
+    assert not host.pool._taken  # both staging buffers are back in the pool
+
+    worker: dict = {}
+    other = OverlappedHostStep(pool_for_step(256, Pinning.PAGEABLE))
+    groups2, masters2 = _groups(worker)
+    update = other.begin(groups2, 0.5, rounded_by_worker=True)
+    update.submit_rest()
+    update.publish()
+    other.shutdown()
+    assert torch.equal(torch.cat([m.detach() for m in masters]), torch.cat([m.detach() for m in masters2]))
+    assert [(g, s) for g, s, _ in here] == [(g, s) for g, s, _ in worker]
+    for (key, piece), other_piece in zip(here.items(), worker.values(), strict=True):
+        assert torch.equal(piece, other_piece), key
+
+
+def test_a_range_failing_on_the_callers_thread_closes_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    master = torch.nn.Parameter(torch.randn(1000), requires_grad=False)
+    opt = torch.optim.AdamW([master], lr=1e-2)
+    host = OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE))
+    real = ChunkStepper.step_range
+
+    def fail_third(self: ChunkStepper, start: int, *a: object, **k: object) -> None:
+        if start == 256:
+            raise RuntimeError("range 2 failed")
+        real(self, start, *a, **k)
+
+    monkeypatch.setattr(ChunkStepper, "step_range", fail_third)
+    stepper = ChunkStepper(opt, 0, 128)
+    with pytest.raises(RuntimeError, match="range 2 failed"):
+        host.run([GroupStep(stepper, torch.zeros(1000), lambda s, p: None, torch.bfloat16)], 1.0)
+    assert not host._open and opt.state[master]  # the update ended and its stepper was closed
+    assert not host.pool._taken
