@@ -271,6 +271,7 @@ class StepRun:
                 for start, end in group.stepper.ranges():
                     self.submitted.add((gi, start))
                     piece = self._step(gi, start, end, index, self.owner.device_work.mark())
+                    assert piece is not None  # the update has its staging buffers and is not abandoned
                     self._published(index, group, start, piece)
                     index += 1
                 group.stepper.close()
