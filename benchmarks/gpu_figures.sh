@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -212,4 +212,11 @@ if want maxlen; then
   part maxlen_upstream 230 $LC --impl upstream $ALST --lengths 262144
   part maxlen_ours 320 $LC --impl ours $ALST --lengths 327680
   cp "$WORK/maxlen.jsonl" "$OUT/"
+fi
+
+if want route; then
+  # The offloaded 3B step with clipping: the update after the norm stepped on the caller's thread (the engine's
+  # route) against the host worker's, with the floor's parts beside them.
+  part offload_route 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 4 --breakdown \
+    --cases overlap_on_worker_route,overlap_on,floor --out "$WORK/offload_route.jsonl"
 fi
