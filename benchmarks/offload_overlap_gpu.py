@@ -35,7 +35,9 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
   (the caller's thread only issuing the copies up), the route before [Note: update after the decision], for the
   same-call ratio of stepping on the caller's thread;
 - ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
-  overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3).
+  overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3), with the swaps
+  pipelined (``pipeline_read``/``pipeline_write``, 4 buffer sets) and 2 I/O workers of queue depth 8 (``aio``);
+  ``nvme_plain``: the same with the swap keys at their defaults (no pipelining, one I/O worker).
 
 With ``--breakdown`` each engine case also records where the host time of its step goes: wall seconds per thread
 in the optimizer's phases (gradient flush, norm, each chunk's gradient fetch, the inner optimizer, the
@@ -78,6 +80,7 @@ ENGINE_CASES = {
     "overlap_on_worker_route": (True, False, False),
     "bf16_states": (True, True, False),
     "nvme": (True, False, True),
+    "nvme_plain": (True, False, True),
     "zenflow": (True, False, False),
     "gpu_resident": (False, False, False),
 }
@@ -220,6 +223,8 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
     if bf16_states:
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     offload = {"device": "nvme", "nvme_path": nvme} if nvme else {"device": "cpu"}
+    if nvme and label == "nvme":  # the swap pipelined, several requests in flight
+        offload.update(pipeline_read=True, pipeline_write=True, buffer_count=4)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 0.0 if noclip else 1.0,
@@ -232,6 +237,8 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
             "lean_short_switch_interval": not label.endswith("_long_switch"),
         },
     }
+    if nvme and label == "nvme":
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2, "overlap_events": True}
     zero = cfg["zero_optimization"]
     if label in ("zenflow", "gpu_resident"):  # the delayed update and what it is held against: ZeRO-2
         zero["stage"] = 2
