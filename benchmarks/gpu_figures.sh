@@ -215,8 +215,10 @@ if want maxlen; then
 fi
 
 if want route; then
-  # The offloaded 3B step with clipping: the update after the norm stepped on the caller's thread (the engine's
-  # route) against the host worker's, with the floor's parts beside them.
-  part offload_route 230 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 4 --breakdown \
-    --cases overlap_on_worker_route,overlap_on,floor --out "$WORK/offload_route.jsonl"
+  # The offloaded 3B step with clipping (its update after the norm now stepped on the training thread) beside the
+  # floor's parts, then the host update alone from the main thread and from a worker thread at 1 B parameters.
+  part offload_route 200 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 4 --breakdown \
+    --cases overlap_on,floor --out "$WORK/offload_route.jsonl"
+  part host_adam_variants 150 python3 benchmarks/offload_overlap_gpu.py --cases host_adam_variants --steps 4 \
+    --variant-params 1000000000 --out "$WORK/host_adam_variants.jsonl"
 fi

@@ -31,9 +31,6 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
 - ``overlap_on_long_switch`` / ``overlap_on_noclip_long_switch``: those two with
   ``zero_optimization.lean_short_switch_interval`` false (the interpreter's switch interval left at 5 ms while the
   host worker steps), for the same-call ratio of the short interval;
-- ``overlap_on_worker_route``: ``overlap_on`` with the update after the norm stepped on the host worker thread
-  (the caller's thread only issuing the copies up), the route before [Note: update after the decision], for the
-  same-call ratio of stepping on the caller's thread;
 - ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
   overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3), with the swaps
   pipelined (``pipeline_read``/``pipeline_write``, 4 buffer sets) and 2 I/O workers of queue depth 8 (``aio``);
@@ -77,7 +74,6 @@ ENGINE_CASES = {
     "overlap_on_noclip": (True, False, False),
     "overlap_on_long_switch": (True, False, False),
     "overlap_on_noclip_long_switch": (True, False, False),
-    "overlap_on_worker_route": (True, False, False),
     "bf16_states": (True, True, False),
     "nvme": (True, False, True),
     "nvme_plain": (True, False, True),
@@ -263,8 +259,6 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
         def client(params: list) -> DeepSpeedCPUAdam:
             return LongRouteAdam(params, **opt_params)
 
-    if label.endswith("_worker_route"):
-        _use_worker_route()
     engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=cfg)
     batch = _batch(args.seq, "cuda")
 
@@ -290,30 +284,9 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
         "early_chunks": getattr(engine.optimizer, "early_chunks", 0),
     }
     engine.destroy()
-    _use_worker_route(False)
     gc.collect()
     torch.cuda.empty_cache()
     return out
-
-
-_CALLERS_ROUTE = None
-
-
-def _use_worker_route(on: bool = True) -> None:
-    """Step an update after the decision on the host worker (``on``) or, as the engine does, on the caller's
-    thread."""
-    global _CALLERS_ROUTE
-    from deepspeed._core.optim.host_step import OverlappedHostStep
-
-    if _CALLERS_ROUTE is None:
-        _CALLERS_ROUTE = OverlappedHostStep.run
-
-    def worker_route(self: OverlappedHostStep, groups: list, coef: float) -> None:
-        update = self.begin(groups, coef, rounded_by_worker=True)
-        update.submit_rest()
-        update.publish()
-
-    OverlappedHostStep.run = worker_route if on else _CALLERS_ROUTE
 
 
 def _breakdown(args: argparse.Namespace, engine: object, batch: dict, label: str) -> dict:
