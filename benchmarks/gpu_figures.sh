@@ -216,9 +216,7 @@ fi
 
 if want route; then
   # The offloaded 3B step with clipping (its update after the norm now stepped on the training thread) beside the
-  # floor's parts, then the host update alone from the main thread and from a worker thread at 1 B parameters.
+  # floor's parts (the host update alone from a worker thread is in hostdiag).
   part offload_route 200 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 4 --breakdown \
     --cases overlap_on,floor --out "$WORK/offload_route.jsonl"
-  part host_adam_variants 150 python3 benchmarks/offload_overlap_gpu.py --cases host_adam_variants --steps 4 \
-    --variant-params 1000000000 --out "$WORK/host_adam_variants.jsonl"
 fi
