@@ -54,25 +54,30 @@ def test_the_worker_rounds_and_the_caller_only_publishes(monkeypatch: pytest.Mon
     assert caller_threads == {threading.current_thread().name}
 
 
-def test_a_failing_range_releases_a_worker_waiting_for_a_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The caller stops publishing when a range raises; a worker blocked on a staging buffer must still finish."""
+def _failing_update(monkeypatch: pytest.MonkeyPatch, at: int) -> tuple[OverlappedHostStep, ChunkStepper, dict]:
+    """A host step over one 1000-element master in 128-element ranges, whose range starting at ``at`` raises
+    ``RuntimeError("range at AT failed")``; returns the host step, the stepper and the optimizer's state."""
     master = torch.nn.Parameter(torch.randn(1000), requires_grad=False)
     opt = torch.optim.AdamW([master], lr=1e-2)
-    host = OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE))
-    stepper = ChunkStepper(opt, 0, 128)
     real = ChunkStepper.step_range
 
-    def fail_first(self: ChunkStepper, start: int, *a: object, **k: object) -> None:
-        if start == 0:
-            raise RuntimeError("range 0 failed")
+    def fail(self: ChunkStepper, start: int, *a: object, **k: object) -> None:
+        if start == at:
+            raise RuntimeError(f"range at {at} failed")
         real(self, start, *a, **k)
 
-    monkeypatch.setattr(ChunkStepper, "step_range", fail_first)
+    monkeypatch.setattr(ChunkStepper, "step_range", fail)
+    return OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE)), ChunkStepper(opt, 0, 128), opt.state
+
+
+def test_a_failing_range_releases_a_worker_waiting_for_a_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller stops publishing when a range raises; a worker blocked on a staging buffer must still finish."""
+    host, stepper, _ = _failing_update(monkeypatch, 0)
     update: StepRun = host.begin(
         [GroupStep(stepper, torch.zeros(1000), lambda s, p: None, torch.bfloat16)], 1.0, rounded_by_worker=True
     )
     update.submit_rest()
-    with pytest.raises(RuntimeError, match="range 0 failed"):
+    with pytest.raises(RuntimeError, match="range at 0 failed"):
         update.publish()
     assert all(job.done() for *_, job in update.jobs)
     host.shutdown()
@@ -297,19 +302,8 @@ def test_an_update_after_the_decision_steps_on_the_callers_thread() -> None:
 
 
 def test_a_range_failing_on_the_callers_thread_closes_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
-    master = torch.nn.Parameter(torch.randn(1000), requires_grad=False)
-    opt = torch.optim.AdamW([master], lr=1e-2)
-    host = OverlappedHostStep(pool_for_step(128, Pinning.PAGEABLE))
-    real = ChunkStepper.step_range
-
-    def fail_third(self: ChunkStepper, start: int, *a: object, **k: object) -> None:
-        if start == 256:
-            raise RuntimeError("range 2 failed")
-        real(self, start, *a, **k)
-
-    monkeypatch.setattr(ChunkStepper, "step_range", fail_third)
-    stepper = ChunkStepper(opt, 0, 128)
-    with pytest.raises(RuntimeError, match="range 2 failed"):
+    host, stepper, state = _failing_update(monkeypatch, 256)
+    with pytest.raises(RuntimeError, match="range at 256 failed"):
         host.run([GroupStep(stepper, torch.zeros(1000), lambda s, p: None, torch.bfloat16)], 1.0)
-    assert not host._open and opt.state[master]  # the update ended and its stepper was closed
+    assert not host._open and state  # the update ended and its stepper was closed (the state is back)
     assert not host.pool._taken
