@@ -6,7 +6,7 @@
 // Backends: "libaio" (kernel AIO, up to queue_depth pieces in flight per worker; compiled only when the libaio
 // headers were found: DS_AIO_HAVE_LIBAIO) or "threads" (blocking pread/pwrite calls; each worker's part is cut
 // again into min(queue_depth, kMaxLanes) lanes, one thread each, so that this backend too keeps queue_depth
-// requests in flight: an NVMe device reaches its throughput only with several, one at a time gave a third of it).
+// requests in flight: an NVMe device reaches its throughput only with several in flight).
 // O_DIRECT: used where the file system accepts it (not tmpfs, for example). Direct I/O needs the memory address,
 // the file offset and the length aligned to kAlign; pieces whose memory is not aligned go through an aligned
 // bounce buffer, and a tail shorter than kAlign goes through a second, buffered descriptor of the same file.
