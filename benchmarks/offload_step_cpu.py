@@ -12,8 +12,11 @@ bf16->fp32 conversion of every chunk into a fresh tensor per chunk (``convert_fr
 over the bf16 shard upcast into a fresh tensor per piece (``norm_fresh``) vs through one reused buffer (``norm_reused``,
 ``local_sq_norm``); and a step's reads of gradients parked in host-resident parameter shards (``offload_param``,
 [Note: parked grads]): copied into a staging buffer and then converted (``parked_copy_convert``) vs converted
-straight from the shards (``parked_convert_into``). Each figure is the median of ``--reps`` runs after one
-warm-up run.
+straight from the shards (``parked_convert_into``); and the overlapped host step's update with the rounded
+copies published (into a host tensor here), stepped on the caller's thread as ``OverlappedHostStep.run`` does after
+the global decision (``host_step_callers``) vs on the host worker with the caller only publishing
+(``host_step_worker``, the route of an update started during the backward). Each figure is the median of
+``--reps`` runs after one warm-up run.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deepspeed._core.comm.pinned_pool import Pinning
 from deepspeed._core.grads.accumulator import KEPT_CHUNKS, ChunkedGradShard
 from deepspeed._core.grads.convert import convert_scaled
 from deepspeed._core.grads.parked import Parked, ParkedWindow
-from deepspeed._core.optim.chunked_step import step_in_chunks
+from deepspeed._core.optim.chunked_step import ChunkStepper, step_in_chunks
 from deepspeed._core.optim.clipping import NORM_CHUNK_NUMEL, local_sq_norm
+from deepspeed._core.optim.host_step import GroupStep, OverlappedHostStep, pool_for_step
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 Case = Callable[[], float]
@@ -147,6 +152,31 @@ def parked_cases(n: int, ch: int) -> dict[str, Case]:
     return {"parked_copy_convert": lambda: parked(False), "parked_convert_into": lambda: parked(True)}
 
 
+def host_step_cases(n: int, ch: int) -> dict[str, Case]:
+    """One update of an fp32 master with a bf16 gradient, each stepped chunk's bf16 copy published into a host
+    tensor: stepped on the caller's thread against on the host worker."""
+    master = torch.nn.Parameter(torch.randn(n), requires_grad=False)
+    opt = DeepSpeedCPUAdam([master], lr=1e-3)
+    grad, weights = torch.randn(n).bfloat16(), torch.empty(n, dtype=torch.bfloat16)
+    host = OverlappedHostStep(pool_for_step(ch, Pinning.PAGEABLE))
+
+    def publish(start: int, piece: torch.Tensor) -> None:
+        weights[start : start + piece.numel()].copy_(piece)
+
+    def update(on_worker: bool) -> float:
+        group = GroupStep(ChunkStepper(opt, 0, ch), grad, publish, torch.bfloat16)
+        t = time.perf_counter()
+        if on_worker:
+            run = host.begin([group], 0.5, rounded_by_worker=True)
+            run.submit_rest()
+            run.publish()
+        else:
+            host.run([group], 0.5)
+        return time.perf_counter() - t
+
+    return {"host_step_callers": lambda: update(False), "host_step_worker": lambda: update(True)}
+
+
 def main() -> None:
     """Time every case (see the module docstring) and print one JSON line."""
     ap = argparse.ArgumentParser()
@@ -156,7 +186,13 @@ def main() -> None:
     args = ap.parse_args()
     n, ch = args.numel, args.chunk
     torch.manual_seed(0)
-    cases = {**parked_cases(n, ch), **step_cases(n, ch), **norm_cases(n, ch), **convert_cases(n, ch)}
+    cases = {
+        **parked_cases(n, ch),
+        **step_cases(n, ch),
+        **norm_cases(n, ch),
+        **convert_cases(n, ch),
+        **host_step_cases(n, ch),
+    }
     out = {"numel": n, "chunk": ch, "threads": torch.get_num_threads(), "torch": torch.__version__}
     for name, fn in cases.items():
         fn()
