@@ -143,12 +143,14 @@ class _RecordingStreams:
         return switch()
 
 
+@pytest.mark.parametrize("route", ["worker", "caller"])
 def test_the_workers_device_work_runs_on_a_side_stream_ordered_by_the_hand_over(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, route: str
 ) -> None:
     """[Note: worker stream]: a range's step runs with the side stream current, after that stream waited for the
     event recorded on the submitting thread's stream when the range was handed over; at the end the submitting
-    thread's stream waits for the side stream before anything is freed there."""
+    thread's stream waits for the side stream before anything is freed there. The same holds for an update stepped
+    on the caller's thread ([Note: update after the decision])."""
     from deepspeed._core.comm.streams import WorkerStream
 
     streams = _RecordingStreams()
@@ -164,9 +166,12 @@ def test_the_workers_device_work_runs_on_a_side_stream_ordered_by_the_hand_over(
 
     monkeypatch.setattr(ChunkStepper, "step_range", logged)
     group = GroupStep(ChunkStepper(opt, 0, 128), torch.zeros(300), lambda s, p: None, torch.bfloat16)
-    update = host.begin([group], 1.0)
-    update.submit_rest()
-    update.publish()
+    if route == "worker":
+        update = host.begin([group], 1.0)
+        update.submit_rest()
+        update.publish()
+    else:
+        host.run([group], 1.0)
     host.shutdown()
     log = streams.log
     steps = [e for e in log if e[0] == "step"]
