@@ -12,8 +12,9 @@ directory instead of this repository. The GPU machine has no registry access, so
    it is a plain setup.py build) and ``DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation`` on it: no op is
    compiled, the result is a pure-Python wheel. Its pure-Python needs (hjson, msgpack, einops, tqdm, py-cpuinfo,
    ninja, pydantic, psutil, packaging, numpy, nvidia-ml-py) are already in the GPU image except hjson and
-   pydantic (+ pydantic-core, annotated-types, typing-inspection), which the repository's ``.whl/`` folder
-   carries for our own engine too; ``prepare`` copies nothing else. ``.whl_upstream/`` is git-ignored
+   pydantic (+ pydantic-core, annotated-types, typing-inspection, typing-extensions), which our own engine needs
+   too: ``prepare`` downloads them, at the versions installed here, as CPython 3.12 x86-64 wheels into
+   ``.whl_upstream/site/`` (what ``benchmarks/device_run.sh`` installs first). ``.whl_upstream/`` is git-ignored
    (``.git/info/exclude``).
 2. there::
 
@@ -52,7 +53,30 @@ def prepare(dl_dir: str = "/tmp/upstream_sdist") -> Path:
     subprocess.run(
         pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEEL_DIR), sdist], check=True, env=env
     )
+    prepare_site()
     return wheel_path()
+
+
+SITE_PACKAGES = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "hjson")
+"""What the GPU image lacks of what both engines import, carried as wheels in ``.whl_upstream/site/``."""
+
+GPU_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+
+
+def prepare_site(python_version: str = "3.12") -> Path:
+    """Download :data:`SITE_PACKAGES`, at the versions installed here, as wheels for the GPU machine's Python."""
+    from importlib import metadata
+
+    site = WHEEL_DIR / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    pins = [f"{name}=={metadata.version(name)}" for name in SITE_PACKAGES]
+    platforms = [arg for platform in GPU_PLATFORMS for arg in ("--platform", platform)]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        + ["--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(site), *pins],
+        check=True,
+    )
+    return site
 
 
 def wheel_path() -> Path:
@@ -110,11 +134,13 @@ def check(target: str) -> str:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=["prepare", "install", "check"])
+    ap.add_argument("action", choices=["prepare", "site", "install", "check"])
     ap.add_argument("--target", default=DEFAULT_TARGET)
     a = ap.parse_args()
     if a.action == "prepare":
         print(prepare())
+    elif a.action == "site":  # only the wheels of .whl_upstream/site/
+        print(prepare_site())
     elif a.action == "install":
         install(a.target)
         print(check(a.target))
