@@ -153,10 +153,11 @@ if want late || want disk; then
 fi
 
 if want late; then
-  # NVMe optimizer state alone in its process (its resident memory without another case's leftovers); upstream's
-  # step at 7.09 B parameters with a limit long enough for its set-up.
+  # NVMe optimizer state alone in its process (its resident memory without another case's leftovers; the swaps
+  # pipelined, several requests in flight); upstream's step at 7.09 B parameters with a limit long enough for its
+  # set-up.
   part offload_nvme_alone 130 python3 benchmarks/offload_overlap_gpu.py --layers 12 --seq 8192 --steps 1 \
-    --cases nvme --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme_alone.jsonl"
+    --cases nvme_pipelined --nvme-path /tmp/nvme_swap --out "$WORK/offload_nvme_alone.jsonl"
   part largest_upstream 220 python3 benchmarks/largest_model_gpu.py --out "$WORK/largest_upstream.jsonl" \
     --impl upstream --states fp32 --bisect 88,110 --budget-s 210
   cp "$WORK/largest_upstream.jsonl" "$OUT/" 2>/dev/null

@@ -32,9 +32,9 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
   ``zero_optimization.lean_short_switch_interval`` false (the interpreter's switch interval left at 5 ms while the
   host worker steps), for the same-call ratio of the short interval;
 - ``bf16_states``: the overlapped step with 16-bit master weights and optimizer states on the host; ``nvme``: the
-  overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3), with the swaps
-  pipelined (``pipeline_read``/``pipeline_write``, 4 buffer sets) and 2 I/O workers of queue depth 8 (``aio``);
-  ``nvme_plain``: the same with the swap keys at their defaults (no pipelining, one I/O worker).
+  overlapped step with the optimizer states swapped to files under ``--nvme-path`` (ZeRO-3), the swap keys at
+  their defaults (no pipelining, one I/O worker); ``nvme_pipelined``: the same with the swaps pipelined
+  (``pipeline_read``/``pipeline_write``, 4 buffer sets) and 2 I/O workers of queue depth 8 (``aio``).
 
 With ``--breakdown`` each engine case also records where the host time of its step goes: wall seconds per thread
 in the optimizer's phases (gradient flush, norm, each chunk's gradient fetch, the inner optimizer, the
@@ -76,7 +76,7 @@ ENGINE_CASES = {
     "overlap_on_noclip_long_switch": (True, False, False),
     "bf16_states": (True, True, False),
     "nvme": (True, False, True),
-    "nvme_plain": (True, False, True),
+    "nvme_pipelined": (True, False, True),
     "zenflow": (True, False, False),
     "gpu_resident": (False, False, False),
 }
@@ -219,7 +219,7 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
     if bf16_states:
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     offload = {"device": "nvme", "nvme_path": nvme} if nvme else {"device": "cpu"}
-    if nvme and label == "nvme":  # the swap pipelined, several requests in flight
+    if label == "nvme_pipelined":  # the swap pipelined, several requests in flight
         offload.update(pipeline_read=True, pipeline_write=True, buffer_count=4)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
@@ -233,7 +233,7 @@ def _engine_case(args: argparse.Namespace, label: str, overlap: bool, bf16_state
             "lean_short_switch_interval": not label.endswith("_long_switch"),
         },
     }
-    if nvme and label == "nvme":
+    if label == "nvme_pipelined":
         cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2, "overlap_events": True}
     zero = cfg["zero_optimization"]
     if label in ("zenflow", "gpu_resident"):  # the delayed update and what it is held against: ZeRO-2
