@@ -5,7 +5,7 @@
 NVMe offload moves every step chunk's master and optimizer state through ``deepspeed.ops.aio`` handles, so a
 step with states on disk cannot be faster than those bytes over the throughput measured here. Each record is one
 (backend, block size, queue depth, intra-op parallelism) setting, with the median GiB/s of ``--reps`` timed
-transfers of ``--mib`` MiB from and into a page-aligned, page-locked buffer: ``sync_pwrite`` (the write is on disk
+transfers of ``--mib`` MiB from and into a page-aligned, page-locked buffer: ``sync_pwrite`` (past the page cache
 when it returns: the handle opens files with ``O_DIRECT`` where the file system accepts it) and ``sync_pread``
 into a second buffer, checked byte for byte against what was written. The reference rows are the same transfer
 through Python's buffered file objects (``write`` then ``os.fsync``; ``readinto`` after
