@@ -269,7 +269,6 @@ class StepRun:
             index = 0
             for gi, group in enumerate(self.groups):
                 for start, end in group.stepper.ranges():
-                    self.submitted.add((gi, start))
                     piece = self._step(gi, start, end, index, self.owner.device_work.mark())
                     assert piece is not None  # the update has its staging buffers and is not abandoned
                     self._published(index, group, start, piece)
