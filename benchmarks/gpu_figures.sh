@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -197,7 +197,7 @@ if want gil; then
     --switch-ms 5,0.5 --out "$WORK/host_contention.jsonl"
 fi
 
-if want delayed; then
+if want delayed || want verify; then
   # The one-step-delayed update (ZenFlow, ZeRO-2, optimizer on the host) against the same model with its
   # optimizer on the GPU; 6 timed steps so the median spans the 4-step update interval.
   part offload_delayed 170 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 \
@@ -213,6 +213,23 @@ if want maxlen; then
   part maxlen_upstream 230 $LC --impl upstream $ALST --lengths 262144
   part maxlen_ours 320 $LC --impl ours $ALST --lengths 327680
   cp "$WORK/maxlen.jsonl" "$OUT/"
+fi
+
+if want verify; then
+  # The page-locking and activation-offload tests on the device, before the long run that depends on them.
+  part gpu_offload_tests 60 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
+    --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
+    python3 -m pytest -q -p no:cacheprovider --timeout=50 -m gpu tests/unit/test_activation_offload_gpu.py"
+fi
+
+if want maxlen2; then
+  # Upstream's ALST step at 320K (it completed 256K), then ours at 400K (1.25 x 320K) with the activation buffers
+  # page-locked at their own size (at 320K, power-of-two pinned buffers held 107.8 GiB of the host's 128).
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/maxlen2.jsonl"
+  ALST="--tile-mlp 8 --tile-loss 16 --act-offload --warmup-seq 8192 --budget-s 600"
+  part maxlen_upstream_320k 230 $LC --impl upstream $ALST --lengths 327680
+  part maxlen_ours_400k 300 $LC --impl ours $ALST --lengths 409600
+  cp "$WORK/maxlen2.jsonl" "$OUT/" 2>/dev/null
 fi
 
 if want route; then

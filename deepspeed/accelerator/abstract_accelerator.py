@@ -311,6 +311,15 @@ class DeepSpeedAccelerator(abc.ABC):
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` lives in page-locked host memory."""
 
+    def register_host_memory(self, tensor: torch.Tensor) -> bool:
+        """Page-lock ``tensor``'s own host memory in place, at its exact size; ``False`` where this accelerator
+        cannot (the caller pins a copy instead). Undo it with :meth:`unregister_host_memory` before the memory is
+        freed. Not part of upstream's interface: the default declines."""
+        return False
+
+    def unregister_host_memory(self, tensor: torch.Tensor) -> None:
+        """Undo :meth:`register_host_memory` for ``tensor``."""
+
     @abc.abstractmethod
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` lives on this accelerator's device type."""

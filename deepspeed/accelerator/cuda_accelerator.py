@@ -298,6 +298,17 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         """``tensor.is_pinned()``."""
         return tensor.is_pinned()
 
+    def register_host_memory(self, tensor: torch.Tensor) -> bool:
+        """``cudaHostRegister`` over ``tensor``'s bytes: page-locked without the caching host allocator's
+        power-of-two rounding."""
+        runtime = torch.cuda.cudart()
+        nbytes = tensor.numel() * tensor.element_size()
+        return bool(runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0) == runtime.cudaError.success)
+
+    def unregister_host_memory(self, tensor: torch.Tensor) -> None:
+        """``cudaHostUnregister`` of a tensor registered by :meth:`register_host_memory`."""
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         """True for CUDA tensors."""
         return tensor.device.type == "cuda"

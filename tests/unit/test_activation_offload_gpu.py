@@ -64,6 +64,26 @@ def test_offload_frees_device_bytes_and_keeps_gradients() -> None:
     assert stats.kept_last_tensors == 1
 
 
+def test_offload_buffers_are_registered_at_their_own_size_and_copy_asynchronously() -> None:
+    from deepspeed._core.comm import page_locked
+
+    before = page_locked.registered_bytes()
+    data = page_locked.lock_pages(ROWS * WIDTH * 4 + 1)  # a power of two plus one byte: rounding would double it
+    assert page_locked.registered_bytes() - before == ROWS * WIDTH * 4 + 4096
+    assert data.is_pinned()
+    source = torch.randn(ROWS * WIDTH, device=get_accelerator().current_device_name())
+    host = data[: source.numel() * 4].view(torch.float32)
+    host.copy_(source, non_blocking=True)
+    back = host.to(source.device, non_blocking=True)
+    get_accelerator().synchronize()
+    assert torch.equal(back, source)
+    page_locked.unlock_pages(data)
+    assert page_locked.registered_bytes() == before
+    again = page_locked.lock_pages(ROWS * WIDTH * 4 + 1)  # the same pages may be registered again
+    assert page_locked.registered_bytes() - before == ROWS * WIDTH * 4 + 4096
+    page_locked.unlock_pages(again)
+
+
 def test_tiled_loss_peak_stays_below_full_logits() -> None:
     device = get_accelerator().current_device_name()
     vocab, rows, hidden = 32000, 8192, 256

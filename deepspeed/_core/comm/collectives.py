@@ -17,7 +17,7 @@ stream is ordered behind the copy-out that last read it (the compute stream unde
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from deepspeed._core.comm.codec import IDENTITY_CODEC, ShardCodec
 from deepspeed._core.comm.groups import ShardGroup
 from deepspeed._core.comm.streams import StreamRole, StreamSet
 from deepspeed._core.layout.shards import Range, Stage3GroupLayout, plan_stage3_group
+from deepspeed.accelerator import get_accelerator
 
 
 @dataclass
@@ -206,19 +207,45 @@ def start_reduce_scatter(rows: torch.Tensor, group: Any) -> ReduceResult:
     return ReduceResult(output, [work])
 
 
+_HOST_BACKENDS = frozenset({"gloo", "mpi", "fake"})
+"""Backends that reduce host tensors; a composite one (``"cpu:gloo,cuda:nccl"``) names its host part."""
+
+
+def carries_host_tensors(backend: str) -> bool:
+    """Whether a process group of ``backend`` takes host (CPU) tensors; NCCL and its kin take device ones only."""
+    return backend in _HOST_BACKENDS or "cpu:" in backend
+
+
+def _on_wire(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """``tensor`` itself where ``group``'s backend takes it, else a copy on the accelerator.
+
+    A host-resident statistic (ZenFlow's column norms of an offloaded gradient, say) must still be summed over an
+    NCCL group: it travels through the device and comes back, the only cost a small copy each way."""
+    if tensor.device.type != "cpu" or carries_host_tensors(dist.get_backend(group)):
+        return tensor
+    return tensor.to(get_accelerator().current_device_name(), copy=True)
+
+
+def _blocking(tensor: torch.Tensor, group: Any, collective: Callable[[torch.Tensor], Any]) -> None:
+    wire = _on_wire(tensor, group)
+    collective(wire)
+    if wire is not tensor:
+        tensor.copy_(wire)
+
+
 def sum_over(tensor: torch.Tensor, group: Any) -> None:
     """Blocking in-place sum of ``tensor`` over ``group`` (``None``: the default group), e.g. a squared norm."""
-    dist.all_reduce(tensor, group=group)
+    _blocking(tensor, group, lambda wire: dist.all_reduce(wire, group=group))
 
 
 def max_over(tensor: torch.Tensor, group: Any) -> None:
     """Blocking in-place maximum of ``tensor`` over ``group`` (an agreed flag or capacity)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    _blocking(tensor, group, lambda wire: dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group))
 
 
 def broadcast_tensor(tensor: torch.Tensor, src: int, group: Any) -> None:
     """Blocking: ``tensor`` on every rank of ``group`` becomes global rank ``src``'s (in place)."""
-    dist.broadcast(tensor, src=src, group=group)
+    _blocking(tensor, group, lambda wire: dist.broadcast(wire, src=src, group=group))
 
 
 def exchange(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:

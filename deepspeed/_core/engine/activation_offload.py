@@ -28,11 +28,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import weakref
 from collections import deque
 from typing import Any
 
 import torch
 
+from deepspeed._core.comm.page_locked import lock_pages, unlock_pages
 from deepspeed._core.comm.streams import AcceleratorStreams, StreamBackend
 from deepspeed.accelerator import get_accelerator
 
@@ -80,6 +82,15 @@ class _HostBuffer:
         self.free_after: Any = None  # event of the last copy that read it
 
 
+def _unlock_all(buffers: list[_HostBuffer]) -> None:
+    """Unregister and forget ``buffers``, each once the last copy that read it is done."""
+    for buffer in buffers:
+        if buffer.free_after is not None:
+            buffer.free_after.synchronize()
+        unlock_pages(buffer.data)
+    buffers.clear()
+
+
 class PinnedHostPool:
     """At most ``max_buffers`` host buffers, handed out best-fit by size and reused after their copies finish."""
 
@@ -88,6 +99,7 @@ class PinnedHostPool:
         self.max_buffers, self.memory = max_buffers, memory
         self.buffers: list[_HostBuffer] = []
         self.free: list[_HostBuffer] = []
+        weakref.finalize(self, _unlock_all, self.buffers)  # registered pages are unregistered before they are freed
 
     def take(self, nbytes: int) -> _HostBuffer | None:
         """A buffer of at least ``nbytes`` bytes, or ``None`` when every buffer is busy and the pool is full."""
@@ -108,9 +120,11 @@ class PinnedHostPool:
                 victim.free_after.synchronize()
             self.free.remove(victim)
             self.buffers.remove(victim)
-        data = torch.empty(math.ceil(nbytes / _ALIGN) * _ALIGN, dtype=torch.uint8)
-        if self.memory is HostMemory.PINNED:
-            data = get_accelerator().pin_memory(data)
+            unlock_pages(victim.data)
+        size = math.ceil(nbytes / _ALIGN) * _ALIGN
+        # Exactly the size asked for ([Note: exact page-locking]): these buffers are the largest host allocations
+        # of a long-sequence run, and the caching host allocator would round each up to a power of two.
+        data = lock_pages(size) if self.memory is HostMemory.PINNED else torch.empty(size, dtype=torch.uint8)
         buffer = _HostBuffer(data)
         self.buffers.append(buffer)
         return buffer
@@ -126,10 +140,8 @@ class PinnedHostPool:
 
     def release(self) -> None:
         """Drop every buffer (after waiting for copies that still read them)."""
-        for buffer in self.free:
-            if buffer.free_after is not None:
-                buffer.free_after.synchronize()
-        self.buffers, self.free = [], []
+        _unlock_all(self.buffers)  # emptied in place: the finalizer holds this list
+        self.free.clear()
 
 
 class OffloadHandle:

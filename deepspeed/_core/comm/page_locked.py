@@ -1,0 +1,57 @@
+"""Page-locked host memory of exactly the size asked for, for large long-lived staging buffers.
+
+[Note: exact page-locking] ``tensor.pin_memory()`` and ``torch.empty(..., pin_memory=True)`` go through PyTorch's
+caching host allocator, which rounds a request up to the next power of two: a 0.69 GB activation buffer takes
+1.07 GB of page-locked memory, so a pool of them holds about 1.5x the bytes it stores (and it keeps every block it
+ever handed out). For buffers that large and that long-lived, :func:`lock_pages` instead allocates ordinary host
+memory, page-aligned and a whole number of pages long so that no other allocation shares its pages, and registers
+it with the accelerator's driver (``cudaHostRegister`` on CUDA): the same page-locked memory for copies, at the size asked for.
+:func:`unlock_pages` unregisters it before it is freed. Where registration is unavailable (another accelerator, or
+the driver refuses) the buffer is pinned the usual way; on a machine without an accelerator it is plain memory.
+Small or short-lived staging buffers keep the caching allocator: its rounding costs little there and it reuses
+blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepspeed._foundation.logging import logger
+from deepspeed.accelerator import get_accelerator
+
+PAGE = 4096
+
+_REGISTERED: dict[int, torch.Tensor] = {}  # registered address -> the allocation that owns those pages
+_WARNED: set[str] = set()  # once per accelerator per process
+
+
+def lock_pages(nbytes: int) -> torch.Tensor:
+    """A 1-D ``uint8`` host tensor of ``nbytes`` bytes (rounded up to whole pages), page-locked where copies to an
+    accelerator need it. Release it with :func:`unlock_pages` once no copy reads or writes it."""
+    size = max(PAGE, -(-int(nbytes) // PAGE) * PAGE)
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.empty(size, dtype=torch.uint8)
+    base = torch.empty(size + PAGE, dtype=torch.uint8)
+    start = -base.data_ptr() % PAGE
+    view = base[start : start + size]
+    if accelerator.register_host_memory(view):
+        _REGISTERED[view.data_ptr()] = base
+        return view
+    name = accelerator.device_name()
+    if name not in _WARNED:
+        _WARNED.add(name)
+        logger.info(f"{name}: host buffers are page-locked by the caching host allocator (rounded up to powers of two)")
+    return accelerator.pin_memory(torch.empty(size, dtype=torch.uint8))
+
+
+def unlock_pages(tensor: torch.Tensor) -> None:
+    """Unregister a buffer from :func:`lock_pages` (nothing to do for one pinned the usual way); the caller drops
+    its last reference afterwards."""
+    if _REGISTERED.pop(tensor.data_ptr(), None) is not None:
+        get_accelerator().unregister_host_memory(tensor)
+
+
+def registered_bytes() -> int:
+    """Bytes currently page-locked through registration (for tests and memory reports)."""
+    return sum(base.numel() - PAGE for base in _REGISTERED.values())

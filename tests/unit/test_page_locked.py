@@ -1,0 +1,107 @@
+"""Exact-size page-locked host buffers ([Note: exact page-locking]) and the activation pool that uses them.
+
+The accelerator is replaced by a recorder, so the test sees which ranges are registered and unregistered: each is
+page-aligned, a whole number of pages, never rounded to a power of two, and unregistered before the pool drops it.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+from deepspeed._core.comm import page_locked
+from deepspeed._core.engine import activation_offload
+from deepspeed._core.engine.activation_offload import HostMemory, PinnedHostPool
+
+
+class _Accelerator:
+    """A CUDA-like accelerator that records what is registered, and can refuse."""
+
+    def __init__(self, accept: bool = True) -> None:
+        self.accept = accept
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+        self.pinned: list[torch.Tensor] = []
+
+    def device_name(self) -> str:
+        return "cuda"
+
+    def register_host_memory(self, tensor: torch.Tensor) -> bool:
+        if self.accept:
+            self.registered[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return self.accept
+
+    def unregister_host_memory(self, tensor: torch.Tensor) -> None:
+        self.unregistered.append(tensor.data_ptr())
+        del self.registered[tensor.data_ptr()]
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.pinned.append(tensor)
+        return tensor
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> _Accelerator:
+    fake = _Accelerator()
+    monkeypatch.setattr(page_locked, "get_accelerator", lambda: fake)
+    monkeypatch.setattr(page_locked, "_REGISTERED", {})
+    return fake
+
+
+def test_without_an_accelerator_the_buffer_is_plain_memory_of_whole_pages() -> None:
+    data = page_locked.lock_pages(5000)
+    assert data.dtype == torch.uint8 and data.numel() == 8192
+    page_locked.unlock_pages(data)  # nothing registered: nothing to do
+    assert page_locked.registered_bytes() == 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 700_000, 3 * 4096 + 1])
+def test_a_registered_buffer_is_page_aligned_whole_pages_and_not_rounded_to_a_power_of_two(
+    runtime: _Accelerator, nbytes: int
+) -> None:
+    data = page_locked.lock_pages(nbytes)
+    pages = -(-nbytes // 4096)
+    assert data.numel() == pages * 4096  # 700_000 bytes: 171 pages, not the 1 MiB a power of two would take
+    assert runtime.registered == {data.data_ptr(): pages * 4096}
+    assert data.data_ptr() % 4096 == 0
+    assert page_locked.registered_bytes() == pages * 4096
+    page_locked.unlock_pages(data)
+    assert runtime.unregistered == [data.data_ptr()] and not runtime.registered
+    page_locked.unlock_pages(data)  # a second release is a no-op
+    assert runtime.unregistered == [data.data_ptr()]
+
+
+def test_a_refused_registration_falls_back_to_the_caching_allocator(runtime: _Accelerator) -> None:
+    runtime.accept = False
+    data = page_locked.lock_pages(10_000)
+    assert runtime.pinned and runtime.pinned[-1] is data and not runtime.registered
+    page_locked.unlock_pages(data)
+    assert runtime.unregistered == []
+
+
+def test_the_activation_pool_registers_exact_sizes_and_unregisters_what_it_retires(runtime: _Accelerator) -> None:
+    assert activation_offload.lock_pages is page_locked.lock_pages
+    pool = PinnedHostPool(2, HostMemory.PINNED)
+    a, b = pool.take(5000), pool.take(100)
+    assert a is not None and b is not None
+    assert sorted(runtime.registered.values()) == [4096, 8192]
+    pool.give(a, None)
+    pool.give(b, None)
+    big = pool.take(100_000)  # full: the largest free buffer is retired for a larger one
+    assert big is not None
+    assert a.data.data_ptr() in runtime.unregistered
+    assert sorted(runtime.registered.values()) == [4096, 102400]
+    pool.release()
+    assert not runtime.registered and pool.buffers == [] and pool.free == []
+
+
+def test_a_dropped_pool_unregisters_its_buffers(runtime: _Accelerator) -> None:
+    pool: Any = PinnedHostPool(4, HostMemory.PINNED)
+    assert pool.take(50_000) is not None and pool.take(9000) is not None
+    assert len(runtime.registered) == 2
+    del pool
+    gc.collect()
+    assert not runtime.registered and len(runtime.unregistered) == 2
