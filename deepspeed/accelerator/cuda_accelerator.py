@@ -301,9 +301,12 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
     def register_host_memory(self, tensor: torch.Tensor) -> bool:
         """``cudaHostRegister`` over ``tensor``'s bytes: page-locked without the caching host allocator's
         power-of-two rounding."""
-        runtime = torch.cuda.cudart()
         nbytes = tensor.numel() * tensor.element_size()
-        return bool(runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0) == runtime.cudaError.success)
+        try:
+            runtime = torch.cuda.cudart()
+            return bool(runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0) == runtime.cudaError.success)
+        except (AttributeError, RuntimeError):  # a build without the runtime bindings: pin a copy instead
+            return False
 
     def unregister_host_memory(self, tensor: torch.Tensor) -> None:
         """``cudaHostUnregister`` of a tensor registered by :meth:`register_host_memory`."""
