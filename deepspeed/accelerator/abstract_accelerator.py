@@ -318,7 +318,8 @@ class DeepSpeedAccelerator(abc.ABC):
         return False
 
     def unregister_host_memory(self, tensor: torch.Tensor) -> None:
-        """Undo :meth:`register_host_memory` for ``tensor``."""
+        """Undo :meth:`register_host_memory` for ``tensor`` (the default registers nothing, so has nothing to undo)."""
+        return None
 
     @abc.abstractmethod
     def on_accelerator(self, tensor: torch.Tensor) -> bool:

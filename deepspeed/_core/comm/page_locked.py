@@ -1,13 +1,14 @@
 """Page-locked host memory of exactly the size asked for, for large long-lived staging buffers.
 
 [Note: exact page-locking] ``tensor.pin_memory()`` and ``torch.empty(..., pin_memory=True)`` go through PyTorch's
-caching host allocator, which rounds a request up to the next power of two: a 0.69 GB activation buffer takes
-1.07 GB of page-locked memory, so a pool of them holds about 1.5x the bytes it stores (and it keeps every block it
+caching host allocator, which rounds a request up to the next power of two: a 1.34 GB activation buffer takes
+2.15 GB of page-locked memory, so a pool of them holds up to 2x the bytes it stores (and it keeps every block it
 ever handed out). For buffers that large and that long-lived, :func:`lock_pages` instead allocates ordinary host
 memory, page-aligned and a whole number of pages long so that no other allocation shares its pages, and registers
-it with the accelerator's driver (``cudaHostRegister`` on CUDA): the same page-locked memory for copies, at the size asked for.
-:func:`unlock_pages` unregisters it before it is freed. Where registration is unavailable (another accelerator, or
-the driver refuses) the buffer is pinned the usual way; on a machine without an accelerator it is plain memory.
+it with the accelerator's driver (``cudaHostRegister`` on CUDA): the same page-locked memory for copies, at the
+size asked for. :func:`unlock_pages` unregisters it before it is freed. Where registration is unavailable
+(another accelerator, or the driver refuses) the buffer is pinned the usual way; on a machine without an
+accelerator it is plain memory.
 Small or short-lived staging buffers keep the caching allocator: its rounding costs little there and it reuses
 blocks.
 """
