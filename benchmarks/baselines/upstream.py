@@ -49,6 +49,8 @@ def prepare(dl_dir: str = "/tmp/upstream_sdist") -> Path:
         check=True,
     )
     sdist = glob.glob(os.path.join(dl_dir, f"deepspeed-{UPSTREAM_VERSION}.tar.gz"))[0]
+    # Without build isolation the setup.py build needs `wheel` installed here (a fresh environment lacks it).
+    subprocess.run(pip + ["install", "-q", "wheel"], check=True)
     env = dict(os.environ, DS_BUILD_OPS="0")
     subprocess.run(
         pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEEL_DIR), sdist], check=True, env=env
@@ -64,7 +66,8 @@ GPU_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_
 
 
 def prepare_site(python_version: str = "3.12") -> Path:
-    """Download :data:`SITE_PACKAGES`, at the versions installed here, as wheels for the GPU machine's Python."""
+    """Download :data:`SITE_PACKAGES`, at the versions installed here, as wheels for the GPU machine's Python
+    (and pytest-timeout into ``.whl_upstream/tests/``)."""
     from importlib import metadata
 
     site = WHEEL_DIR / "site"
@@ -74,6 +77,13 @@ def prepare_site(python_version: str = "3.12") -> Path:
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
         + ["--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(site), *pins],
+        check=True,
+    )
+    tests = WHEEL_DIR / "tests"  # the GPU-marked tests' timeout plugin, where the image lacks it
+    tests.mkdir(exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(tests)]
+        + [f"pytest-timeout=={metadata.version('pytest-timeout')}"],
         check=True,
     )
     return site
