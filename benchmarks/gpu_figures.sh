@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -215,7 +215,14 @@ if want maxlen; then
   cp "$WORK/maxlen.jsonl" "$OUT/"
 fi
 
-if want verify; then
+if want smoke; then
+  # A short check of the delayed update on an NCCL group (4 layers, 2048 tokens): the step completes and how it
+  # compares with the GPU-resident step at that size; not the 3B figure of the delayed group.
+  part delayed_small 75 python3 benchmarks/offload_overlap_gpu.py --layers 4 --seq 2048 --steps 6 \
+    --cases zenflow,gpu_resident --out "$WORK/delayed_small.jsonl"
+fi
+
+if want verify || want smoke; then
   # The page-locking and activation-offload tests on the device, before the long run that depends on them.
   part gpu_offload_tests 60 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
     --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \

@@ -109,3 +109,23 @@ def test_tiled_loss_peak_stays_below_full_logits() -> None:
     head.weight.grad = None
     (loss_fn(head, x[0], y[0]) / rows).backward()
     torch.testing.assert_close(tiled_grad, head.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_pinned_parameter_shards_are_registered_and_let_go_with_the_shard() -> None:
+    import gc
+
+    from deepspeed._core.comm import page_locked
+    from deepspeed._core.params import placement
+
+    before = page_locked.registered_bytes()
+    where = placement.ShardPlacement(torch.device("cpu"), placement.Pinning.PINNED)
+    device = torch.device(get_accelerator().current_device_name())
+    shard = placement.allocate_shard(3 * 2**20 + 7, torch.bfloat16, device, where)
+    assert shard.is_pinned() and not shard.any()
+    assert page_locked.registered_bytes() - before == -(-(3 * 2**21 + 14) // 4096) * 4096
+    up = shard.to(device, non_blocking=True)
+    get_accelerator().synchronize()
+    assert not up.any()
+    del shard
+    gc.collect()
+    assert page_locked.registered_bytes() == before

@@ -105,3 +105,54 @@ def test_a_dropped_pool_unregisters_its_buffers(runtime: _Accelerator) -> None:
     del pool
     gc.collect()
     assert not runtime.registered and len(runtime.unregistered) == 2
+
+
+def test_a_self_releasing_tensor_is_unregistered_when_collected_and_its_views_stay_valid(
+    runtime: _Accelerator,
+) -> None:
+    shard = page_locked.locked_empty(1000, torch.bfloat16)
+    assert shard.dtype == torch.bfloat16 and shard.numel() == 1000
+    assert list(runtime.registered.values()) == [4096]  # 2000 bytes: one page, not a power-of-two block
+    shard.fill_(3.0)
+    view = shard[10:20]
+    del shard
+    gc.collect()
+    assert not runtime.registered and len(runtime.unregistered) == 1
+    assert torch.equal(view, torch.full((10,), 3.0, dtype=torch.bfloat16))  # the memory lives on, unpinned
+
+
+def test_pinned_host_parameter_shards_are_registered_at_their_own_size(runtime: _Accelerator) -> None:
+    from deepspeed._core.params import placement
+
+    where = placement.ShardPlacement(torch.device("cpu"), placement.Pinning.PINNED)
+    # A compute device other than the host is what asks for page-locking; "meta" stands in for the accelerator.
+    shard = placement.allocate_shard(300_000, torch.bfloat16, torch.device("meta"), where)
+    assert shard.device.type == "cpu" and shard.numel() == 300_000 and not shard.any()
+    assert list(runtime.registered.values()) == [600_000 + (-600_000 % 4096)]  # not the 1 MiB a power of two takes
+    del shard
+    gc.collect()
+    assert not runtime.registered
+
+
+def test_offloaded_states_sit_in_exact_page_locked_copies_until_the_reload(
+    monkeypatch: pytest.MonkeyPatch, runtime: _Accelerator
+) -> None:
+    from deepspeed._core.engine import state_offload
+
+    monkeypatch.setattr(state_offload, "get_accelerator", lambda: runtime)
+    weight = torch.nn.Parameter(torch.arange(6000, dtype=torch.float32))
+    optimizer = torch.optim.Adam([weight])
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    expected = {k: v.clone() for k, v in optimizer.state[weight].items()}
+    offloader = state_offload.StateOffloader()
+    # torch.device("cpu", 0) is not the tensors' torch.device("cpu"): the move runs on a machine without a GPU.
+    kinds = {state_offload.StateKind.OPTIM_STATES, state_offload.StateKind.HP_PARAMS}
+    offloader.offload(optimizer, kinds, torch.device("cpu", 0), torch.float32, False)
+    assert sorted(runtime.registered.values()) == [24576, 24576, 24576]  # weight, exp_avg, exp_avg_sq: 24,000 B
+    moved = [weight, *(v for v in optimizer.state[weight].values() if v.dim() > 0)]
+    assert {t.data_ptr() for t in moved} == set(runtime.registered)  # each one lives in its registered copy
+    offloader.reload(False)
+    assert not runtime.registered and len(runtime.unregistered) == 3
+    for key, value in expected.items():
+        assert torch.equal(optimizer.state[weight][key], value)

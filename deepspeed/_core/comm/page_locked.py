@@ -9,11 +9,14 @@ it with the accelerator's driver (``cudaHostRegister`` on CUDA): the same page-l
 size asked for. :func:`unlock_pages` unregisters it before it is freed. Where registration is unavailable
 (another accelerator, or the driver refuses) the buffer is pinned the usual way; on a machine without an
 accelerator it is plain memory.
-Small or short-lived staging buffers keep the caching allocator: its rounding costs little there and it reuses
-blocks.
+Users: the activation offload's buffers, the parameters' host shards under ``offload_param`` with pinning, the
+partitions NVMe keeps in host memory, and ``offload_states``' copies. Small or short-lived staging buffers keep
+the caching allocator: its rounding costs little there and it reuses blocks.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -22,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 
 PAGE = 4096
 
-_REGISTERED: dict[int, torch.Tensor] = {}  # registered address -> the allocation that owns those pages
+_REGISTERED: dict[int, torch.Tensor] = {}  # registered address -> the registered view (it keeps the pages alive)
 _WARNED: set[str] = set()  # once per accelerator per process
 
 
@@ -37,7 +40,7 @@ def lock_pages(nbytes: int) -> torch.Tensor:
     start = -base.data_ptr() % PAGE
     view = base[start : start + size]
     if accelerator.register_host_memory(view):
-        _REGISTERED[view.data_ptr()] = base
+        _REGISTERED[view.data_ptr()] = view
         return view
     name = accelerator.device_name()
     if name not in _WARNED:
@@ -46,13 +49,37 @@ def lock_pages(nbytes: int) -> torch.Tensor:
     return accelerator.pin_memory(torch.empty(size, dtype=torch.uint8))
 
 
+def locked_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D host tensor over :func:`lock_pages` memory that unregisters itself when this tensor
+    object is collected: for long-lived tensors another object owns (a parameter's host shard). A view that
+    outlives it stays valid, only no longer page-locked."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    locked = lock_pages(nbytes)
+    tensor = locked.view(dtype)[:numel]
+    if locked.data_ptr() in _REGISTERED:
+        weakref.finalize(tensor, _unlock_address, locked.data_ptr())
+    return tensor
+
+
+def _unlock_address(address: int) -> None:
+    registered = _REGISTERED.pop(address, None)
+    if registered is not None:
+        get_accelerator().unregister_host_memory(registered)
+
+
+def page_locked_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous host tensor of ``tensor``'s shape and dtype over :func:`lock_pages` memory
+    (release it with :func:`unlock_pages`)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return lock_pages(nbytes).view(tensor.dtype)[: tensor.numel()].view(tensor.shape)
+
+
 def unlock_pages(tensor: torch.Tensor) -> None:
-    """Unregister a buffer from :func:`lock_pages` (nothing to do for one pinned the usual way); the caller drops
-    its last reference afterwards."""
-    if _REGISTERED.pop(tensor.data_ptr(), None) is not None:
-        get_accelerator().unregister_host_memory(tensor)
+    """Unregister a buffer from :func:`lock_pages` (or a tensor starting where one does; nothing to do for one
+    pinned the usual way). The memory stays valid while views of it live, only no longer page-locked."""
+    _unlock_address(tensor.data_ptr())
 
 
 def registered_bytes() -> int:
     """Bytes currently page-locked through registration (for tests and memory reports)."""
-    return sum(base.numel() - PAGE for base in _REGISTERED.values())
+    return sum(view.numel() for view in _REGISTERED.values())

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.comm.page_locked import page_locked_like, unlock_pages
 from deepspeed.accelerator import get_accelerator
 
 
@@ -44,6 +45,7 @@ class StateOffloader:
 
     def __init__(self) -> None:
         self.moved: list[tuple[torch.Tensor, torch.device]] = []
+        self.locked: list[torch.Tensor] = []  # page-locked host copies, unregistered after the reload
         self.manager: Any = None  # the ZeRO-3 parameter manager whose shards are parked, if any
 
     def offload(
@@ -65,13 +67,20 @@ class StateOffloader:
                 raise ValueError("offload_states include='lp_params' is supported with ZeRO stage 3 only")
             tensors += manager.shards_for_offload()
             self.manager = manager
+        lock = pin is not None and device.type == "cpu" and get_accelerator().device_name() != "cpu"
         for t in tensors:
             if t.device == device:
                 continue
             self.moved.append((t, t.device))
-            host = t.data.to(device, non_blocking=non_blocking)
-            if pin is not None and device.type == "cpu" and get_accelerator().device_name() != "cpu":
-                host = get_accelerator().pin_memory(host)
+            if lock:
+                # One page-locked copy at the tensor's own size ([Note: exact page-locking]); a pinned copy through
+                # the caching host allocator would round each flat buffer up to a power of two and keep it cached
+                # after the reload.
+                host = page_locked_like(t.data)
+                host.copy_(t.data, non_blocking=non_blocking)
+                self.locked.append(host)
+            else:
+                host = t.data.to(device, non_blocking=non_blocking)
             t.data = host
 
     def reload(self, non_blocking: bool) -> None:
@@ -81,6 +90,9 @@ class StateOffloader:
         self.moved.clear()
         if non_blocking:
             get_accelerator().synchronize()
+        for host in self.locked:  # every copy up has finished reading it
+            unlock_pages(host)
+        self.locked.clear()
         if self.manager is not None:
             self.manager.restore_persistent()
             self.manager = None

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepspeed._core.comm.page_locked import locked_empty
 from deepspeed._core.config.plan import OffloadDevice, OffloadPolicy
-from deepspeed.accelerator import get_accelerator
 
 
 class Pinning(enum.Enum):
@@ -71,10 +71,11 @@ def allocate_shard(
 ) -> torch.Tensor:
     """A zeroed 1-D shard of ``numel`` elements placed according to ``placement``."""
     device = placement.shard_device(compute_device)
-    shard = torch.zeros(numel, dtype=dtype, device=device)
     if placement.pinning is Pinning.PINNED and device.type == "cpu" and compute_device.type != "cpu":
-        shard = get_accelerator().pin_memory(shard)
-    return shard
+        # Page-locked at the shard's own size ([Note: exact page-locking]): through the caching host allocator
+        # every shard would be rounded up to a power of two, up to twice the host memory of the parameters.
+        return locked_empty(numel, dtype).zero_()
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 SHARD_ALIGN_BYTES = 256

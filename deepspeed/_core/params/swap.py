@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from deepspeed._core.comm.page_locked import locked_empty
 from deepspeed._core.config.plan import AioPolicy, ParamOffloadPolicy
 from deepspeed._core.layout import swap_file
 from deepspeed._core.layout.flat_buffer import free_storage
@@ -224,7 +225,7 @@ class ParamSwapper:
         self.resident_numel += shard.numel()
         self.resident_bytes += shard.numel() * shard.element_size()
         if self.policy.pin_memory and state.full.device.type != "cpu" and shard.device.type == "cpu":
-            pinned = get_accelerator().pin_memory(shard)
+            pinned = locked_empty(shard.numel(), shard.dtype).copy_(shard)  # [Note: exact page-locking]
             pinned.ds_numel = shard.numel()  # type: ignore[attr-defined]
             state.shard = pinned
 
