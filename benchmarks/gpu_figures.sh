@@ -226,7 +226,8 @@ if want verify || want smoke; then
   # The page-locking and activation-offload tests on the device, before the long run that depends on them.
   part gpu_offload_tests 60 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
     --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
-    python3 -m pytest -q -p no:cacheprovider --timeout=50 -m gpu tests/unit/test_activation_offload_gpu.py"
+    python3 -m pytest -q -p no:cacheprovider --timeout=50 -m gpu tests/unit/test_activation_offload_gpu.py \
+    tests/dist/test_gpu_engine_modes.py"
 fi
 
 if want maxlen2; then
