@@ -242,7 +242,8 @@ fi
 
 if want route; then
   # The offloaded 3B step with clipping (its update after the norm now stepped on the training thread) beside the
-  # floor's parts (the host update alone from a worker thread is in hostdiag).
-  part offload_route 200 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 4 --breakdown \
-    --cases overlap_on,floor --out "$WORK/offload_route.jsonl"
+  # floor's parts (the host update alone from a worker thread is in hostdiag), and with 16-bit states: the host
+  # update reads and writes half the state bytes, which shows if it is bound by memory bandwidth.
+  part offload_route 260 python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 4 --breakdown \
+    --cases overlap_on,bf16_states,floor --out "$WORK/offload_route.jsonl"
 fi
