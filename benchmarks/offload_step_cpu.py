@@ -15,8 +15,9 @@ over the bf16 shard upcast into a fresh tensor per piece (``norm_fresh``) vs thr
 straight from the shards (``parked_convert_into``); and the overlapped host step's update with the rounded
 copies published (into a host tensor here), stepped on the caller's thread as ``OverlappedHostStep.run`` does after
 the global decision (``host_step_callers``) vs on the host worker with the caller only publishing
-(``host_step_worker``, the route of an update started during the backward). Each figure is the median of
-``--reps`` runs after one warm-up run.
+(``host_step_worker``, the route of an update started during the backward); and a chunked update with 16-bit
+states (bf16 master and moments) in the host Adam's one pass (``bf16_states_one_pass``) vs converted, stepped and
+copied out apart (``bf16_states_general``). Each figure is the median of ``--reps`` runs after one warm-up run.
 """
 
 from __future__ import annotations
@@ -177,6 +178,35 @@ def host_step_cases(n: int, ch: int) -> dict[str, Case]:
     return {"host_step_callers": lambda: update(False), "host_step_worker": lambda: update(True)}
 
 
+class _GeneralRouteAdam(DeepSpeedCPUAdam):
+    """The host Adam without its one-pass form: every range is converted, stepped and copied out apart."""
+
+    step_scaled = None
+
+
+def bf16_state_cases(n: int, ch: int) -> dict[str, Case]:
+    """One chunked update of a bf16 master with bf16 moments (16-bit offloaded states), a bf16 gradient scaled by
+    0.5 and each chunk's copy written out: in the kernel's one pass against the general route."""
+    start, grad = torch.randn(n).bfloat16(), torch.randn(n).bfloat16()
+    copy = torch.empty(n, dtype=torch.bfloat16)
+
+    def update(optimizer_class: type) -> Case:
+        master = torch.nn.Parameter(start.clone(), requires_grad=False)
+        opt = optimizer_class([master], lr=1e-3, fp32_optimizer_states=False)
+
+        def run() -> float:
+            stepper = ChunkStepper(opt, 0, ch)
+            t = time.perf_counter()
+            for lo, hi in stepper.ranges():
+                stepper.step_range(lo, hi, grad, 0.5, copy_out=copy[lo:hi])
+            stepper.close()
+            return time.perf_counter() - t
+
+        return run
+
+    return {"bf16_states_one_pass": update(DeepSpeedCPUAdam), "bf16_states_general": update(_GeneralRouteAdam)}
+
+
 def main() -> None:
     """Time every case (see the module docstring) and print one JSON line."""
     ap = argparse.ArgumentParser()
@@ -192,6 +222,7 @@ def main() -> None:
         **norm_cases(n, ch),
         **convert_cases(n, ch),
         **host_step_cases(n, ch),
+        **bf16_state_cases(n, ch),
     }
     out = {"numel": n, "chunk": ch, "threads": torch.get_num_threads(), "torch": torch.__version__}
     for name, fn in cases.items():

@@ -7,11 +7,13 @@
 //   p  = p * (1 - lr * wd)                (AdamW mode: decoupled decay)
 //   p  = p - step_size * m / (sqrt(v) / sqrt(1 - beta2^t) + eps),  step_size = lr / (1 - beta1^t)
 // Bias-correction factors are 1 when bias correction is off.
-// adam_update_scaled is the offloaded step's form: fp32 params and moments, a gradient kept in its own dtype
-// (fp32, bf16 or fp16) multiplied by one fp32 coefficient (unscale x clip) as it is loaded, and optionally the
-// updated params written rounded to a 16-bit dtype into a second buffer (the copy that goes back up to the
-// accelerator). It computes exactly what "convert the gradient to fp32, multiply it, adam_update, then copy the
-// params out" computes, in one pass over memory instead of three.
+// adam_update_scaled is the offloaded step's form: fp32 params and moments (or bf16 params and moments: 16-bit
+// offloaded states), a gradient kept in its own dtype (fp32, bf16 or fp16; bf16 or fp32 with bf16 params)
+// multiplied by one fp32 coefficient (unscale x clip) as it is loaded, and optionally the updated params written
+// rounded to a 16-bit dtype into a second buffer (the copy that goes back up to the accelerator). With fp32 params
+// it computes exactly what "convert the gradient to fp32, multiply it, adam_update, then copy the params out"
+// computes, in one pass over memory instead of three; with bf16 params, what the fp32 form computes on the same
+// values, each result rounded once to bf16.
 // Layout: param, grad, exp_avg, exp_avg_sq are contiguous CPU tensors of equal numel. Params and
 // grads share a dtype (fp32, bf16 or fp16); the moments are fp32 or the param dtype.
 // Numerics: all arithmetic in fp32 (the step scalars are computed in double and rounded once,
@@ -27,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 namespace {
@@ -156,10 +159,13 @@ void adam_range(typename Io<P>::raw* __restrict__ param, const typename Io<P>::r
     }
 }
 
-// The scaled form: fp32 param and moments, gradient of dtype G scaled on load, optional rounded copy of type O.
-template <typename G, typename O, bool kCopy>
-void adam_scaled_range(float* __restrict__ param, const typename Io<G>::raw* __restrict__ grad,
-                       float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+// The scaled form: param and moments of one dtype P (fp32, or bf16 for 16-bit offloaded states), gradient of dtype
+// G scaled on load, optional copy of the updated params of type O. All arithmetic is fp32; a bf16 param and its
+// moments are loaded exactly and rounded once on store, so the bits are those of the fp32 form on the same values
+// followed by one rounding of each result.
+template <typename P, typename G, typename O, bool kCopy>
+void adam_scaled_range(typename Io<P>::raw* __restrict__ param, const typename Io<G>::raw* __restrict__ grad,
+                       typename Io<P>::raw* __restrict__ exp_avg, typename Io<P>::raw* __restrict__ exp_avg_sq,
                        typename Io<O>::raw* __restrict__ copy_out, int64_t begin, int64_t end,
                        const StepScalars k, const float scale) {
     const float one_minus_beta1 = k.one_minus_beta1;
@@ -171,21 +177,26 @@ void adam_scaled_range(float* __restrict__ param, const typename Io<G>::raw* __r
     const float neg_step = -k.step_size;
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
-        float p = param[i];
+        float p = Io<P>::load(param[i]);
         const float scaled = Io<G>::load(grad[i]) * scale;
         const float g = scaled + (has_l2 ? l2 * p : 0.0f);
-        float m = exp_avg[i];
-        float v = exp_avg_sq[i];
+        float m = Io<P>::load(exp_avg[i]);
+        float v = Io<P>::load(exp_avg_sq[i]);
         m = small_weight ? m + one_minus_beta1 * (g - m) : g - (g - m) * k.beta1;
         v = v * k.beta2 + one_minus_beta2 * (g * g);
         const float denom = std::sqrt(v) / k.bias_corr2_sqrt + k.eps;
         p = p * decay;
         p = p + neg_step * (m / denom);
-        param[i] = p;
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
+        const typename Io<P>::raw stored = Io<P>::store(p);
+        param[i] = stored;
+        exp_avg[i] = Io<P>::store(m);
+        exp_avg_sq[i] = Io<P>::store(v);
         if constexpr (kCopy) {
-            copy_out[i] = Io<O>::store(p);
+            if constexpr (std::is_same_v<P, O>) {
+                copy_out[i] = stored;  // the same rounding of the same value
+            } else {
+                copy_out[i] = Io<O>::store(p);
+            }
         }
     }
 }
@@ -303,43 +314,63 @@ int adam_update(int optimizer_id, int64_t step, double lr, double beta1, double 
     return 0;
 }
 
-template <typename G, typename O, bool kCopy>
+template <typename P, typename G, typename O, bool kCopy>
 void adam_scaled_tensor(at::Tensor& params, const at::Tensor& grads, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                         const at::Tensor& copy_out, const StepScalars& k, float scale) {
-    float* p = params.data_ptr<float>();
+    auto* p = raw_ptr<P>(params);
     const auto* g = raw_ptr<G>(grads);
-    float* m = exp_avg.data_ptr<float>();
-    float* v = exp_avg_sq.data_ptr<float>();
+    auto* m = raw_ptr<P>(exp_avg);
+    auto* v = raw_ptr<P>(exp_avg_sq);
     typename Io<O>::raw* out = kCopy ? raw_ptr<O>(copy_out) : nullptr;
     at::parallel_for(0, params.numel(), kGrain, [&](int64_t b, int64_t e) {
-        adam_scaled_range<G, O, kCopy>(p, g, m, v, out, b, e, k, scale);
+        adam_scaled_range<P, G, O, kCopy>(p, g, m, v, out, b, e, k, scale);
     });
 }
 
+void check_copy_out(const at::Tensor& out, const at::Tensor& params) {
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() && out.numel() == params.numel(),
+                      "cpu_adam: copy_out must be a contiguous CPU tensor of ", params.numel(), " elements");
+}
+
+// fp32 params: any gradient dtype, a copy in any of the three dtypes.
 template <typename G>
 void dispatch_copy(at::Tensor& params, const at::Tensor& grads, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                    const c10::optional<at::Tensor>& copy_out, const StepScalars& k, float scale) {
     if (!copy_out.has_value()) {
-        adam_scaled_tensor<G, float, false>(params, grads, exp_avg, exp_avg_sq, at::Tensor(), k, scale);
+        adam_scaled_tensor<float, G, float, false>(params, grads, exp_avg, exp_avg_sq, at::Tensor(), k, scale);
         return;
     }
     const at::Tensor& out = *copy_out;
-    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() && out.numel() == params.numel(),
-                      "cpu_adam: copy_out must be a contiguous CPU tensor of ", params.numel(), " elements");
+    check_copy_out(out, params);
     switch (out.scalar_type()) {
         case at::kBFloat16:
-            adam_scaled_tensor<G, at::BFloat16, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
+            adam_scaled_tensor<float, G, at::BFloat16, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
             break;
         case at::kHalf:
-            adam_scaled_tensor<G, at::Half, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
+            adam_scaled_tensor<float, G, at::Half, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
             break;
         case at::kFloat:
-            adam_scaled_tensor<G, float, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
+            adam_scaled_tensor<float, G, float, true>(params, grads, exp_avg, exp_avg_sq, out, k, scale);
             break;
         default:
             TORCH_CHECK_VALUE(false, "cpu_adam: copy_out dtype ", out.scalar_type(),
                               " (float32, bfloat16 or float16)");
     }
+}
+
+// bf16 params and moments (16-bit offloaded states): a bf16 or fp32 gradient, a bf16 copy.
+template <typename G>
+void dispatch_bf16(at::Tensor& params, const at::Tensor& grads, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                   const c10::optional<at::Tensor>& copy_out, const StepScalars& k, float scale) {
+    using B = at::BFloat16;
+    if (!copy_out.has_value()) {
+        adam_scaled_tensor<B, G, B, false>(params, grads, exp_avg, exp_avg_sq, at::Tensor(), k, scale);
+        return;
+    }
+    check_copy_out(*copy_out, params);
+    TORCH_CHECK_VALUE(copy_out->scalar_type() == at::kBFloat16, "cpu_adam: with bfloat16 params copy_out must be "
+                      "bfloat16, got ", copy_out->scalar_type());
+    adam_scaled_tensor<B, G, B, true>(params, grads, exp_avg, exp_avg_sq, *copy_out, k, scale);
 }
 
 int adam_update_scaled(int optimizer_id, int64_t step, double lr, double beta1, double beta2, double eps,
@@ -355,11 +386,27 @@ int adam_update_scaled(int optimizer_id, int64_t step, double lr, double beta1, 
         TORCH_CHECK_VALUE(all[i]->numel() == params.numel(), "cpu_adam: ", names[i], " has ", all[i]->numel(),
                           " elements, params has ", params.numel());
     }
-    TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
-                          exp_avg_sq.scalar_type() == at::kFloat,
-                      "cpu_adam: adam_update_scaled needs float32 params and optimizer states");
+    const auto dtype = params.scalar_type();
+    TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16) && exp_avg.scalar_type() == dtype &&
+                          exp_avg_sq.scalar_type() == dtype,
+                      "cpu_adam: adam_update_scaled needs float32 params and states, or bfloat16 params and "
+                      "states; got params ", dtype, ", states ", exp_avg.scalar_type());
     const StepScalars k = make_scalars(step, lr, beta1, beta2, eps, weight_decay, bias_correction, decoupled);
     const float scale = static_cast<float>(grad_scale);
+    if (dtype == at::kBFloat16) {
+        switch (grads.scalar_type()) {
+            case at::kBFloat16:
+                dispatch_bf16<at::BFloat16>(params, grads, exp_avg, exp_avg_sq, copy_out, k, scale);
+                break;
+            case at::kFloat:
+                dispatch_bf16<float>(params, grads, exp_avg, exp_avg_sq, copy_out, k, scale);
+                break;
+            default:
+                TORCH_CHECK_VALUE(false, "cpu_adam: with bfloat16 params the gradient must be bfloat16 or float32, "
+                                  "got ", grads.scalar_type());
+        }
+        return 0;
+    }
     switch (grads.scalar_type()) {
         case at::kFloat:
             dispatch_copy<float>(params, grads, exp_avg, exp_avg_sq, copy_out, k, scale);
@@ -389,7 +436,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("adam_update", &adam_update, "One in-place Adam/AdamW step over CPU tensors",
           py::call_guard<py::gil_scoped_release>());
     m.def("adam_update_scaled", &adam_update_scaled,
-          "One in-place Adam/AdamW step over fp32 CPU params with a scaled gradient of its own dtype and an "
-          "optional rounded copy of the updated params",
+          "One in-place Adam/AdamW step over fp32 (or bf16, with bf16 states) CPU params with a scaled gradient "
+          "of its own dtype and an optional rounded copy of the updated params",
           py::call_guard<py::gil_scoped_release>());
 }

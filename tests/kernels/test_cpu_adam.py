@@ -225,15 +225,81 @@ def test_scaled_step_is_the_long_route_bit_for_bit(
 
 
 def test_scaled_step_declines_what_it_cannot_do(cpu_adam_op: object) -> None:
-    """A bf16 parameter (16-bit states) or the torch fallback: ``False``, nothing changed."""
+    """A bf16 parameter with fp32 states, an fp16 gradient or fp32 copy for a bf16 parameter, an fp16 parameter, or
+    the torch fallback: ``False``, nothing changed."""
     p = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
-    opt = DeepSpeedCPUAdam([p], fp32_optimizer_states=False)
-    assert not opt.step_scaled(torch.ones(8, dtype=torch.bfloat16))
+    mixed = DeepSpeedCPUAdam([p], fp32_optimizer_states=True)
+    assert not mixed.step_scaled(torch.ones(8, dtype=torch.bfloat16))
+    bf16 = DeepSpeedCPUAdam([torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))], fp32_optimizer_states=False)
+    assert not bf16.step_scaled(torch.ones(8, dtype=torch.float16))
+    assert not bf16.step_scaled(torch.ones(8, dtype=torch.bfloat16), 1.0, torch.empty(8))
+    half = DeepSpeedCPUAdam([torch.nn.Parameter(torch.randn(8, dtype=torch.float16))], fp32_optimizer_states=False)
+    assert not half.step_scaled(torch.ones(8, dtype=torch.float16))
     q = torch.nn.Parameter(torch.randn(8))
     fallback = DeepSpeedCPUAdam([q])
     fallback.ds_opt_adam = None
     assert not fallback.step_scaled(torch.ones(8))
-    assert not opt.state and not fallback.state
+    assert not mixed.state and not bf16.state and not half.state and not fallback.state
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("coef", [1.0, 0.37])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
+def test_scaled_step_with_16_bit_states_is_the_fp32_step_rounded_once(
+    cpu_adam_op: object, grad_dtype: torch.dtype, coef: float, adamw: bool
+) -> None:
+    """A bf16 parameter with bf16 moments: each step's bits are those of the fp32 scaled step on the same values
+    (the bf16 parameter and moments widened exactly), its parameter and moments then rounded to bf16 once."""
+    gen = torch.Generator().manual_seed(11)
+    n = 10007
+    kw = {"lr": 1e-3, "weight_decay": 0.05, "adamw_mode": adamw}
+    p16 = torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16())
+    opt16 = DeepSpeedCPUAdam([p16], fp32_optimizer_states=False, **kw)
+    for step in range(1, 4):
+        grad = (torch.randn(n, generator=gen) * 3).to(grad_dtype)
+        # The fp32 form on the same values, from this step's bf16 state.
+        p32 = torch.nn.Parameter(p16.detach().float())
+        opt32 = DeepSpeedCPUAdam([p32], **kw)
+        if step > 1:
+            opt32.state[p32] = {
+                "step": step - 1,
+                **{k: opt16.state[p16][k].float() for k in ("exp_avg", "exp_avg_sq")},
+            }
+        assert opt32.step_scaled(grad, coef)
+        copy = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+        assert opt16.step_scaled(grad, coef, copy)
+        assert p16.dtype == torch.bfloat16 and opt16.state[p16]["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(p16.detach(), p32.detach().bfloat16())
+        assert torch.equal(copy, p16.detach())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt16.state[p16][key], opt32.state[p32][key].bfloat16())
+    assert opt16.state[p16]["step"] == 3
+
+
+def test_chunked_step_with_16_bit_states_takes_the_scaled_route(cpu_adam_op: object) -> None:
+    """A bf16 master with bf16 moments, stepped through chunk views: every chunk in the kernel's one pass (no
+    conversion buffer), the same bits as one scaled step over the whole master."""
+    from deepspeed._core.optim.chunked_step import ChunkStepper
+
+    gen = torch.Generator().manual_seed(13)
+    start = torch.randn(1000, generator=gen).bfloat16()
+    grads = [torch.randn(1000, generator=gen).bfloat16() for _ in range(3)]
+    whole = torch.nn.Parameter(start.clone(), requires_grad=False)
+    whole_opt = DeepSpeedCPUAdam([whole], lr=1e-2, weight_decay=0.01, fp32_optimizer_states=False)
+    master = torch.nn.Parameter(start.clone(), requires_grad=False)
+    opt = DeepSpeedCPUAdam([master], lr=1e-2, weight_decay=0.01, fp32_optimizer_states=False)
+    copy = torch.empty(1000, dtype=torch.bfloat16)
+    for grad in grads:
+        assert whole_opt.step_scaled(grad, 0.5)
+        stepper = ChunkStepper(opt, 0, 300)
+        for lo, hi in stepper.ranges():
+            stepper.step_range(lo, hi, grad, 0.5, copy_out=copy[lo:hi])
+        assert stepper.convert is None  # no range went the long way
+        stepper.close()
+        assert torch.equal(master, whole) and torch.equal(copy, whole.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert opt.state[master][key].dtype == torch.bfloat16
+        assert torch.equal(opt.state[master][key], whole_opt.state[whole][key])
 
 
 def test_chunked_step_takes_the_scaled_route(cpu_adam_op: object, monkeypatch: pytest.MonkeyPatch) -> None:

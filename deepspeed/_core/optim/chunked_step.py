@@ -13,8 +13,11 @@ copied into master-shaped tensors once. Peak extra memory: one chunk of fp32 gra
 ``DeepSpeedCPUAdam``) takes a range's gradient in its own dtype and scales it as it loads it, and writes the
 updated values rounded to the working dtype in the same pass: the conversion into the fp32 buffer, the scaling
 pass and the later read of the master for the copy up are three passes over host memory it saves, and an
-offloaded step is bound by memory bandwidth. Same bits as the general route, which every other optimizer takes
-(``step_scaled`` returns ``False`` where the kernel cannot, and the range is then converted as above).
+offloaded step is bound by memory bandwidth. With an fp32 master, the same bits as the general route, which
+every other optimizer takes (``step_scaled`` returns ``False`` where the kernel cannot, and the range is then
+converted as above). With a bf16 master and bf16 moments (16-bit offloaded states), the fp32 computation on the
+same values, each result rounded once; the gradient is scaled in fp32 where the general route would round the
+scaled gradient to bf16 first.
 """
 
 from __future__ import annotations
@@ -178,7 +181,7 @@ class ChunkStepper:
         """The range through the optimizer's one-pass form ([Note: scaled step]); ``False`` when it has none or
         cannot take this range (the caller then converts)."""
         step_scaled = getattr(self.optimizer, "step_scaled", None)
-        if step_scaled is None or torch.is_tensor(coef) or view.dtype != torch.float32 or view.device.type != "cpu":
+        if step_scaled is None or torch.is_tensor(coef) or view.device.type != "cpu":
             return False
         piece = grad.window(start, end) if hasattr(grad, "window") else grad[start:end]
         if piece.device.type != "cpu":

@@ -119,25 +119,31 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
         multiplied by ``grad_scale`` as the kernel loads it; with ``copy_out``, the updated values rounded into it
         as well.
 
-        The same result, bit for bit, as converting the gradient to fp32, multiplying it by ``grad_scale``,
-        :meth:`step` and ``copy_out.copy_(param)``, in one pass over memory. Returns ``False``, changing nothing,
-        where the kernel cannot do it (no native kernel, a parameter that is not fp32 on the host, non-fp32
-        states): the caller then takes that longer route.
+        With an fp32 parameter and fp32 states: the same result, bit for bit, as converting the gradient to fp32,
+        multiplying it by ``grad_scale``, :meth:`step` and ``copy_out.copy_(param)``, in one pass over memory.
+        With a bf16 parameter and bf16 states (16-bit offloaded states; a bf16 or fp32 gradient, a bf16
+        ``copy_out``): that fp32 computation on the same values, each result rounded once to bf16; the gradient is
+        scaled in fp32, not rounded to bf16 first as :meth:`step` on a scaled bf16 gradient would. Returns
+        ``False``, changing nothing, where the kernel cannot do it (no native kernel, a parameter off the host,
+        other dtypes): the caller then takes that longer route.
         """
         if self.ds_opt_adam is None or len(self.param_groups) != 1 or len(self.param_groups[0]["params"]) != 1:
             return False
         group = self.param_groups[0]
         (p,) = group["params"]
+        grad_dtypes = _NATIVE_DTYPES if p.dtype == torch.float32 else (torch.bfloat16, torch.float32)
         if (
             grad.numel() != p.numel()
             or grad.device.type != "cpu"
             or p.device.type != "cpu"
-            or p.dtype != torch.float32
-            or grad.dtype not in _NATIVE_DTYPES
+            or p.dtype not in (torch.float32, torch.bfloat16)
+            or self._state_dtype(p) != p.dtype
+            or grad.dtype not in grad_dtypes
+            or (copy_out is not None and p.dtype == torch.bfloat16 and copy_out.dtype != torch.bfloat16)
         ):
-            return False
+            return False  # (the kernel's bf16 form writes a bf16 copy only)
         state = self.state[p]
-        if state and any(state[key].dtype != torch.float32 for key in self.STATE_KEYS):
+        if state and any(state[key].dtype != p.dtype for key in self.STATE_KEYS):
             return False
         if copy_out is not None and not _fits(copy_out, p):
             raise ValueError(
@@ -147,7 +153,7 @@ class DeepSpeedCPUAdam(StatefulOptimizer):
         if not state:
             state["step"] = 0
             for key in self.STATE_KEYS:
-                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                state[key] = torch.zeros_like(p, dtype=p.dtype, memory_format=torch.contiguous_format)
         state["step"] = int(state["step"]) + 1
         self.ds_opt_adam.adam_update_scaled(
             *self._kernel_scalars(group, state["step"]),
