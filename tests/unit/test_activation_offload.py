@@ -140,6 +140,27 @@ def test_pool_best_fit_and_bound() -> None:
     assert big is not None and big.data.numel() >= 100_000 and len(pool.buffers) == 2
 
 
+def test_a_longer_step_replaces_the_shorter_steps_buffers_instead_of_joining_them() -> None:
+    offloader = ActivationOffloader(PinnedHostPool(8, HostMemory.PAGEABLE), 1, CopyStreams.COMPUTE)
+    pool = offloader.pool
+
+    def step(numel: int, count: int) -> None:
+        handles = [offloader.stash(torch.full((numel,), float(i))) for i in range(count)]
+        back = [offloader.fetch(h) for h in reversed(handles)]
+        assert [float(t[0]) for t in back] == [float(i) for i in reversed(range(count))]
+
+    step(1000, 4)  # three go to the host (the newest stays)
+    short = {id(b) for b in pool.buffers}
+    assert len(short) == 3
+    step(1000, 4)
+    assert {id(b) for b in pool.buffers} == short  # a steady state keeps (and reuses) its buffers
+    step(50_000, 4)  # none of the short step's buffers fits: three larger ones are added, then the short ones go
+    assert len(pool.buffers) == 3 and all(b.data.numel() >= 50_000 * 4 for b in pool.buffers)
+    assert not short & {id(b) for b in pool.buffers}
+    step(1000, 4)  # a shorter step again: the larger buffers serve it, nothing is added or retired
+    assert len(pool.buffers) == 3 and all(b.data.numel() >= 50_000 * 4 for b in pool.buffers)
+
+
 # ---------------------------------------------------------------------- event protocol with fake streams
 class _Event:
     def __init__(self, log: list[str], name: str) -> None:

@@ -18,7 +18,9 @@ to the host and brings them back just ahead of the recomputation that needs them
   and is handed out again only once the event has completed.
 
 The pool holds at most ``max_buffers`` buffers, reused best-fit by size; when all are in use a tensor simply stays
-on the device (counted in ``skipped_marked_tensors``). On a synchronized device (the CPU accelerator) copies are
+on the device (counted in ``skipped_marked_tensors``). Once a backward has fetched everything, the pool keeps no
+more buffers than that step had taken at once, the largest ones (a longer step's buffers replace a shorter
+one's instead of joining them). On a synchronized device (the CPU accelerator) copies are
 plain blocking copies and the "device" storage is host memory; the bookkeeping, and the release of the original
 storage, are the same.
 """
@@ -99,6 +101,7 @@ class PinnedHostPool:
         self.max_buffers, self.memory = max_buffers, memory
         self.buffers: list[_HostBuffer] = []
         self.free: list[_HostBuffer] = []
+        self.peak = 0  # most buffers taken at once since the last trim
         weakref.finalize(self, _unlock_all, self.buffers)  # registered pages are unregistered before they are freed
 
     def take(self, nbytes: int) -> _HostBuffer | None:
@@ -110,7 +113,7 @@ class PinnedHostPool:
             if buffer.free_after is not None:
                 buffer.free_after.synchronize()  # its host-to-device copy was queued long ago: normally done
                 buffer.free_after = None
-            return buffer
+            return self._taken(buffer)
         if len(self.buffers) >= self.max_buffers:
             if not self.free:
                 return None
@@ -127,7 +130,22 @@ class PinnedHostPool:
         data = lock_pages(size) if self.memory is HostMemory.PINNED else torch.empty(size, dtype=torch.uint8)
         buffer = _HostBuffer(data)
         self.buffers.append(buffer)
+        return self._taken(buffer)
+
+    def _taken(self, buffer: _HostBuffer) -> _HostBuffer:
+        self.peak = max(self.peak, len(self.buffers) - len(self.free))
         return buffer
+
+    def trim(self) -> None:
+        """Retire the smallest free buffers beyond the most taken at once since the last trim (called when a
+        backward has fetched everything). Buffers from shorter steps would otherwise stay beside the larger ones a
+        longer step added, up to ``max_buffers`` of them; in a steady state nothing is retired."""
+        while len(self.buffers) > self.peak and self.free:
+            victim = min(self.free, key=lambda b: b.data.numel())
+            self.free.remove(victim)
+            self.buffers.remove(victim)
+            _unlock_all([victim])
+        self.peak = len(self.buffers) - len(self.free)
 
     def give(self, buffer: _HostBuffer, free_after: Any) -> None:
         """Return ``buffer``; it is reused once ``free_after`` (an event, or ``None``) has completed."""
@@ -261,6 +279,7 @@ class ActivationOffloader:
         self._prefetch_before(handle.index)
         if all(h.done for h in self.handles):
             self.handles = []
+            self.pool.trim()
         assert tensor is not None
         return tensor
 
