@@ -9,6 +9,7 @@ it with the accelerator's driver (``cudaHostRegister`` on CUDA): the same page-l
 size asked for. :func:`unlock_pages` unregisters it before it is freed. Where registration is unavailable
 (another accelerator, or the driver refuses) the buffer is pinned the usual way; on a machine without an
 accelerator it is plain memory.
+
 Users: the activation offload's buffers, the parameters' host shards under ``offload_param`` with pinning, the
 partitions NVMe keeps in host memory, and ``offload_states``' copies. Small or short-lived staging buffers keep
 the caching allocator: its rounding costs little there and it reuses blocks.
