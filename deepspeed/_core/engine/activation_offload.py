@@ -119,11 +119,9 @@ class PinnedHostPool:
                 return None
             # Full, and nothing free is large enough: retire the largest free buffer for a larger one.
             victim = max(self.free, key=lambda b: b.data.numel())
-            if victim.free_after is not None:
-                victim.free_after.synchronize()
             self.free.remove(victim)
             self.buffers.remove(victim)
-            unlock_pages(victim.data)
+            _unlock_all([victim])
         size = math.ceil(nbytes / _ALIGN) * _ALIGN
         # Exactly the size asked for ([Note: exact page-locking]): these buffers are the largest host allocations
         # of a long-sequence run, and the caching host allocator would round each up to a power of two.
