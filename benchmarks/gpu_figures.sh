@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -239,6 +239,16 @@ if want maxlen2; then
   part maxlen_upstream_320k 230 $LC --impl upstream $ALST --lengths 327680
   part maxlen_ours_400k 300 $LC --impl ours $ALST --lengths 409600
   cp "$WORK/maxlen2.jsonl" "$OUT/" 2>/dev/null
+fi
+
+if want largest; then
+  # The largest model with fp32 states on both sides (upstream was killed for host memory at 88 layers, 7.09 B;
+  # ours trained 18.04 B with 16-bit states), then upstream with its own 16-bit states.
+  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest2.jsonl"
+  part largest_upstream_fp32 200 $LM --impl upstream --states fp32 --bisect 60,84 --budget-s 190
+  part largest_ours_fp32 200 $LM --impl ours --states fp32 --bisect 100,130 --budget-s 190
+  part largest_upstream_bf16 190 $LM --impl upstream --states bf16 --bisect 150,200 --budget-s 180
+  cp "$WORK/largest2.jsonl" "$OUT/" 2>/dev/null
 fi
 
 if want route; then
