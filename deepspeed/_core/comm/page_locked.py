@@ -54,12 +54,15 @@ def locked_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D host tensor over :func:`lock_pages` memory that unregisters itself when this tensor
     object is collected: for long-lived tensors another object owns (a parameter's host shard). A view that
     outlives it stays valid, only no longer page-locked."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    locked = lock_pages(nbytes)
-    tensor = locked.view(dtype)[:numel]
-    if locked.data_ptr() in _REGISTERED:
-        weakref.finalize(tensor, _unlock_address, locked.data_ptr())
+    tensor = _typed(numel, dtype)
+    if tensor.data_ptr() in _REGISTERED:
+        weakref.finalize(tensor, _unlock_address, tensor.data_ptr())
     return tensor
+
+
+def _typed(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at the start of a :func:`lock_pages` buffer (same address)."""
+    return lock_pages(numel * torch.empty((), dtype=dtype).element_size()).view(dtype)[:numel]
 
 
 def _unlock_address(address: int) -> None:
@@ -71,8 +74,7 @@ def _unlock_address(address: int) -> None:
 def page_locked_like(tensor: torch.Tensor) -> torch.Tensor:
     """An uninitialised contiguous host tensor of ``tensor``'s shape and dtype over :func:`lock_pages` memory
     (release it with :func:`unlock_pages`)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return lock_pages(nbytes).view(tensor.dtype)[: tensor.numel()].view(tensor.shape)
+    return _typed(tensor.numel(), tensor.dtype).view(tensor.shape)
 
 
 def unlock_pages(tensor: torch.Tensor) -> None:

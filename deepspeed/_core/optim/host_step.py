@@ -300,7 +300,6 @@ class StepRun:
                     self._published(index, group, start, rounded)
                 else:
                     self._publish_here(index, group, start, end, slots, in_flight)
-                    self.owner.chunks_published += 1
                 left[gi] -= 1
                 if not left[gi]:
                     group.stepper.close()
@@ -331,6 +330,7 @@ class StepRun:
         piece.copy_(group.stepper.master.data[start:end])
         group.publish(start, piece)
         in_flight[slot] = record_current()
+        self.owner.chunks_published += 1
 
     def wait(self) -> None:
         """Wait for every range submitted so far (their masters are final; nothing is published)."""
