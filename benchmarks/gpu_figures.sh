@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -229,6 +229,20 @@ if want verify || want smoke; then
     --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
     python3 -m pytest -q -p no:cacheprovider --timeout=50 -m gpu tests/unit/test_activation_offload_gpu.py \
     tests/dist/test_gpu_engine_modes.py"
+fi
+
+if want verify2; then
+  # The delayed update at 4 layers with the column-indexed packing, then the GPU tests with the CUDA ops built
+  # beforehand (a build inside a test ran past its time limit) and a report per test in the output.
+  part delayed_small2 100 python3 benchmarks/offload_overlap_gpu.py --layers 4 --seq 2048 --steps 6 \
+    --cases zenflow,gpu_resident --out "$WORK/delayed_small2.jsonl"
+  part ops_build 120 env DS_ACCELERATOR=cuda python3 -c "from deepspeed.ops.op_builder.utils import UtilsBuilder; \
+from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder; \
+from deepspeed.ops.op_builder.cpu_adam import CPUAdamBuilder; [b().load() for b in (UtilsBuilder, FusedAdamBuilder, CPUAdamBuilder)]"
+  part gpu_tests2 200 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
+    --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
+    python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout=150 --junitxml=$WORK/gpu_tests2.xml -m gpu \
+    tests/unit/test_activation_offload_gpu.py tests/dist/test_gpu_engine_modes.py"
 fi
 
 if want maxlen2; then

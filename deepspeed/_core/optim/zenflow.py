@@ -16,6 +16,14 @@ select every element; the delayed path then starts from the step count they reac
 the inner optimizer on a packed copy of its elements (masked select, step, masked scatter), which are elementwise
 the same operations as the plain offloaded step.
 
+[Note: zenflow split] The masks say which elements each path owns, but the per-step packing never reads them:
+on the host ``masked_scatter_`` runs on one thread and ``masked_select`` costs several elementwise passes over
+the whole partition, and the every-step path packs and unpacks four tensors. A
+:class:`ColumnSplit` packs the same elements in the same order from the selected column indices instead: a
+weight's whole rows as one ``index_select`` along its columns, the partial rows at a partition's cut through short
+index lists, and everything outside the 2-D weights as slices. Each gather or scatter then costs about one
+elementwise pass of the elements it moves.
+
 [Note: zenflow checkpoint] A checkpoint holds everything ZenFlow keeps between steps (:meth:`ZenFlowUpdate.
 state_dict`): the accumulator, the selected columns, the counters of the schedule, both paths' step counts and a
 host update still in flight, waited for but not applied (saved as the values and moments it writes at the next
@@ -37,7 +45,9 @@ import torch
 
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.config.plan import ZenFlowPolicy
-from deepspeed._core.grads.convert import Coef, scales
+from deepspeed._core.grads.convert import Coef, convert_scaled, scales
+
+ACCUMULATE_CHUNK = 1 << 22  # elements converted and scaled at a time on their way into the accumulator
 
 
 @dataclass(frozen=True)
@@ -52,15 +62,139 @@ class ColumnPiece:
     norm_offset: int
 
 
+@dataclass(frozen=True)
+class _PieceIndex:
+    """Where one weight piece's selected (``[0]``) and other (``[1]``) elements sit: positions in the partial row
+    before its first whole row (``head``), columns of its whole rows, positions in the partial row after them."""
+
+    piece: ColumnPiece
+    head: tuple[torch.Tensor, torch.Tensor]
+    rows: int
+    columns: tuple[torch.Tensor, torch.Tensor]
+    tail: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def head_len(self) -> int:
+        return int(self.head[0].numel() + self.head[1].numel())
+
+    @property
+    def tail_len(self) -> int:
+        return int(self.tail[0].numel() + self.tail[1].numel())
+
+
+def _positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return keep.nonzero().flatten(), (~keep).nonzero().flatten()
+
+
+class ColumnSplit:
+    """One partition's split between the every-step path (*selected*) and the late one, as column indices
+    ([Note: zenflow split]). :meth:`take` packs a path's elements in ascending element order, the order of
+    ``tensor[mask]`` under the group's mask; :meth:`put_` writes them back; :meth:`fill_` sets them.
+
+    Args:
+        numel: the partition's length.
+        pieces: its 2-D weights' pieces, in ascending order.
+        keeps: the selected columns of each piece's weight (``None`` for every piece: nothing selected yet,
+            every element is stepped every step).
+    """
+
+    def __init__(self, numel: int, pieces: Sequence[ColumnPiece], keeps: Sequence[torch.Tensor] | None) -> None:
+        self.numel = numel
+        self.parts: list[_PieceIndex] = []
+        if keeps is None:
+            self.counts = (numel, 0)
+            return
+        selected = numel
+        for piece, keep in zip(pieces, keeps, strict=True):
+            start = piece.first % piece.cols
+            head = min(piece.numel, (piece.cols - start) % piece.cols)
+            rows = (piece.numel - head) // piece.cols
+            tail = piece.numel - head - rows * piece.cols
+            part = _PieceIndex(
+                piece, _positions(keep[start : start + head]), rows, _positions(keep), _positions(keep[:tail])
+            )
+            self.parts.append(part)
+            selected -= part.head[1].numel() + rows * part.columns[1].numel() + part.tail[1].numel()
+        self.counts = (selected, numel - selected)
+
+    def _walk(self, tensor: torch.Tensor, selected: bool):
+        """Yield ``(kind, view, index)`` over ``tensor`` in element order for the ``selected`` path: ``"span"``
+        (a whole slice), ``"pos"`` (positions in a 1-D slice) or ``"cols"`` (columns of a rows x cols view)."""
+        which = 0 if selected else 1
+        cursor = 0
+        for part in self.parts:
+            piece = part.piece
+            if selected and piece.local > cursor:
+                yield "span", tensor[cursor : piece.local], None
+            seg = tensor[piece.local : piece.local + piece.numel]
+            head, body = part.head_len, part.rows * piece.cols
+            if head and part.head[which].numel():
+                yield "pos", seg[:head], part.head[which]
+            if part.rows and part.columns[which].numel():
+                yield "cols", seg[head : head + body].view(part.rows, piece.cols), part.columns[which]
+            if part.tail_len and part.tail[which].numel():
+                yield "pos", seg[head + body :], part.tail[which]
+            cursor = piece.local + piece.numel
+        if selected and cursor < self.numel:
+            yield "span", tensor[cursor : self.numel], None
+
+    def take(self, tensor: torch.Tensor, selected: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``tensor``'s elements on the ``selected`` path (``tensor[mask]`` or ``tensor[~mask]``), in a new 1-D
+        tensor or in ``out``."""
+        if out is None:
+            out = tensor.new_empty(self.counts[0 if selected else 1])
+        offset = 0
+        for kind, view, index in self._walk(tensor, selected):
+            if kind == "span":
+                n = view.numel()
+                out[offset : offset + n].copy_(view)
+            elif kind == "pos":
+                n = index.numel()
+                torch.index_select(view, 0, index, out=out[offset : offset + n])
+            else:
+                n = view.shape[0] * index.numel()
+                torch.index_select(view, 1, index, out=out[offset : offset + n].view(view.shape[0], index.numel()))
+            offset += n
+        return out
+
+    def put_(self, tensor: torch.Tensor, values: torch.Tensor, selected: bool) -> None:
+        """Write :meth:`take`'s packed ``values`` back into ``tensor`` (``tensor.masked_scatter_(mask, values)``)."""
+        offset = 0
+        for kind, view, index in self._walk(tensor, selected):
+            if kind == "span":
+                n = view.numel()
+                view.copy_(values[offset : offset + n])
+            elif kind == "pos":
+                n = index.numel()
+                view.index_copy_(0, index, values[offset : offset + n])
+            else:
+                n = view.shape[0] * index.numel()
+                view.index_copy_(1, index, values[offset : offset + n].view(view.shape[0], index.numel()))
+            offset += n
+
+    def fill_(self, tensor: torch.Tensor, value: float, selected: bool) -> None:
+        """Set ``tensor``'s elements on the ``selected`` path to ``value``."""
+        for kind, view, index in self._walk(tensor, selected):
+            if kind == "span":
+                view.fill_(value)
+            else:
+                view.index_fill_(0 if kind == "pos" else 1, index, value)
+
+
 @dataclass
 class GroupMask:
-    """One flat group's split: the pieces of its 2-D weights, its mask (``True``: stepped every step) and the
-    accumulated gradient of the other elements."""
+    """One flat group's split: the pieces of its 2-D weights, its mask (``True``: stepped every step), the same
+    split as column indices (what the steps use) and the accumulated gradient of the other elements."""
 
     numel: int
     pieces: list[ColumnPiece]
     mask: torch.Tensor
     acc: torch.Tensor | None = None
+    split: ColumnSplit | None = None
+
+    def __post_init__(self) -> None:
+        if self.split is None:
+            self.split = ColumnSplit(self.numel, self.pieces, None)
 
 
 @dataclass
@@ -68,22 +202,26 @@ class PendingUpdate:
     """A host update computed in the background: new values of the masked-out elements, applied at the next step."""
 
     job: Future
-    masks: list[torch.Tensor]
 
 
-def column_sq(piece: torch.Tensor, first: int, cols: int) -> torch.Tensor:
-    """Per-column sums of squares of ``piece`` (fp32), elements ``first..`` of a row-major weight of ``cols``
-    columns."""
+def column_sq(piece: torch.Tensor, first: int, cols: int, coef: Coef = 1.0) -> torch.Tensor:
+    """Per-column sums of squares of ``piece`` scaled by ``coef`` (in fp32), elements ``first..`` of a row-major
+    weight of ``cols`` columns."""
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * coef if scales(coef) else x  # never in place: ``float()`` of an fp32 gradient is the gradient
+
     out = torch.zeros(cols, dtype=torch.float32)
     n, start = piece.numel(), first % cols
     head = min(n, (cols - start) % cols)
-    out[start : start + head] += piece[:head].float().square()
+    out[start : start + head] += scaled(piece[:head]).square()
     rows = (n - head) // cols
     if rows:
-        out += piece[head : head + rows * cols].float().view(rows, cols).square().sum(0)
+        out += scaled(piece[head : head + rows * cols]).view(rows, cols).square().sum(0)
     tail = n - head - rows * cols
     if tail:
-        out[:tail] += piece[n - tail :].float().square()
+        out[:tail] += scaled(piece[n - tail :]).square()
     return out
 
 
@@ -179,6 +317,7 @@ class ZenFlowUpdate:
         self.pending: PendingUpdate | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._twin: torch.optim.Optimizer | None = None
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self.host_updates = 0  # for tests: host updates applied
         self.selections = 0  # for tests: column selections made
 
@@ -228,18 +367,17 @@ class ZenFlowUpdate:
     def step(self, grads: Sequence[torch.Tensor | None], coef: Coef) -> None:
         """Apply one ZenFlow step with the partition gradients ``grads`` (one per group) scaled by ``coef``."""
         self.settle()
-        fp32 = [self._fp32(g, mask.numel, coef) for g, mask in zip(grads, self.groups, strict=True)]
+        raws = [torch.zeros(m.numel) if g is None else g for g, m in zip(grads, self.groups, strict=True)]
         warm = self.steps < self.policy.full_warm_up_rounds
         select = not warm and self._selection_due()
-        norms = self._column_norms(fp32) if select or (not warm and self.auto is not None) else None
+        norms = self._column_norms(raws, coef) if select or (not warm and self.auto is not None) else None
         if select:
             assert norms is not None
             self._select(norms)
-        for index, (grad, mask) in enumerate(zip(fp32, self.groups, strict=True)):
-            chosen = mask.mask
-            self._step_masked(index, chosen, grad[chosen], self.scalars[index], selected=True)
+        for index, raw in enumerate(raws):
+            self._step_masked(index, self._selected_grad(index, raw, coef), self.scalars[index], selected=True)
         if not warm:
-            self._accumulate(fp32, norms)
+            self._accumulate(raws, coef, norms)
         if self.steps + 1 == self.policy.full_warm_up_rounds:
             for scalars in self.scalars:  # every element had every warm-up update: the host path starts there
                 scalars.host = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.selected.items()}
@@ -247,21 +385,34 @@ class ZenFlowUpdate:
         if self._host_due():
             self._host_update()
 
-    def _fp32(self, grad: torch.Tensor | None, numel: int, coef: Coef) -> torch.Tensor:
-        if grad is None:
-            return torch.zeros(numel, dtype=torch.float32)
-        out = grad.to(torch.float32, copy=True)
-        if scales(coef):
-            out.mul_(coef)
+    def _buffer(self, index: int, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer kept from step to step (until the columns change): the every-step path packs into the
+        same memory each step instead of faulting in fresh pages."""
+        key = (index, name)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype)
+        return buf
+
+    def _selected_grad(self, index: int, raw: torch.Tensor, coef: Coef) -> torch.Tensor:
+        """This step's gradient of the every-step path, packed, in fp32 and scaled by ``coef``."""
+        split = self._split(index)
+        packed = split.take(raw, True, out=self._buffer(index, "grad", split.counts[0], raw.dtype))
+        if raw.dtype == torch.float32 and not scales(coef):
+            return packed
+        out = self._buffer(index, "grad32", split.counts[0], torch.float32)
+        convert_scaled(out, packed, coef)
         return out
 
-    def _column_norms(self, fp32: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Every 2-D weight's column norms of this step's gradient, summed over the ranks."""
+    def _column_norms(self, raws: Sequence[torch.Tensor], coef: Coef) -> list[torch.Tensor]:
+        """Every 2-D weight's column norms of this step's gradient (scaled by ``coef``), summed over the ranks."""
         total = torch.zeros(sum(self.widths), dtype=torch.float32)
-        for grad, mask in zip(fp32, self.groups, strict=True):
+        for grad, mask in zip(raws, self.groups, strict=True):
             for piece in mask.pieces:
                 part = grad[piece.local : piece.local + piece.numel]
-                total[piece.norm_offset : piece.norm_offset + piece.cols] += column_sq(part, piece.first, piece.cols)
+                total[piece.norm_offset : piece.norm_offset + piece.cols] += column_sq(
+                    part, piece.first, piece.cols, coef
+                )
         if self.group is not None or torch.distributed.is_initialized():
             sum_over(total, self.group)
         return list(total.sqrt().split(self.widths)) if self.widths else []
@@ -283,19 +434,33 @@ class ZenFlowUpdate:
         offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
         for mask in self.groups:
             mask.mask.fill_(True)
-            for piece in mask.pieces if chosen else ():
-                keep = chosen[offsets.index(piece.norm_offset)]
+            keeps = [chosen[offsets.index(piece.norm_offset)] for piece in mask.pieces] if chosen else None
+            for piece, keep in zip(mask.pieces, keeps or (), strict=False):
                 mask.mask[piece.local : piece.local + piece.numel] = column_pattern(keep, piece.first, piece.numel)
+            mask.split = ColumnSplit(mask.numel, mask.pieces, keeps)
         self._chosen = chosen
+        self._buffers.clear()
 
-    def _accumulate(self, fp32: Sequence[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
-        """Add this step's gradient of the masked-out elements into the accumulators."""
-        if all(bool(m.mask.all()) for m in self.groups):
+    def _accumulate(self, raws: Sequence[torch.Tensor], coef: Coef, norms: list[torch.Tensor] | None) -> None:
+        """Add this step's gradient (scaled by ``coef``) of the masked-out elements into the accumulators.
+
+        Every element is added, a chunk at a time through one small fp32 buffer, and the every-step path's
+        elements are set back to zero after: cheaper than zeroing them in a full-size fp32 copy of the gradient,
+        and the masked-out elements see the same sums."""
+        if all(m.split is None or not m.split.counts[1] for m in self.groups):
             return
-        for grad, mask in zip(fp32, self.groups, strict=True):
+        for index, (raw, mask) in enumerate(zip(raws, self.groups, strict=True)):
             if mask.acc is None:
                 mask.acc = torch.zeros(mask.numel, dtype=torch.float32)
-            mask.acc.add_(grad.masked_fill_(mask.mask, 0.0))
+            if raw.dtype == torch.float32 and not scales(coef):
+                mask.acc.add_(raw)
+            else:
+                scratch = self._buffer(-1, "scratch", min(ACCUMULATE_CHUNK, mask.numel), torch.float32)
+                for lo in range(0, mask.numel, scratch.numel()):
+                    chunk = scratch[: min(scratch.numel(), mask.numel - lo)]
+                    convert_scaled(chunk, raw[lo : lo + chunk.numel()], coef)
+                    mask.acc[lo : lo + chunk.numel()].add_(chunk)
+            self._split(index).fill_(mask.acc, 0.0, True)
         self.accumulated += 1
         if self.auto is not None and norms is not None:
             self.auto.observe(norms, self._chosen)
@@ -303,65 +468,102 @@ class ZenFlowUpdate:
     def _host_update(self) -> None:
         """Step the masked-out elements once with the mean accumulated gradient (now, or in the background)."""
         count = self.accumulated
-        inputs = []
-        for index, mask in enumerate(self.groups):
-            assert mask.acc is not None
-            rest = ~mask.mask
-            inputs.append((index, rest, mask.acc[rest].div_(count)))
-            mask.acc.zero_()
         self.accumulated = 0
         if self.auto is not None:
             self.auto.reset()
         if not self.policy.overlap_step:
-            for index, rest, grad in inputs:
-                self._step_masked(index, rest, grad, self.scalars[index], selected=False)
+            for index in range(len(self.groups)):
+                self._late_in_place(index, count)
             self.host_updates += 1
             return
-        packed = [(index, rest, grad, *self._pack(index, rest)) for index, rest, grad in inputs]
         snapshot = [dict(g) for g in self.optimizer.param_groups]  # this step's hyperparameters
-        job = self._executor().submit(self._background, packed, snapshot)
-        self.pending = PendingUpdate(job, [rest for _, rest, _ in inputs])
+        self.pending = PendingUpdate(self._executor().submit(self._background, count, snapshot))
+
+    def _late_in_place(self, index: int, count: int) -> None:
+        """The late path's update of group ``index`` on the training thread, over the whole master at once.
+
+        Packing the late path's elements (most of them) would fault in fresh pages for four near-partition-size
+        copies. Instead the every-step path's elements of the master and its state are set aside in the kept
+        buffers, the inner optimizer steps the whole partition with the accumulator (zero on those elements) as
+        its gradient and the late path's step count, and the set-aside elements are written back. Elementwise
+        this is the late path's packed step. The late path's first update (no step count yet, its moments start
+        from zero) is packed instead.
+        """
+        mask, split, scalars = self.groups[index], self._split(index), self.scalars[index]
+        if mask.acc is None or not split.counts[1]:
+            return  # every element of this group is on the every-step path
+        if not scalars.host:
+            self._step_masked(index, split.take(mask.acc, False).div_(count), scalars, selected=False)
+            mask.acc.zero_()
+            return
+        master = self.optimizer.param_groups[index]["params"][0]
+        state = self.optimizer.state.get(master, {})
+        per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
+        values, kept = self._pack(index, selected=True)
+        new_values, _, scalars.host = _step_packed(
+            self.optimizer, index, master.data, per_element, scalars.host, mask.acc.div_(count)
+        )
+        assert new_values.data_ptr() == master.data_ptr()
+        split.put_(master.data, values, True)
+        for key, value in kept.items():
+            split.put_(state[key], value, True)
+        mask.acc.zero_()
 
     def settle(self) -> None:
         """Apply the background host update of the previous step, if any (waits for it)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        for index, rest, values, state, scalars in pending.job.result():
-            master = self.optimizer.param_groups[index]["params"][0]
-            master.data.masked_scatter_(rest, values)
-            self._scatter_state(index, rest, state)
+        # No selection runs between the update's start and here, so the late path's elements are still the
+        # ones it packed (``rest``, kept for checkpoints).
+        for index, _rest, values, state, scalars in pending.job.result():
+            self._split(index).put_(self.optimizer.param_groups[index]["params"][0].data, values, False)
+            self._scatter_state(index, state, selected=False)
             self.scalars[index].host = scalars
         self.host_updates += 1
 
     # --- masked steps -----------------------------------------------------------------------------------
-    def _pack(self, index: int, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Copies of the master's and its per-element state's values under ``mask``."""
+    def _split(self, index: int) -> ColumnSplit:
+        split = self.groups[index].split
+        assert split is not None
+        return split
+
+    def _pack(self, index: int, selected: bool) -> tuple[torch.Tensor, dict]:
+        """Copies of the master's and its per-element state's values on one path (the every-step path's in
+        buffers kept from step to step; the late path's are fresh, a background update holds them)."""
         master = self.optimizer.param_groups[index]["params"][0]
         state = self.optimizer.state.get(master, {})
-        per_element = {k: v[mask] for k, v in state.items() if _per_element(v, master.numel())}
-        return master.data[mask], per_element
+        split = self._split(index)
 
-    def _scatter_state(self, index: int, mask: torch.Tensor, packed: dict) -> None:
+        def take(name: str, value: torch.Tensor) -> torch.Tensor:
+            if selected and not split.counts[1]:
+                return value  # every element is on this path (warm-up): step the master and its state in place
+            out = self._buffer(index, name, split.counts[0], value.dtype) if selected else None
+            return split.take(value, selected, out=out)
+
+        per_element = {k: take(f"state.{k}", v) for k, v in state.items() if _per_element(v, master.numel())}
+        return take("master", master.data), per_element
+
+    def _scatter_state(self, index: int, packed: dict, selected: bool) -> None:
         master = self.optimizer.param_groups[index]["params"][0]
         state = self.optimizer.state.setdefault(master, {})
         for key, value in packed.items():
             if key not in state:
                 state[key] = torch.zeros(master.numel(), dtype=value.dtype)
-            state[key].masked_scatter_(mask, value)
+            if value is not state[key]:
+                self._split(index).put_(state[key], value, selected)
 
-    def _step_masked(
-        self, index: int, mask: torch.Tensor, grad: torch.Tensor, scalars: PathScalars, selected: bool
-    ) -> None:
-        """Step the elements of group ``index`` under ``mask`` with ``grad`` (packed) on the training thread."""
+    def _step_masked(self, index: int, grad: torch.Tensor, scalars: PathScalars, selected: bool) -> None:
+        """Step group ``index``'s elements on one path with ``grad`` (packed) on the training thread."""
         if not grad.numel():
             return
-        values, state = self._pack(index, mask)
+        values, state = self._pack(index, selected)
         own = scalars.selected if selected else scalars.host
         new_values, new_state, new_scalars = _step_packed(self.optimizer, index, values, state, own, grad)
         master = self.optimizer.param_groups[index]["params"][0]
-        master.data.masked_scatter_(mask, new_values)
-        self._scatter_state(index, mask, new_state)
+        if new_values.data_ptr() != master.data_ptr():
+            self._split(index).put_(master.data, new_values, selected)
+        self._scatter_state(index, new_state, selected)
         if selected:
             scalars.selected = new_scalars
             # The optimizer's own state of the master carries the every-step path's scalars (what a checkpoint saves).
@@ -371,12 +573,20 @@ class ZenFlowUpdate:
         else:
             scalars.host = new_scalars
 
-    def _background(self, packed: list, snapshot: list[dict]) -> list:
-        """Worker: step every group's packed masked-out elements on the twin optimizer with ``snapshot``'s
-        hyperparameters."""
+    def _background(self, count: int, snapshot: list[dict]) -> list:
+        """Worker: pack every group's masked-out elements and their mean accumulated gradient, and step them on
+        the twin optimizer with ``snapshot``'s hyperparameters.
+
+        The packing runs here, off the training thread: until :meth:`settle` nothing else writes the master, its
+        state or the accumulators (the weights are only read, to publish them), and the split does not change.
+        """
         twin = self._twin_optimizer()
         out = []
-        for index, rest, grad, values, state in packed:
+        for index, mask in enumerate(self.groups):
+            assert mask.acc is not None
+            rest, grad = ~mask.mask, self._split(index).take(mask.acc, False).div_(count)
+            mask.acc.zero_()
+            values, state = self._pack(index, selected=False)
             twin.param_groups[0].update({k: v for k, v in snapshot[index].items() if k != "params"})
             new_values, new_state, new_scalars = _step_packed(twin, 0, values, state, self.scalars[index].host, grad)
             out.append((index, rest, new_values, new_state, new_scalars))
@@ -412,6 +622,8 @@ class ZenFlowUpdate:
     def state_dict(self) -> dict:
         """What this rank's ZenFlow holds between steps. ``"partitions"`` maps a name to one tensor per group,
         shaped like that group's master partition; every other entry is the same on every rank."""
+        if self.pending is not None:
+            self.pending.job.result()  # the worker empties the accumulators it packed: read them after it
         partitions: dict[str, list[torch.Tensor]] = {}
         accs = [g.acc for g in self.groups]
         if accs and all(a is not None for a in accs):
@@ -525,7 +737,7 @@ def _restored_pending(parts: dict, counts: list[dict] | None) -> PendingUpdate |
         results.append((index, rest, parts[PENDING_VALUES][index][rest], state, _copied(scalars)))
     job: Future = Future()
     job.set_result(results)
-    return PendingUpdate(job, [r[1] for r in results])
+    return PendingUpdate(job)
 
 
 def _per_element(value: Any, numel: int) -> bool:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 
 from deepspeed._core.config.plan import ZenFlowPolicy
-from deepspeed._core.optim.zenflow import AutoInterval, ZenFlowUpdate, column_pattern, column_sq
+from deepspeed._core.optim.zenflow import (
+    AutoInterval,
+    ColumnPiece,
+    ColumnSplit,
+    ZenFlowUpdate,
+    column_pattern,
+    column_sq,
+)
 
 
 def test_column_sums_and_masks_of_a_weight_cut_mid_row() -> None:
@@ -88,3 +95,37 @@ def test_overlapped_host_update_runs_on_a_second_optimizer_and_lands_one_step_la
     assert seen == [(0, False), (0, False), (1, True), (1, False)]
     update.shutdown()  # settles the one in flight
     assert update.host_updates == 2
+
+
+def test_column_split_packs_what_the_mask_selects_in_the_same_order() -> None:
+    # A partition holding: a 1-D span, a weight cut mid-row at both ends, a gap, a whole weight, a weight piece
+    # inside one row, and a trailing span; every packing must equal the boolean mask's, for both paths.
+    torch.manual_seed(0)
+    shapes = {"a": (5, 7), "b": (3, 4), "c": (2, 9)}
+    keeps = {name: torch.rand(shape[1]) < 0.4 for name, shape in shapes.items()}
+    keeps["b"][:] = False  # a weight with no selected column
+    keeps["b"][2] = True
+    #                 local, first (element of the weight), numel, cols
+    layout = [("a", 3, 4, 26), ("b", 31, 0, 12), ("c", 45, 2, 5)]
+    numel = 56
+    pieces, mask = [], torch.ones(numel, dtype=torch.bool)
+    offset = 0
+    for name, local, first, n in layout:
+        cols = shapes[name][1]
+        pieces.append(ColumnPiece(local, first, n, cols, offset))
+        offset += cols
+        mask[local : local + n] = column_pattern(keeps[name], first, n)
+    split = ColumnSplit(numel, pieces, [keeps[name] for name, *_ in layout])
+    assert split.counts == (int(mask.sum()), int((~mask).sum()))
+    values = torch.randn(numel)
+    for selected, where in ((True, mask), (False, ~mask)):
+        assert torch.equal(split.take(values, selected), values[where])
+        packed = torch.randn(int(where.sum()))
+        got, expected = values.clone(), values.clone()
+        split.put_(got, packed, selected)
+        assert torch.equal(got, expected.masked_scatter_(where, packed))
+        got = values.clone()
+        split.fill_(got, 0.0, selected)
+        assert torch.equal(got, values.masked_fill(where, 0.0))
+    everything = ColumnSplit(numel, pieces, None)
+    assert torch.equal(everything.take(values, True), values) and everything.take(values, False).numel() == 0

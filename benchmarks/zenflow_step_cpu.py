@@ -1,0 +1,82 @@
+"""ZenFlow's host side on the CPU alone: one step of each kind over a Qwen2-shaped layer stack's partition.
+
+    PYTHONPATH=. python benchmarks/zenflow_step_cpu.py --layers 2 --reps 3
+
+Builds the ZeRO-1/2 ZenFlow update ([Note: zenflow]) over one fp32 master of ``--layers`` decoder layers of the
+3B benchmark model's widths (hidden 2048, MLP 11008, 16 heads of 128, 2 kv heads) with ``DeepSpeedCPUAdam``, as
+the engine builds it at world size 1, and times (median of ``--reps`` after one warm-up): ``every_step`` (the
+selected columns stepped, the rest accumulated: what each step costs), ``host_update`` (the late path's update
+over the accumulated rest, run synchronously here) and ``plain_step`` (the same optimizer over the whole master,
+what the offloaded step without ZenFlow costs). Prints one JSON line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from deepspeed._core.config.plan import ZenFlowPolicy
+from deepspeed._core.optim.zenflow import ZenFlowUpdate
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+HIDDEN, MLP, KV = 2048, 11008, 256
+LAYER = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP)]
+NORMS = [(HIDDEN,), (HIDDEN,), (KV,), (KV,), (HIDDEN,)]  # two norms, the k/v and q biases
+
+
+def _layout(layers: int) -> list[tuple[int, tuple[int, ...]]]:
+    params, offset = [], 0
+    for _ in range(layers):
+        for shape in LAYER + NORMS:
+            params.append((offset, shape))
+            offset += int(torch.Size(shape).numel())
+    return params
+
+
+def _median(run: Callable[[], None], reps: int) -> float:
+    run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--topk-ratio", type=float, default=0.1)
+    args = parser.parse_args()
+    params = _layout(args.layers)
+    numel = params[-1][0] + int(torch.Size(params[-1][1]).numel())
+    master = torch.nn.Parameter(torch.randn(numel) * 0.02, requires_grad=False)
+    optimizer = DeepSpeedCPUAdam([master], lr=1e-5)
+    policy = ZenFlowPolicy(
+        topk_ratio=args.topk_ratio, select_strategy="step", select_interval=1000, update_interval=1000
+    )
+    update = ZenFlowUpdate(optimizer, policy, [(0, numel, params)], group=None)
+    grad = torch.randn(numel, dtype=torch.bfloat16) * 1e-3
+    for _ in range(policy.full_warm_up_rounds + 1):  # past the warm-up; the first step after it selects
+        update.step([grad], 1.0)
+    meta = {"numel": numel, "threads": torch.get_num_threads(), "topk_ratio": args.topk_ratio}
+    rows = [("every_step", lambda: update.step([grad], 1.0)), ("host_update", update._host_update)]
+
+    def plain() -> None:
+        master.grad = grad.float()
+        optimizer.step()
+        master.grad = None
+
+    rows.append(("plain_step", plain))
+    for name, run in rows:
+        print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))
+
+
+if __name__ == "__main__":
+    main()
