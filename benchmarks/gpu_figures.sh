@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -243,6 +243,17 @@ from deepspeed.ops.op_builder.cpu_adam import CPUAdamBuilder; [b().load() for b 
     --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
     python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout=150 --junitxml=$WORK/gpu_tests2.xml -m gpu \
     tests/unit/test_activation_offload_gpu.py tests/dist/test_gpu_engine_modes.py"
+fi
+
+if want verify3; then
+  # verify2 cut to fit a short budget: the GPU tests first (the CUDA ops built by the first test that needs them),
+  # then the delayed update at 4 layers.
+  part gpu_tests3 160 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
+    --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
+    python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout=140 --junitxml=$WORK/gpu_tests3.xml -m gpu \
+    tests/unit/test_activation_offload_gpu.py tests/dist/test_gpu_engine_modes.py"
+  part delayed_small3 70 python3 benchmarks/offload_overlap_gpu.py --layers 4 --seq 2048 --steps 6 \
+    --cases zenflow,gpu_resident --out "$WORK/delayed_small3.jsonl"
 fi
 
 if want maxlen2; then
