@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -254,6 +254,17 @@ if want verify3; then
     tests/unit/test_activation_offload_gpu.py tests/dist/test_gpu_engine_modes.py"
   part delayed_small3 70 python3 benchmarks/offload_overlap_gpu.py --layers 4 --seq 2048 --steps 6 \
     --cases zenflow,gpu_resident --out "$WORK/delayed_small3.jsonl"
+fi
+
+if want maxlen3; then
+  # 16x the plain model's maximum: the plain model between 32K and 48K (40K here), then this package at 512K with
+  # 64 loss shards (at 400K the 16-shard logits tile was 36 of the 61 GiB allocated; 64 shards: about 39 GiB in
+  # all at 512K by the floor formula, and about 108 GiB on the host).
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/maxlen3.jsonl"
+  part maxlen_plain_40k 70 $LC --impl ours --lengths 40960 --budget-s 60
+  part maxlen_ours_512k 450 $LC --impl ours --tile-mlp 8 --tile-loss 64 --act-offload --warmup-seq 8192 \
+    --budget-s 440 --lengths 524288
+  cp "$WORK/maxlen3.jsonl" "$OUT/"
 fi
 
 if want maxlen2; then

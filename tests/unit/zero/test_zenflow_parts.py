@@ -129,3 +129,25 @@ def test_column_split_packs_what_the_mask_selects_in_the_same_order() -> None:
         assert torch.equal(got, values.masked_fill(where, 0.0))
     everything = ColumnSplit(numel, pieces, None)
     assert torch.equal(everything.take(values, True), values) and everything.take(values, False).numel() == 0
+
+
+def test_a_checkpoint_taken_while_the_worker_packs_sees_the_accumulator_it_emptied() -> None:
+    # The overlapped update packs (and empties) the accumulator on its worker; a state_dict taken before the
+    # worker got to it must wait for it, not save the gradients the update in flight already holds.
+    import threading
+
+    master = torch.nn.Parameter(torch.randn(24))
+    policy = ZenFlowPolicy(
+        topk_ratio=0.2, select_strategy="step", select_interval=100, update_interval=2, overlap_step=True
+    )
+    update = ZenFlowUpdate(torch.optim.AdamW([master], lr=0.1), policy, [(0, 24, [(0, (4, 6))])], group=None)
+    update.step([torch.linspace(-1, 1, 24)], 1.0)
+    gate = threading.Event()
+    update._executor().submit(gate.wait)  # the worker is busy: the next host update queues behind this
+    update.step([torch.linspace(-1, 1, 24)], 1.0)  # the host update is now submitted, not yet started
+    assert update.pending is not None and update.groups[0].acc is not None and update.groups[0].acc.any()
+    threading.Timer(0.2, gate.set).start()
+    saved = update.state_dict()
+    assert not saved["partitions"]["accumulator"][0].any()
+    assert saved["pending_host_step_counts"] is not None
+    update.shutdown()
