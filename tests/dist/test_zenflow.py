@@ -31,6 +31,21 @@ def _config(stage: int, zenflow: dict | None) -> dict:
     }
 
 
+def _published(engine) -> dict:
+    """Whether this rank's slice of every working flat buffer holds its master rounded to the working dtype (what
+    publishing the selected columns alone must leave, as publishing everything does), and how many steps
+    published the selected columns alone."""
+    opt = engine.optimizer
+    exact = True
+    for group in opt.groups:
+        writer = group.master.writer
+        part = writer.partition
+        mine = writer.flat.tensor[part.start : part.start + part.size]
+        exact = exact and torch.equal(mine, group.master.param.detach().to(mine.dtype))
+    zen = opt.zenflow
+    return {"exact": exact, "partial": zen.partial_publishes if zen is not None else 0}
+
+
 def _train(world: int, stage: int, zenflow: dict | None) -> dict:
     import deepspeed
     from deepspeed import comm as dist
@@ -43,6 +58,7 @@ def _train(world: int, stage: int, zenflow: dict | None) -> dict:
     out = {
         "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
         "host_updates": zen.host_updates if zen is not None else 0,
+        "published": _published(engine),
     }
     engine.destroy()
     return out
@@ -141,6 +157,9 @@ def test_zenflow_reduces_to_the_plain_step_and_delays_by_one_step(world: int, st
         assert rank["every_step"]["host_updates"] == STEPS
         for k in plain:
             assert torch.allclose(rank["every_step"]["weights"][k], plain[k], rtol=0, atol=1e-7), k
+        # Between host updates only the selected columns go up, and the weights are the masters' all the same.
+        assert rank["delayed"]["published"] == {"exact": True, "partial": STEPS // 2}
+        assert all(rank[run]["published"]["exact"] for run in ("all_selected", "every_step"))
         if world == 1:
             delayed = rank["delayed"]
             assert delayed["host_updates"] == STEPS // 2  # applied at steps 2 and 4
@@ -211,6 +230,7 @@ def _train_bf16_auto(world: int) -> dict:
         "losses": losses,
         "host_updates": zen.host_updates,
         "weights": {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()},
+        "published": _published(engine),
     }
     engine.destroy()
     return out
@@ -221,6 +241,7 @@ def test_zenflow_bf16_with_accumulation_and_auto_interval_on_two_ranks() -> None
     for rank in ranks:
         assert all(math.isfinite(x) for x in rank["losses"])
         assert rank["host_updates"] > 0  # the auto rule fired at least once
+        assert rank["published"]["exact"] and rank["published"]["partial"] > 0  # bf16 columns sent alone
     for k in ranks[0]["weights"]:  # every rank holds the same gathered weights
         assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
 

@@ -34,7 +34,7 @@ from deepspeed._core.optim.clipping import counts_in_norm, local_sq_norm
 from deepspeed._core.optim.early_step import EarlyUpdate, GroupSpan, LandingPlan, LazyPartitionGrad, needs_no_norm
 from deepspeed._core.optim.host_step import GroupStep, Handoff, OverlappedHostStep, pinning_of, pool_for_step
 from deepspeed._core.optim.hp_mapping import attach_hp_mapping, detach_hp_mapping
-from deepspeed._core.optim.master import MasterPlacement, MasterShard
+from deepspeed._core.optim.master import GatherWriteBack, MasterPlacement, MasterShard
 from deepspeed._core.optim.sharded import (
     OPTIMIZER_ALLGATHER_TIMER,
     OPTIMIZER_GRADIENTS_TIMER,
@@ -309,7 +309,8 @@ class ZeroOptimizer(ShardedOptimizer):
             self.zenflow.step(parts, coef)
             parts.clear()
             self._clear_grads()
-            self.publish_weights()
+            if not self._publish_stepped_columns(self.zenflow):
+                self.publish_weights()
             return
         if self.host_step is not None:
             self._overlapped_update(parts, coef)
@@ -399,6 +400,27 @@ class ZeroOptimizer(ShardedOptimizer):
             return
         # Narrow dtype or host master (offload): convert and scale one chunk at a time ([Note: chunked step]).
         step_in_chunks(self.optimizer, index, part, self._step_chunk_numel, coef)
+
+    def _publish_stepped_columns(self, zenflow: ZenFlowUpdate) -> bool:
+        """After a ZenFlow step that changed only the every-step path's elements ([Note: zenflow split]): convert
+        and send up those elements alone, scatter them into this rank's partition on the device by the same column
+        indices, and all-gather the partitions. The other elements' working copies are already their masters'
+        rounded values. ``False`` (nothing done) when the whole master must go up."""
+        stepped = [zenflow.stepped_values(index) for index in range(len(self.groups))]
+        writers = [group.master.writer for group in self.groups]
+        if any(v is None for v in stepped) or not all(
+            isinstance(w, GatherWriteBack) and w.flat.is_contiguous for w in writers
+        ):
+            return False
+        for index, (values, writer) in enumerate(zip(stepped, writers, strict=True)):
+            assert values is not None and isinstance(writer, GatherWriteBack)
+            part = writer.partition
+            target = writer.flat.tensor[part.start : part.start + part.size]
+            packed = values.to(target.dtype).to(target.device)
+            zenflow.split_on(index, target.device).put_(target, packed, True)
+            writer.after_publish()
+        zenflow.partial_publishes += 1
+        return True
 
     def publish_weights(self) -> None:
         """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""

@@ -16,14 +16,6 @@ select every element; the delayed path then starts from the step count they reac
 the inner optimizer on a packed copy of its elements (masked select, step, masked scatter), which are elementwise
 the same operations as the plain offloaded step.
 
-[Note: zenflow split] The masks say which elements each path owns, but the per-step packing never reads them:
-on the host ``masked_scatter_`` runs on one thread and ``masked_select`` costs several elementwise passes over
-the whole partition, and the every-step path packs and unpacks four tensors. A
-:class:`ColumnSplit` packs the same elements in the same order from the selected column indices instead: a
-weight's whole rows as one ``index_select`` along its columns, the partial rows at a partition's cut through short
-index lists, and everything outside the 2-D weights as slices. Each gather or scatter then costs about one
-elementwise pass of the elements it moves.
-
 [Note: zenflow checkpoint] A checkpoint holds everything ZenFlow keeps between steps (:meth:`ZenFlowUpdate.
 state_dict`): the accumulator, the selected columns, the counters of the schedule, both paths' step counts and a
 host update still in flight, waited for but not applied (saved as the values and moments it writes at the next
@@ -46,139 +38,9 @@ import torch
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.config.plan import ZenFlowPolicy
 from deepspeed._core.grads.convert import Coef, convert_scaled, scales
+from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_pattern, column_sq
 
 ACCUMULATE_CHUNK = 1 << 22  # elements converted and scaled at a time on their way into the accumulator
-
-
-@dataclass(frozen=True)
-class ColumnPiece:
-    """This rank's piece of one 2-D weight: ``numel`` elements from ``local`` in the partition, starting at element
-    ``first`` of the weight (row-major, ``cols`` columns), its norms at ``norm_offset`` of the norm vector."""
-
-    local: int
-    first: int
-    numel: int
-    cols: int
-    norm_offset: int
-
-
-@dataclass(frozen=True)
-class _PieceIndex:
-    """Where one weight piece's selected (``[0]``) and other (``[1]``) elements sit: positions in the partial row
-    before its first whole row (``head``), columns of its whole rows, positions in the partial row after them."""
-
-    piece: ColumnPiece
-    head: tuple[torch.Tensor, torch.Tensor]
-    rows: int
-    columns: tuple[torch.Tensor, torch.Tensor]
-    tail: tuple[torch.Tensor, torch.Tensor]
-
-    @property
-    def head_len(self) -> int:
-        return int(self.head[0].numel() + self.head[1].numel())
-
-    @property
-    def tail_len(self) -> int:
-        return int(self.tail[0].numel() + self.tail[1].numel())
-
-
-def _positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return keep.nonzero().flatten(), (~keep).nonzero().flatten()
-
-
-class ColumnSplit:
-    """One partition's split between the every-step path (*selected*) and the late one, as column indices
-    ([Note: zenflow split]). :meth:`take` packs a path's elements in ascending element order, the order of
-    ``tensor[mask]`` under the group's mask; :meth:`put_` writes them back; :meth:`fill_` sets them.
-
-    Args:
-        numel: the partition's length.
-        pieces: its 2-D weights' pieces, in ascending order.
-        keeps: the selected columns of each piece's weight (``None`` for every piece: nothing selected yet,
-            every element is stepped every step).
-    """
-
-    def __init__(self, numel: int, pieces: Sequence[ColumnPiece], keeps: Sequence[torch.Tensor] | None) -> None:
-        self.numel = numel
-        self.parts: list[_PieceIndex] = []
-        if keeps is None:
-            self.counts = (numel, 0)
-            return
-        selected = numel
-        for piece, keep in zip(pieces, keeps, strict=True):
-            start = piece.first % piece.cols
-            head = min(piece.numel, (piece.cols - start) % piece.cols)
-            rows = (piece.numel - head) // piece.cols
-            tail = piece.numel - head - rows * piece.cols
-            part = _PieceIndex(
-                piece, _positions(keep[start : start + head]), rows, _positions(keep), _positions(keep[:tail])
-            )
-            self.parts.append(part)
-            selected -= part.head[1].numel() + rows * part.columns[1].numel() + part.tail[1].numel()
-        self.counts = (selected, numel - selected)
-
-    def _walk(self, tensor: torch.Tensor, selected: bool):
-        """Yield ``(kind, view, index)`` over ``tensor`` in element order for the ``selected`` path: ``"span"``
-        (a whole slice), ``"pos"`` (positions in a 1-D slice) or ``"cols"`` (columns of a rows x cols view)."""
-        which = 0 if selected else 1
-        cursor = 0
-        for part in self.parts:
-            piece = part.piece
-            if selected and piece.local > cursor:
-                yield "span", tensor[cursor : piece.local], None
-            seg = tensor[piece.local : piece.local + piece.numel]
-            head, body = part.head_len, part.rows * piece.cols
-            if head and part.head[which].numel():
-                yield "pos", seg[:head], part.head[which]
-            if part.rows and part.columns[which].numel():
-                yield "cols", seg[head : head + body].view(part.rows, piece.cols), part.columns[which]
-            if part.tail_len and part.tail[which].numel():
-                yield "pos", seg[head + body :], part.tail[which]
-            cursor = piece.local + piece.numel
-        if selected and cursor < self.numel:
-            yield "span", tensor[cursor : self.numel], None
-
-    def take(self, tensor: torch.Tensor, selected: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``tensor``'s elements on the ``selected`` path (``tensor[mask]`` or ``tensor[~mask]``), in a new 1-D
-        tensor or in ``out``."""
-        if out is None:
-            out = tensor.new_empty(self.counts[0 if selected else 1])
-        offset = 0
-        for kind, view, index in self._walk(tensor, selected):
-            if kind == "span":
-                n = view.numel()
-                out[offset : offset + n].copy_(view)
-            elif kind == "pos":
-                n = index.numel()
-                torch.index_select(view, 0, index, out=out[offset : offset + n])
-            else:
-                n = view.shape[0] * index.numel()
-                torch.index_select(view, 1, index, out=out[offset : offset + n].view(view.shape[0], index.numel()))
-            offset += n
-        return out
-
-    def put_(self, tensor: torch.Tensor, values: torch.Tensor, selected: bool) -> None:
-        """Write :meth:`take`'s packed ``values`` back into ``tensor`` (``tensor.masked_scatter_(mask, values)``)."""
-        offset = 0
-        for kind, view, index in self._walk(tensor, selected):
-            if kind == "span":
-                n = view.numel()
-                view.copy_(values[offset : offset + n])
-            elif kind == "pos":
-                n = index.numel()
-                view.index_copy_(0, index, values[offset : offset + n])
-            else:
-                n = view.shape[0] * index.numel()
-                view.index_copy_(1, index, values[offset : offset + n].view(view.shape[0], index.numel()))
-            offset += n
-
-    def fill_(self, tensor: torch.Tensor, value: float, selected: bool) -> None:
-        """Set ``tensor``'s elements on the ``selected`` path to ``value``."""
-        for kind, view, index in self._walk(tensor, selected):
-            if kind == "span":
-                view.fill_(value)
-            else:
-                view.index_fill_(0 if kind == "pos" else 1, index, value)
 
 
 @dataclass
@@ -202,37 +64,6 @@ class PendingUpdate:
     """A host update computed in the background: new values of the masked-out elements, applied at the next step."""
 
     job: Future
-
-
-def column_sq(piece: torch.Tensor, first: int, cols: int, coef: Coef = 1.0) -> torch.Tensor:
-    """Per-column sums of squares of ``piece`` scaled by ``coef`` (in fp32), elements ``first..`` of a row-major
-    weight of ``cols`` columns."""
-
-    def scaled(x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * coef if scales(coef) else x  # never in place: ``float()`` of an fp32 gradient is the gradient
-
-    out = torch.zeros(cols, dtype=torch.float32)
-    n, start = piece.numel(), first % cols
-    head = min(n, (cols - start) % cols)
-    out[start : start + head] += scaled(piece[:head]).square()
-    rows = (n - head) // cols
-    if rows:
-        out += scaled(piece[head : head + rows * cols]).view(rows, cols).square().sum(0)
-    tail = n - head - rows * cols
-    if tail:
-        out[:tail] += scaled(piece[n - tail :]).square()
-    return out
-
-
-def column_pattern(selected: torch.Tensor, first: int, numel: int) -> torch.Tensor:
-    """The ``numel`` mask values of elements ``first..`` of a row-major weight whose columns ``selected`` are set."""
-    cols = selected.numel()
-    start = first % cols
-    head = min(numel, (cols - start) % cols)
-    rows = (numel - head) // cols
-    tail = numel - head - rows * cols
-    return torch.cat([selected[start : start + head], selected.repeat(rows), selected[:tail]])
 
 
 class AutoInterval:
@@ -318,6 +149,12 @@ class ZenFlowUpdate:
         self._worker: ThreadPoolExecutor | None = None
         self._twin: torch.optim.Optimizer | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._device_splits: dict[tuple[int, str], ColumnSplit] = {}
+        # Whether the last step may have changed elements outside the every-step path (a host update landed, or
+        # every element was stepped): then the whole master must be published, else only the selected columns.
+        self.changed_all = True
+        self._stepped: dict[int, torch.Tensor] = {}  # per group: the every-step path's values after the step
+        self.partial_publishes = 0  # for tests: steps whose weights went up as the selected columns alone
         self.host_updates = 0  # for tests: host updates applied
         self.selections = 0  # for tests: column selections made
 
@@ -366,6 +203,7 @@ class ZenFlowUpdate:
     # --- one step ---------------------------------------------------------------------------------------
     def step(self, grads: Sequence[torch.Tensor | None], coef: Coef) -> None:
         """Apply one ZenFlow step with the partition gradients ``grads`` (one per group) scaled by ``coef``."""
+        self.changed_all, self._stepped = False, {}
         self.settle()
         raws = [torch.zeros(m.numel) if g is None else g for g, m in zip(grads, self.groups, strict=True)]
         warm = self.steps < self.policy.full_warm_up_rounds
@@ -440,6 +278,8 @@ class ZenFlowUpdate:
             mask.split = ColumnSplit(mask.numel, mask.pieces, keeps)
         self._chosen = chosen
         self._buffers.clear()
+        self._device_splits.clear()
+        self.changed_all, self._stepped = True, {}
 
     def _accumulate(self, raws: Sequence[torch.Tensor], coef: Coef, norms: list[torch.Tensor] | None) -> None:
         """Add this step's gradient (scaled by ``coef``) of the masked-out elements into the accumulators.
@@ -475,6 +315,7 @@ class ZenFlowUpdate:
             for index in range(len(self.groups)):
                 self._late_in_place(index, count)
             self.host_updates += 1
+            self.changed_all = True
             return
         snapshot = [dict(g) for g in self.optimizer.param_groups]  # this step's hyperparameters
         self.pending = PendingUpdate(self._executor().submit(self._background, count, snapshot))
@@ -520,9 +361,22 @@ class ZenFlowUpdate:
             self._split(index).put_(self.optimizer.param_groups[index]["params"][0].data, values, False)
             self._scatter_state(index, state, selected=False)
             self.scalars[index].host = scalars
+        self.changed_all = True
         self.host_updates += 1
 
     # --- masked steps -----------------------------------------------------------------------------------
+    def stepped_values(self, index: int) -> torch.Tensor | None:
+        """The every-step path's values of group ``index`` after the last step (packed, master dtype) when they
+        are all that step changed, else ``None`` (publish the whole master)."""
+        return None if self.changed_all else self._stepped.get(index)
+
+    def split_on(self, index: int, device: torch.device) -> ColumnSplit:
+        """Group ``index``'s split with its indices on ``device`` (kept while the columns stand)."""
+        key = (index, str(device))
+        if key not in self._device_splits:
+            self._device_splits[key] = self._split(index).to(device)
+        return self._device_splits[key]
+
     def _split(self, index: int) -> ColumnSplit:
         split = self.groups[index].split
         assert split is not None
@@ -563,6 +417,10 @@ class ZenFlowUpdate:
         master = self.optimizer.param_groups[index]["params"][0]
         if new_values.data_ptr() != master.data_ptr():
             self._split(index).put_(master.data, new_values, selected)
+            if selected:
+                self._stepped[index] = new_values
+        else:
+            self.changed_all = True  # the whole master was stepped in place
         self._scatter_state(index, new_state, selected)
         if selected:
             scalars.selected = new_scalars
