@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3|largest3
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -285,6 +285,15 @@ if want largest; then
   part largest_ours_fp32 200 $LM --impl ours --states fp32 --bisect 100,130 --budget-s 190
   part largest_upstream_bf16 190 $LM --impl upstream --states bf16 --bisect 150,200 --budget-s 180
   cp "$WORK/largest2.jsonl" "$OUT/" 2>/dev/null
+fi
+
+if want largest3; then
+  # One trial each where call Q left off: upstream with fp32 states between its 60 layers (ok) and 88 (killed),
+  # ours with fp32 states past 130 layers (ok at 116.8 GiB of the host's 128). An upstream trial takes about 2 min.
+  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest3.jsonl"
+  part largest_upstream_fp32_74 210 $LM --impl upstream --states fp32 --bisect 74,74 --budget-s 200
+  part largest_ours_fp32_140 130 $LM --impl ours --states fp32 --bisect 140,140 --budget-s 120
+  cp "$WORK/largest3.jsonl" "$OUT/" 2>/dev/null
 fi
 
 if want route; then
