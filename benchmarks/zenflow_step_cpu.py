@@ -5,9 +5,11 @@
 Builds the ZeRO-1/2 ZenFlow update ([Note: zenflow]) over one fp32 master of ``--layers`` decoder layers of the
 3B benchmark model's widths (hidden 2048, MLP 11008, 16 heads of 128, 2 kv heads) with ``DeepSpeedCPUAdam``, as
 the engine builds it at world size 1, and times (median of ``--reps`` after one warm-up): ``every_step`` (the
-selected columns stepped, the rest accumulated: what each step costs), ``host_update`` (the late path's update
-over the accumulated rest, run synchronously here) and ``plain_step`` (the same optimizer over the whole master,
-what the offloaded step without ZenFlow costs). Prints one JSON line per figure.
+selected columns stepped on the host, the rest accumulated: what each step costs the host), ``every_step_columns``
+(the same with the selected columns kept as device columns, [Note: zenflow columns], here on the CPU too: the
+host's share is this minus their packed Adam step, which an accelerator takes over), ``host_update`` (the late
+path's update over the accumulated rest, run synchronously here) and ``plain_step`` (the same optimizer over the
+whole master, what the offloaded step without ZenFlow costs). Prints one JSON line per figure.
 """
 
 from __future__ import annotations
@@ -61,12 +63,21 @@ def main() -> None:
     policy = ZenFlowPolicy(
         topk_ratio=args.topk_ratio, select_strategy="step", select_interval=1000, update_interval=1000
     )
-    update = ZenFlowUpdate(optimizer, policy, [(0, numel, params)], group=None)
     grad = torch.randn(numel, dtype=torch.bfloat16) * 1e-3
-    for _ in range(policy.full_warm_up_rounds + 1):  # past the warm-up; the first step after it selects
-        update.step([grad], 1.0)
+
+    def built(device: torch.device | None) -> ZenFlowUpdate:
+        update = ZenFlowUpdate(optimizer, policy, [(0, numel, params)], group=None, device=device)
+        for _ in range(policy.full_warm_up_rounds + 1):  # past the warm-up; the first step after it selects
+            update.step([grad], 1.0)
+        return update
+
+    update, columns = built(None), built(torch.device("cpu"))
     meta = {"numel": numel, "threads": torch.get_num_threads(), "topk_ratio": args.topk_ratio}
-    rows = [("every_step", lambda: update.step([grad], 1.0)), ("host_update", update._host_update)]
+    rows = [
+        ("every_step", lambda: update.step([grad], 1.0)),
+        ("every_step_columns", lambda: columns.step([grad], 1.0)),
+        ("host_update", update._host_update),
+    ]
 
     def plain() -> None:
         master.grad = grad.float()

@@ -98,11 +98,18 @@ class ZeroHpMapping:
 
     def get_hp_fragment(self, optim_state_key: str | None = None) -> torch.Tensor:
         """This rank's 1-D fp32 fragment of the parameter (or of one optimizer state); a view, maybe empty."""
+        self._before_access(write=False)
         master = self._group.master.param
         source = (
             master.data if optim_state_key is None else _state_of(self.optimizer.optimizer, master, optim_state_key)
         )
         return source[self.hp_range.as_slice()]
+
+    def _before_access(self, write: bool) -> None:
+        """Let the optimizer bring values it keeps elsewhere home first (ZenFlow's device columns)."""
+        hook = getattr(self.optimizer, "before_master_access", None)
+        if hook is not None:
+            hook(write)
 
     def _gather(self, local: torch.Tensor | None) -> torch.Tensor:
         """Assemble the full fp32 parameter-shaped tensor from every rank's fragment (collective)."""
@@ -122,6 +129,7 @@ class ZeroHpMapping:
 
     def set_full_hp_param(self, value: torch.Tensor, optim_state_key: str | None = None) -> None:
         """Copy this rank's fragment of ``value`` (the whole parameter) into the master or state."""
+        self._before_access(write=True)
         fragment = self.get_hp_fragment(optim_state_key)
         with torch.no_grad():
             fragment.copy_(value.detach().reshape(-1)[self.lp_range.as_slice()])

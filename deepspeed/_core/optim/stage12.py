@@ -144,7 +144,9 @@ class ZeroOptimizer(ShardedOptimizer):
             (g.partition.start, g.master.numel(), [(slot.offset, slot.shape) for slot in g.grads.layout.slots])
             for g in self.groups
         ]
-        return ZenFlowUpdate(self.optimizer, policy, layouts, self.dp_group)
+        writer = self.groups[0].master.writer if self.groups else None
+        device = writer.flat.device if isinstance(writer, GatherWriteBack) else None
+        return ZenFlowUpdate(self.optimizer, policy, layouts, self.dp_group, device=device)
 
     def _plan_early_step(self) -> None:
         """[Note: early host step]: which step chunks wait on which buckets; armed per boundary in
@@ -310,6 +312,7 @@ class ZeroOptimizer(ShardedOptimizer):
             parts.clear()
             self._clear_grads()
             if not self._publish_stepped_columns(self.zenflow):
+                self.zenflow.sync_columns(moments=False)  # [Note: zenflow columns]: the whole master goes up
                 self.publish_weights()
             return
         if self.host_step is not None:
@@ -472,6 +475,15 @@ class ZeroOptimizer(ShardedOptimizer):
         """Rebuild the fp32 masters from the current (e.g. just loaded) working weights."""
         for g in self.groups:
             g.master.refresh()
+        if self.zenflow is not None:
+            self.zenflow.drop_columns()  # the masters were just rebuilt ([Note: zenflow columns])
+
+    def before_master_access(self, write: bool) -> None:
+        """Called before the masters or their optimizer state are read or written from outside a step (the
+        ``safe_get_*`` / ``safe_set_*`` helpers): ZenFlow's device columns are written back first, and forgotten
+        when the host copies are about to change ([Note: zenflow columns])."""
+        if self.zenflow is not None:
+            self.zenflow.sync_columns(drop=write)
 
     # --- introspection for tests, checkpoints and safe_get_* helpers -------------------------------------
     def observe(self, callback: Any) -> None:

@@ -55,6 +55,8 @@ def saved_loss_scaler(opt: Any) -> LossScaler:
 
 def shard_state_dict(opt: Any, version: str) -> dict:
     """This rank's ZeRO-1/2 shard of ``opt`` (a ``ZeroOptimizer``) with upstream's keys."""
+    if getattr(opt, "zenflow", None) is not None:
+        opt.zenflow.sync_columns()  # the masters and moments of ZenFlow's device columns, current on the host
     groups = opt.groups
     shard = {
         "loss_scaler": saved_loss_scaler(opt),

@@ -38,6 +38,7 @@ import torch
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.config.plan import ZenFlowPolicy
 from deepspeed._core.grads.convert import Coef, convert_scaled, scales
+from deepspeed._core.optim.zenflow_device import DeviceColumns, adam_rule_of
 from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_pattern, column_sq
 
 ACCUMULATE_CHUNK = 1 << 22  # elements converted and scaled at a time on their way into the accumulator
@@ -129,8 +130,20 @@ class ZenFlowUpdate:
         group: the process group the partitions are spread over.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, policy: ZenFlowPolicy, layouts: list, group: Any) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        policy: ZenFlowPolicy,
+        layouts: list,
+        group: Any,
+        device: torch.device | None = None,
+    ) -> None:
         self.optimizer, self.policy, self.group = optimizer, policy, group
+        # [Note: zenflow columns]: where the every-step path is stepped once columns are selected (the working
+        # weights' device), and by which rule; None keeps it on the host.
+        self.device = device
+        self.rule = adam_rule_of(optimizer) if device is not None else None
+        self.columns: dict[int, DeviceColumns] = {}
         self.groups: list[GroupMask] = []
         self.widths: list[int] = []  # columns of every 2-D weight, in norm-vector order
         for start, numel, params in layouts:
@@ -138,11 +151,9 @@ class ZenFlowUpdate:
                 GroupMask(numel, self._pieces(start, numel, params), torch.ones(numel, dtype=torch.bool))
             )
         self.scalars = [PathScalars() for _ in self.groups]
-        self.steps = 0
+        self.steps = self.accumulated = 0
         self.epoch_steps = policy.steps_per_epoch
-        self.accumulated = 0
-        self.selected_once = False
-        self._select_requested = False
+        self.selected_once, self._select_requested = False, False
         self._chosen: list[torch.Tensor] = []
         self.auto = AutoInterval(policy.auto_ratio, len(self.widths)) if policy.update_interval == "auto" else None
         self.pending: PendingUpdate | None = None
@@ -152,9 +163,11 @@ class ZenFlowUpdate:
         self._device_splits: dict[tuple[int, str], ColumnSplit] = {}
         # Whether the last step may have changed elements outside the every-step path (a host update landed, or
         # every element was stepped): then the whole master must be published, else only the selected columns.
-        self.changed_all = True
+        # _publish_all: the next step publishes everything (the host copies were written meanwhile).
+        self.changed_all, self._publish_all = True, True
         self._stepped: dict[int, torch.Tensor] = {}  # per group: the every-step path's values after the step
-        self.partial_publishes = 0  # for tests: steps whose weights went up as the selected columns alone
+        # For tests: steps whose weights went up as the selected columns alone; group steps taken on the device.
+        self.partial_publishes, self.column_steps = 0, 0
         self.host_updates = 0  # for tests: host updates applied
         self.selections = 0  # for tests: column selections made
 
@@ -203,7 +216,7 @@ class ZenFlowUpdate:
     # --- one step ---------------------------------------------------------------------------------------
     def step(self, grads: Sequence[torch.Tensor | None], coef: Coef) -> None:
         """Apply one ZenFlow step with the partition gradients ``grads`` (one per group) scaled by ``coef``."""
-        self.changed_all, self._stepped = False, {}
+        self.changed_all, self._stepped, self._publish_all = self._publish_all, {}, False
         self.settle()
         raws = [torch.zeros(m.numel) if g is None else g for g, m in zip(grads, self.groups, strict=True)]
         warm = self.steps < self.policy.full_warm_up_rounds
@@ -213,7 +226,11 @@ class ZenFlowUpdate:
             assert norms is not None
             self._select(norms)
         for index, raw in enumerate(raws):
-            self._step_masked(index, self._selected_grad(index, raw, coef), self.scalars[index], selected=True)
+            grad = self._selected_grad(index, raw, coef)
+            if self.rule is not None and self._split(index).counts[1]:
+                self._step_columns(index, grad)
+            else:
+                self._step_masked(index, grad, self.scalars[index], selected=True)
         if not warm:
             self._accumulate(raws, coef, norms)
         if self.steps + 1 == self.policy.full_warm_up_rounds:
@@ -263,7 +280,9 @@ class ZenFlowUpdate:
             count = min(norm.numel(), max(1, math.ceil(self.policy.topk_ratio * norm.numel())))
             keep[torch.topk(norm, count, sorted=False).indices] = True
             chosen.append(keep)
+        self.sync_columns(drop=True)  # the host copies of the outgoing columns become current again
         self._apply_columns(chosen)
+        self._publish_all = False  # this step publishes everything itself (changed_all), the next need not
         self.selected_once, self._select_requested = True, False
         self.selections += 1
 
@@ -279,7 +298,8 @@ class ZenFlowUpdate:
         self._chosen = chosen
         self._buffers.clear()
         self._device_splits.clear()
-        self.changed_all, self._stepped = True, {}
+        self.columns.clear()  # without writing back: a load replaced the host copies, or _select already did
+        self.changed_all, self._stepped, self._publish_all = True, {}, True
 
     def _accumulate(self, raws: Sequence[torch.Tensor], coef: Coef, norms: list[torch.Tensor] | None) -> None:
         """Add this step's gradient (scaled by ``coef``) of the masked-out elements into the accumulators.
@@ -365,6 +385,61 @@ class ZenFlowUpdate:
         self.host_updates += 1
 
     # --- masked steps -----------------------------------------------------------------------------------
+    # --- the every-step path on the device ([Note: zenflow columns]) ----------------------------------------
+    def _step_columns(self, index: int, grad: torch.Tensor) -> None:
+        """Step group ``index``'s selected elements where the working weights live; the host keeps its step count
+        (what a checkpoint saves) but not their values until :meth:`sync_columns`."""
+        assert self.device is not None and self.rule is not None
+        columns = self.columns.get(index)
+        if columns is None:
+            columns = self.columns[index] = self._upload(index)
+        columns.step_(grad.to(self.device), self.optimizer.param_groups[index], self.rule)
+        self.column_steps += 1
+        self._stepped[index] = columns.master
+        self.scalars[index].selected = {"step": columns.step}
+        master = self.optimizer.param_groups[index]["params"][0]
+        self.optimizer.state.setdefault(master, {})["step"] = columns.step
+
+    def _upload(self, index: int) -> DeviceColumns:
+        """Group ``index``'s selected master and moments (zero moments on the path's first step), packed and sent."""
+        assert self.device is not None
+        split, master = self._split(index), self.optimizer.param_groups[index]["params"][0]
+        state = self.optimizer.state.get(master, {})
+
+        def packed(value: torch.Tensor | None) -> torch.Tensor:
+            if value is None:
+                return torch.zeros(split.counts[0], dtype=torch.float32, device=self.device)
+            return split.take(value, True).to(self.device)
+
+        step = int(self.scalars[index].selected.get("step", 0))
+        moments = [state.get(key) if step else None for key in ("exp_avg", "exp_avg_sq")]
+        return DeviceColumns(packed(master.data), packed(moments[0]), packed(moments[1]), step)
+
+    def sync_columns(self, drop: bool = False, moments: bool = True) -> None:
+        """Write the device columns' master and (with ``moments``) moments back into the host copies, and forget
+        the columns with ``drop``: before anything reads the whole master or its state. A full publish needs
+        the master alone."""
+        for index, columns in self.columns.items():
+            split, master = self._split(index), self.optimizer.param_groups[index]["params"][0]
+            state = self.optimizer.state.setdefault(master, {})
+            split.put_(master.data, columns.master.to(master.device), True)
+            if not moments:
+                continue
+            for key, value in (("exp_avg", columns.exp_avg), ("exp_avg_sq", columns.exp_avg_sq)):
+                if key not in state:
+                    state[key] = torch.zeros(master.numel(), dtype=torch.float32)
+                split.put_(state[key], value.to(master.device), True)
+            state["step"] = columns.step
+        if drop:
+            assert moments, "dropping the columns needs their moments written back"
+            self.drop_columns()
+
+    def drop_columns(self) -> None:
+        """Forget the device columns without writing them back (the host copies were just replaced); the next
+        step publishes the whole master."""
+        self.columns.clear()
+        self._publish_all = True
+
     def stepped_values(self, index: int) -> torch.Tensor | None:
         """The every-step path's values of group ``index`` after the last step (packed, master dtype) when they
         are all that step changed, else ``None`` (publish the whole master)."""
@@ -482,6 +557,7 @@ class ZenFlowUpdate:
         shaped like that group's master partition; every other entry is the same on every rank."""
         if self.pending is not None:
             self.pending.job.result()  # the worker empties the accumulators it packed: read them after it
+        self.sync_columns()
         partitions: dict[str, list[torch.Tensor]] = {}
         accs = [g.acc for g in self.groups]
         if accs and all(a is not None for a in accs):
@@ -561,8 +637,9 @@ class ZenFlowUpdate:
             pending.job.result()
 
     def shutdown(self) -> None:
-        """Finish a pending host update and stop the worker."""
+        """Finish a pending host update, bring the device columns home and stop the worker."""
         self.settle()
+        self.sync_columns(drop=True)
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None

@@ -145,3 +145,33 @@ def test_a_checkpoint_taken_while_the_worker_packs_sees_the_accumulator_it_empti
     assert not saved["partitions"]["accumulator"][0].any()
     assert saved["pending_host_step_counts"] is not None
     update.shutdown()
+
+
+def test_columns_stepped_on_the_device_match_the_host_path() -> None:
+    # The every-step path stepped beside the working weights ([Note: zenflow columns]) against the same run with
+    # it on the host: masters, moments and step counts agree once written back, through selections and both
+    # kinds of host update.
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    results = []
+    for device in (None, torch.device("cpu")):
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            master = torch.nn.Parameter(torch.randn(48), requires_grad=False)
+            optimizer = DeepSpeedCPUAdam([master], lr=0.05, weight_decay=0.1)
+            policy = ZenFlowPolicy(
+                topk_ratio=0.3, select_strategy="step", select_interval=4, update_interval=2, overlap_step=overlap
+            )
+            layout = [(0, 48, [(0, (4, 6)), (24, (6,)), (30, (3, 6))])]
+            update = ZenFlowUpdate(optimizer, policy, layout, group=None, device=device)
+            for step in range(9):
+                grad = torch.randn(48, generator=torch.Generator().manual_seed(step))
+                update.step([grad.to(torch.bfloat16)], 0.5)
+            update.shutdown()  # settles and writes the columns back
+            state = optimizer.state[master]
+            results.append((master.detach().clone(), state["exp_avg"].clone(), state["step"], update.column_steps))
+    for host, on_device in zip(results[:2], results[2:], strict=True):
+        assert host[3] == 0 and on_device[3] > 0
+        assert host[2] == on_device[2]
+        torch.testing.assert_close(on_device[0], host[0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(on_device[1], host[1], rtol=1e-6, atol=1e-7)
