@@ -6,8 +6,9 @@ Builds the ZeRO-1/2 ZenFlow update ([Note: zenflow]) over one fp32 master of ``-
 3B benchmark model's widths (hidden 2048, MLP 11008, 16 heads of 128, 2 kv heads) with ``DeepSpeedCPUAdam``, as
 the engine builds it at world size 1, and times (median of ``--reps`` after one warm-up): ``every_step`` (the
 selected columns stepped on the host, the rest accumulated: what each step costs the host), ``every_step_columns``
-(the same with the selected columns kept as device columns, [Note: zenflow columns], here on the CPU too: the
-host's share is this minus their packed Adam step, which an accelerator takes over), ``host_update`` (the late
+(the same with the selected columns kept as device columns, [Note: zenflow columns], here on the CPU too),
+its parts ``columns_pack_grad`` and ``columns_accumulate`` (what stays on the host once an accelerator holds the
+columns) and ``columns_adam`` (the packed Adam step the accelerator takes over), ``host_update`` (the late
 path's update over the accumulated rest, run synchronously here) and ``plain_step`` (the same optimizer over the
 whole master, what the offloaded step without ZenFlow costs). Prints one JSON line per figure.
 """
@@ -58,35 +59,47 @@ def main() -> None:
     args = parser.parse_args()
     params = _layout(args.layers)
     numel = params[-1][0] + int(torch.Size(params[-1][1]).numel())
-    master = torch.nn.Parameter(torch.randn(numel) * 0.02, requires_grad=False)
-    optimizer = DeepSpeedCPUAdam([master], lr=1e-5)
     policy = ZenFlowPolicy(
         topk_ratio=args.topk_ratio, select_strategy="step", select_interval=1000, update_interval=1000
     )
     grad = torch.randn(numel, dtype=torch.bfloat16) * 1e-3
+    start = torch.randn(numel) * 0.02
 
     def built(device: torch.device | None) -> ZenFlowUpdate:
-        update = ZenFlowUpdate(optimizer, policy, [(0, numel, params)], group=None, device=device)
-        for _ in range(policy.full_warm_up_rounds + 1):  # past the warm-up; the first step after it selects
+        """A ZenFlow update over a master and optimizer of its own, past the warm-up and its first selection."""
+        master = torch.nn.Parameter(start.clone(), requires_grad=False)
+        update = ZenFlowUpdate(DeepSpeedCPUAdam([master], lr=1e-5), policy, [(0, numel, params)], None, device)
+        for _ in range(policy.full_warm_up_rounds + 1):
             update.step([grad], 1.0)
         return update
 
-    update, columns = built(None), built(torch.device("cpu"))
+    update = built(None)
     meta = {"numel": numel, "threads": torch.get_num_threads(), "topk_ratio": args.topk_ratio}
+    rows = [("every_step", lambda: update.step([grad], 1.0)), ("host_update", update._host_update)]
+    for name, run in rows:
+        print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))
+    update.shutdown()
+    columns = built(torch.device("cpu"))
+    packed = torch.randn(columns.columns[0].master.numel())
+    group = columns.optimizer.param_groups[0]
     rows = [
-        ("every_step", lambda: update.step([grad], 1.0)),
         ("every_step_columns", lambda: columns.step([grad], 1.0)),
-        ("host_update", update._host_update),
+        ("columns_pack_grad", lambda: columns._selected_grad(0, grad, 1.0)),
+        ("columns_accumulate", lambda: columns._accumulate([grad], 1.0, None)),
+        ("columns_adam", lambda: columns.columns[0].step_(packed, group, columns.rule)),
     ]
+    for name, run in rows:
+        print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))
+    columns.shutdown()
+    master = torch.nn.Parameter(start.clone(), requires_grad=False)
+    optimizer = DeepSpeedCPUAdam([master], lr=1e-5)
 
     def plain() -> None:
         master.grad = grad.float()
         optimizer.step()
         master.grad = None
 
-    rows.append(("plain_step", plain))
-    for name, run in rows:
-        print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))
+    print(json.dumps({**meta, "case": "plain_step", "seconds": _median(plain, args.reps)}))
 
 
 if __name__ == "__main__":
