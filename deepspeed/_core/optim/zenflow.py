@@ -128,6 +128,8 @@ class ZenFlowUpdate:
         policy: the ``zenflow`` block.
         layouts: per group, ``(partition start, partition numel, [(flat offset, shape) per parameter])``.
         group: the process group the partitions are spread over.
+        device: where the working weights live: the selected columns are stepped there once chosen
+            ([Note: zenflow columns]); ``None`` keeps them on the host.
     """
 
     def __init__(
@@ -384,7 +386,6 @@ class ZenFlowUpdate:
         self.changed_all = True
         self.host_updates += 1
 
-    # --- masked steps -----------------------------------------------------------------------------------
     # --- the every-step path on the device ([Note: zenflow columns]) ----------------------------------------
     def _step_columns(self, index: int, grad: torch.Tensor) -> None:
         """Step group ``index``'s selected elements where the working weights live; the host keeps its step count
@@ -440,6 +441,7 @@ class ZenFlowUpdate:
         self.columns.clear()
         self._publish_all = True
 
+    # --- masked steps -----------------------------------------------------------------------------------
     def stepped_values(self, index: int) -> torch.Tensor | None:
         """The every-step path's values of group ``index`` after the last step (packed, master dtype) when they
         are all that step changed, else ``None`` (publish the whole master)."""
@@ -557,7 +559,6 @@ class ZenFlowUpdate:
         shaped like that group's master partition; every other entry is the same on every rank."""
         if self.pending is not None:
             self.pending.job.result()  # the worker empties the accumulators it packed: read them after it
-        self.sync_columns()
         partitions: dict[str, list[torch.Tensor]] = {}
         accs = [g.acc for g in self.groups]
         if accs and all(a is not None for a in accs):
