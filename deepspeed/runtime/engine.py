@@ -388,6 +388,9 @@ class DeepSpeedEngine(EngineCheckpointMixin, torch.nn.Module):
             raise ValueError(f"offload_states device={device!r} is not supported; valid: 'cpu'")
         if "_state_offloader" not in self.__dict__:
             self._state_offloader = StateOffloader()
+        before = getattr(optimizer, "before_master_access", None)
+        if before is not None:  # values kept elsewhere (ZenFlow's device columns) come home first, and go
+            before(True)
         self._state_offloader.offload(
             optimizer.optimizer,
             parse_kinds(include, zero3=self.zero3_manager is not None),

@@ -221,6 +221,34 @@ def test_safe_helpers_read_and_write_through_the_device_columns(world: int) -> N
         assert rank["weights_are_masters"]  # the step after a write publishes everything
 
 
+def _offload_states_mid_run(world: int, park: bool) -> dict:
+    import deepspeed
+    from deepspeed import comm as dist
+
+    engine, *_ = deepspeed.initialize(
+        model=make_model(0), config=_config(2, {**_SPLIT, "update_interval": 3, "overlap_step": True})
+    )
+    held = []
+    for step in range(5):
+        engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
+        engine.step()
+        if park and step == 1:
+            engine.offload_states()
+            held.append(len(engine.optimizer.zenflow.columns))
+            engine.reload_states()
+    out = {"held": held, "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
+    engine.destroy()
+    return out
+
+
+def test_offload_states_brings_the_device_columns_home_and_training_continues_the_same() -> None:
+    plain = run_distributed(_offload_states_mid_run, 1, 1, False)[0]
+    parked = run_distributed(_offload_states_mid_run, 1, 1, True)[0]
+    assert parked["held"] == [0]  # no columns left on the device while the states are parked
+    for k, v in plain["weights"].items():
+        assert torch.equal(parked["weights"][k], v), k
+
+
 def _config_error(zenflow: dict, **top: object) -> str:
     from deepspeed.runtime.config import DeepSpeedConfig
 
