@@ -1,6 +1,6 @@
 """ZenFlow at ZeRO-1/2 with the optimizer offloaded: important columns every step, the rest accumulated and late.
 
-[Note: zenflow] Each rank's fp32 master partition is split by a boolean mask. *Selected* elements are stepped
+[Note: zenflow] Each rank's fp32 master partition is split in two. *Selected* elements are stepped
 every step with that step's gradient: the ``ceil(topk_ratio * C)`` columns of largest gradient norm of every 2-D
 weight (``C`` columns; the norms are summed over the ranks' rows with one all-reduce, so every rank selects the
 same columns), and every element of a parameter that is not 2-D. The other elements' gradients are added into an
@@ -13,7 +13,7 @@ columns are selected again only when the accumulator is empty (just after a host
 Each path keeps its own scalar optimizer state (Adam's step count), so that bias correction counts the updates an
 element actually received; the per-element moments are the master's. The first ``full_warm_up_rounds`` steps
 select every element; the delayed path then starts from the step count they reached. A path's update goes through
-the inner optimizer on a packed copy of its elements (masked select, step, masked scatter), which are elementwise
+the inner optimizer on a packed copy of its elements (gather, step, scatter), which are elementwise
 the same operations as the plain offloaded step.
 
 [Note: zenflow checkpoint] A checkpoint holds everything ZenFlow keeps between steps (:meth:`ZenFlowUpdate.
@@ -21,7 +21,7 @@ state_dict`): the accumulator, the selected columns, the counters of the schedul
 host update still in flight, waited for but not applied (saved as the values and moments it writes at the next
 step boundary, so that the resumed run applies it one step late as the uninterrupted one does). The accumulator
 and the update in flight are partition-shaped and are re-sliced like the master on loading, so a checkpoint loads
-at any data-parallel size; the masks are rebuilt from the (global) selected columns.
+at any data-parallel size; the split is rebuilt from the (global) selected columns.
 """
 
 from __future__ import annotations
@@ -39,25 +39,20 @@ from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.config.plan import ZenFlowPolicy
 from deepspeed._core.grads.convert import Coef, convert_scaled, scales
 from deepspeed._core.optim.zenflow_device import DeviceColumns, adam_rule_of
-from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_pattern, column_sq
+from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_sq
 
 ACCUMULATE_CHUNK = 1 << 22  # elements converted and scaled at a time on their way into the accumulator
 
 
 @dataclass
-class GroupMask:
-    """One flat group's split: the pieces of its 2-D weights, its mask (``True``: stepped every step), the same
-    split as column indices (what the steps use) and the accumulated gradient of the other elements."""
+class GroupSplit:
+    """One flat group's split: the pieces of its 2-D weights, which elements are stepped every step (as column
+    indices, [Note: zenflow split]) and the accumulated gradient of the other elements."""
 
     numel: int
     pieces: list[ColumnPiece]
-    mask: torch.Tensor
+    split: ColumnSplit
     acc: torch.Tensor | None = None
-    split: ColumnSplit | None = None
-
-    def __post_init__(self) -> None:
-        if self.split is None:
-            self.split = ColumnSplit(self.numel, self.pieces, None)
 
 
 @dataclass
@@ -146,11 +141,11 @@ class ZenFlowUpdate:
         self.device = device
         self.rule = adam_rule_of(optimizer) if device is not None else None
         self.columns: dict[int, DeviceColumns] = {}
-        self.groups: list[GroupMask] = []
+        self.groups: list[GroupSplit] = []
         self.widths: list[int] = []  # columns of every 2-D weight, in norm-vector order
         for start, numel, params in layouts:
             self.groups.append(
-                GroupMask(numel, self._pieces(start, numel, params), torch.ones(numel, dtype=torch.bool))
+                GroupSplit(numel, pieces := self._pieces(start, numel, params), ColumnSplit(numel, pieces, None))
             )
         self.scalars = [PathScalars() for _ in self.groups]
         self.steps = self.accumulated = 0
@@ -229,7 +224,7 @@ class ZenFlowUpdate:
             self._select(norms)
         for index, raw in enumerate(raws):
             grad = self._selected_grad(index, raw, coef)
-            if self.rule is not None and self._split(index).counts[1]:
+            if self.rule is not None and self.groups[index].split.counts[1]:
                 self._step_columns(index, grad)
             else:
                 self._step_masked(index, grad, self.scalars[index], selected=True)
@@ -253,7 +248,7 @@ class ZenFlowUpdate:
 
     def _selected_grad(self, index: int, raw: torch.Tensor, coef: Coef) -> torch.Tensor:
         """This step's gradient of the every-step path, packed, in fp32 and scaled by ``coef``."""
-        split = self._split(index)
+        split = self.groups[index].split
         packed = split.take(raw, True, out=self._buffer(index, "grad", split.counts[0], raw.dtype))
         if raw.dtype == torch.float32 and not scales(coef):
             return packed
@@ -264,8 +259,8 @@ class ZenFlowUpdate:
     def _column_norms(self, raws: Sequence[torch.Tensor], coef: Coef) -> list[torch.Tensor]:
         """Every 2-D weight's column norms of this step's gradient (scaled by ``coef``), summed over the ranks."""
         total = torch.zeros(sum(self.widths), dtype=torch.float32)
-        for grad, mask in zip(raws, self.groups, strict=True):
-            for piece in mask.pieces:
+        for grad, group in zip(raws, self.groups, strict=True):
+            for piece in group.pieces:
                 part = grad[piece.local : piece.local + piece.numel]
                 total[piece.norm_offset : piece.norm_offset + piece.cols] += column_sq(
                     part, piece.first, piece.cols, coef
@@ -275,7 +270,7 @@ class ZenFlowUpdate:
         return list(total.sqrt().split(self.widths)) if self.widths else []
 
     def _select(self, norms: list[torch.Tensor]) -> None:
-        """Choose the columns stepped every step (the same on every rank) and rebuild the masks."""
+        """Choose the columns stepped every step (the same on every rank) and rebuild the split."""
         chosen = []
         for norm in norms:
             keep = torch.zeros(norm.numel(), dtype=torch.bool)
@@ -289,14 +284,11 @@ class ZenFlowUpdate:
         self.selections += 1
 
     def _apply_columns(self, chosen: list[torch.Tensor]) -> None:
-        """Rebuild this rank's masks from the selected columns of every 2-D weight (none: every element)."""
+        """Rebuild this rank's split from the selected columns of every 2-D weight (none: every element)."""
         offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
-        for mask in self.groups:
-            mask.mask.fill_(True)
-            keeps = [chosen[offsets.index(piece.norm_offset)] for piece in mask.pieces] if chosen else None
-            for piece, keep in zip(mask.pieces, keeps or (), strict=False):
-                mask.mask[piece.local : piece.local + piece.numel] = column_pattern(keep, piece.first, piece.numel)
-            mask.split = ColumnSplit(mask.numel, mask.pieces, keeps)
+        for group in self.groups:
+            keeps = [chosen[offsets.index(piece.norm_offset)] for piece in group.pieces] if chosen else None
+            group.split = ColumnSplit(group.numel, group.pieces, keeps)
         self._chosen = chosen
         self._buffers.clear()
         self._device_splits.clear()
@@ -309,20 +301,20 @@ class ZenFlowUpdate:
         Every element is added, a chunk at a time through one small fp32 buffer, and the every-step path's
         elements are set back to zero after: cheaper than zeroing them in a full-size fp32 copy of the gradient,
         and the masked-out elements see the same sums."""
-        if all(m.split is None or not m.split.counts[1] for m in self.groups):
+        if all(not g.split.counts[1] for g in self.groups):
             return
-        for index, (raw, mask) in enumerate(zip(raws, self.groups, strict=True)):
-            if mask.acc is None:
-                mask.acc = torch.zeros(mask.numel, dtype=torch.float32)
+        for raw, group in zip(raws, self.groups, strict=True):
+            if group.acc is None:
+                group.acc = torch.zeros(group.numel, dtype=torch.float32)
             if raw.dtype == torch.float32 and not scales(coef):
-                mask.acc.add_(raw)
+                group.acc.add_(raw)
             else:
-                scratch = self._buffer(-1, "scratch", min(ACCUMULATE_CHUNK, mask.numel), torch.float32)
-                for lo in range(0, mask.numel, scratch.numel()):
-                    chunk = scratch[: min(scratch.numel(), mask.numel - lo)]
+                scratch = self._buffer(-1, "scratch", min(ACCUMULATE_CHUNK, group.numel), torch.float32)
+                for lo in range(0, group.numel, scratch.numel()):
+                    chunk = scratch[: min(scratch.numel(), group.numel - lo)]
                     convert_scaled(chunk, raw[lo : lo + chunk.numel()], coef)
-                    mask.acc[lo : lo + chunk.numel()].add_(chunk)
-            self._split(index).fill_(mask.acc, 0.0, True)
+                    group.acc[lo : lo + chunk.numel()].add_(chunk)
+            group.split.fill_(group.acc, 0.0, True)
         self.accumulated += 1
         if self.auto is not None and norms is not None:
             self.auto.observe(norms, self._chosen)
@@ -352,25 +344,25 @@ class ZenFlowUpdate:
         this is the late path's packed step. The late path's first update (no step count yet, its moments start
         from zero) is packed instead.
         """
-        mask, split, scalars = self.groups[index], self._split(index), self.scalars[index]
-        if mask.acc is None or not split.counts[1]:
+        group, split, scalars = self.groups[index], self.groups[index].split, self.scalars[index]
+        if group.acc is None or not split.counts[1]:
             return  # every element of this group is on the every-step path
         if not scalars.host:
-            self._step_masked(index, split.take(mask.acc, False).div_(count), scalars, selected=False)
-            mask.acc.zero_()
+            self._step_masked(index, split.take(group.acc, False).div_(count), scalars, selected=False)
+            group.acc.zero_()
             return
         master = self.optimizer.param_groups[index]["params"][0]
         state = self.optimizer.state.get(master, {})
         per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
         values, kept = self._pack(index, selected=True)
         new_values, _, scalars.host = _step_packed(
-            self.optimizer, index, master.data, per_element, scalars.host, mask.acc.div_(count)
+            self.optimizer, index, master.data, per_element, scalars.host, group.acc.div_(count)
         )
         assert new_values.data_ptr() == master.data_ptr()
         split.put_(master.data, values, True)
         for key, value in kept.items():
             split.put_(state[key], value, True)
-        mask.acc.zero_()
+        group.acc.zero_()
 
     def settle(self) -> None:
         """Apply the background host update of the previous step, if any (waits for it)."""
@@ -378,9 +370,9 @@ class ZenFlowUpdate:
         if pending is None:
             return
         # No selection runs between the update's start and here, so the late path's elements are still the
-        # ones it packed (``rest``, kept for checkpoints).
-        for index, _rest, values, state, scalars in pending.job.result():
-            self._split(index).put_(self.optimizer.param_groups[index]["params"][0].data, values, False)
+        # ones it packed.
+        for index, values, state, scalars in pending.job.result():
+            self.groups[index].split.put_(self.optimizer.param_groups[index]["params"][0].data, values, False)
             self._scatter_state(index, state, selected=False)
             self.scalars[index].host = scalars
         self.changed_all = True
@@ -404,7 +396,7 @@ class ZenFlowUpdate:
     def _upload(self, index: int) -> DeviceColumns:
         """Group ``index``'s selected master and moments (zero moments on the path's first step), packed and sent."""
         assert self.device is not None
-        split, master = self._split(index), self.optimizer.param_groups[index]["params"][0]
+        split, master = self.groups[index].split, self.optimizer.param_groups[index]["params"][0]
         state = self.optimizer.state.get(master, {})
 
         def packed(value: torch.Tensor | None) -> torch.Tensor:
@@ -421,7 +413,7 @@ class ZenFlowUpdate:
         the columns with ``drop``: before anything reads the whole master or its state. A full publish needs
         the master alone."""
         for index, columns in self.columns.items():
-            split, master = self._split(index), self.optimizer.param_groups[index]["params"][0]
+            split, master = self.groups[index].split, self.optimizer.param_groups[index]["params"][0]
             state = self.optimizer.state.setdefault(master, {})
             split.put_(master.data, columns.master.to(master.device), True)
             if not moments:
@@ -451,20 +443,15 @@ class ZenFlowUpdate:
         """Group ``index``'s split with its indices on ``device`` (kept while the columns stand)."""
         key = (index, str(device))
         if key not in self._device_splits:
-            self._device_splits[key] = self._split(index).to(device)
+            self._device_splits[key] = self.groups[index].split.to(device)
         return self._device_splits[key]
-
-    def _split(self, index: int) -> ColumnSplit:
-        split = self.groups[index].split
-        assert split is not None
-        return split
 
     def _pack(self, index: int, selected: bool) -> tuple[torch.Tensor, dict]:
         """Copies of the master's and its per-element state's values on one path (the every-step path's in
         buffers kept from step to step; the late path's are fresh, a background update holds them)."""
         master = self.optimizer.param_groups[index]["params"][0]
         state = self.optimizer.state.get(master, {})
-        split = self._split(index)
+        split = self.groups[index].split
 
         def take(name: str, value: torch.Tensor) -> torch.Tensor:
             if selected and not split.counts[1]:
@@ -482,7 +469,7 @@ class ZenFlowUpdate:
             if key not in state:
                 state[key] = torch.zeros(master.numel(), dtype=value.dtype)
             if value is not state[key]:
-                self._split(index).put_(state[key], value, selected)
+                self.groups[index].split.put_(state[key], value, selected)
 
     def _step_masked(self, index: int, grad: torch.Tensor, scalars: PathScalars, selected: bool) -> None:
         """Step group ``index``'s elements on one path with ``grad`` (packed) on the training thread."""
@@ -493,7 +480,7 @@ class ZenFlowUpdate:
         new_values, new_state, new_scalars = _step_packed(self.optimizer, index, values, state, own, grad)
         master = self.optimizer.param_groups[index]["params"][0]
         if new_values.data_ptr() != master.data_ptr():
-            self._split(index).put_(master.data, new_values, selected)
+            self.groups[index].split.put_(master.data, new_values, selected)
             if selected:
                 self._stepped[index] = new_values
         else:
@@ -517,14 +504,14 @@ class ZenFlowUpdate:
         """
         twin = self._twin_optimizer()
         out = []
-        for index, mask in enumerate(self.groups):
-            assert mask.acc is not None
-            rest, grad = ~mask.mask, self._split(index).take(mask.acc, False).div_(count)
-            mask.acc.zero_()
+        for index, group in enumerate(self.groups):
+            assert group.acc is not None
+            grad = group.split.take(group.acc, False).div_(count)
+            group.acc.zero_()
             values, state = self._pack(index, selected=False)
             twin.param_groups[0].update({k: v for k, v in snapshot[index].items() if k != "params"})
             new_values, new_state, new_scalars = _step_packed(twin, 0, values, state, self.scalars[index].host, grad)
-            out.append((index, rest, new_values, new_state, new_scalars))
+            out.append((index, new_values, new_state, new_scalars))
         return out
 
     def _twin_optimizer(self) -> torch.optim.Optimizer:
@@ -584,7 +571,8 @@ class ZenFlowUpdate:
         if self.pending is None:
             return None
         counts: list[dict] = []
-        for index, rest, values, state, scalars in self.pending.job.result():
+        for index, values, state, scalars in self.pending.job.result():
+            rest = self.groups[index].split.mask(selected=False)  # the split it was packed under still stands
             assert index == len(counts)  # the worker returns every group, in order
             partitions.setdefault(PENDING_REST, []).append(rest.clone())
             partitions.setdefault(PENDING_VALUES, []).append(_unpacked(rest, values))
@@ -670,7 +658,7 @@ def _restored_pending(parts: dict, counts: list[dict] | None) -> PendingUpdate |
     for index, scalars in enumerate(counts):
         rest = parts[PENDING_REST][index].to(torch.bool)
         state = {k[len(PENDING_STATE) :]: v[index][rest] for k, v in parts.items() if k.startswith(PENDING_STATE)}
-        results.append((index, rest, parts[PENDING_VALUES][index][rest], state, _copied(scalars)))
+        results.append((index, parts[PENDING_VALUES][index][rest], state, _copied(scalars)))
     job: Future = Future()
     job.set_result(results)
     return PendingUpdate(job)

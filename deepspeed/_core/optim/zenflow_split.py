@@ -1,17 +1,18 @@
 """Where ZenFlow's two paths sit in a flat partition: a weight's columns, as indices and as per-column sums.
 
-[Note: zenflow split] ZenFlow's masks ([Note: zenflow]) say which elements each path owns, but the per-step
-packing never reads them:
-on the host ``masked_scatter_`` runs on one thread and ``masked_select`` costs several elementwise passes over
-the whole partition, and the every-step path packs and unpacks four tensors. A
-:class:`ColumnSplit` packs the same elements in the same order from the selected column indices instead: a
+[Note: zenflow split] Which elements each of ZenFlow's paths owns ([Note: zenflow]) is kept as column indices,
+not as a boolean mask over the partition: on the host ``masked_scatter_`` runs on one thread and
+``masked_select`` costs several elementwise passes over the whole partition, and the every-step path packs and
+unpacks four tensors each step. A :class:`ColumnSplit` packs the elements a mask would select, in the same
+order, from the selected column indices: a
 weight's whole rows as one ``index_select`` along its columns, the partial rows at a partition's cut through short
 index lists, and everything outside the 2-D weights as slices. Each gather or scatter then costs about one
 elementwise pass of the elements it moves. The same indices, copied to the device, let a step that changed
 only the every-step path publish only those elements (:meth:`ZenFlowUpdate.stepped_values`, used by the ZeRO-1/2
 optimizer's write-back): the other elements' working copies already hold their masters' rounded values.
 The split is pure data computed from the pieces and the selected columns; it gathers and scatters whatever
-tensor is laid out like the partition (the master, a moment, a gradient, or the working weights on the device).
+tensor is laid out like the partition (the master, a moment, a gradient, or the working weights on the device),
+and builds the boolean mask only where one is stored (a checkpoint's update in flight).
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ class ColumnSplit:
         ]
         return out
 
+    def mask(self, selected: bool = True) -> torch.Tensor:
+        """The partition's boolean mask of one path's elements (built on demand: the steps never read it)."""
+        out = torch.zeros(self.numel, dtype=torch.bool)
+        self.fill_(out, True, selected)
+        return out
+
     def fill_(self, tensor: torch.Tensor, value: float, selected: bool) -> None:
         """Set ``tensor``'s elements on the ``selected`` path to ``value``."""
         for kind, view, index in self._walk(tensor, selected):
@@ -190,13 +197,3 @@ def column_sq(piece: torch.Tensor, first: int, cols: int, coef: Coef = 1.0) -> t
     if tail:
         out[:tail] += scaled(piece[n - tail :]).square()
     return out
-
-
-def column_pattern(selected: torch.Tensor, first: int, numel: int) -> torch.Tensor:
-    """The ``numel`` mask values of elements ``first..`` of a row-major weight whose columns ``selected`` are set."""
-    cols = selected.numel()
-    start = first % cols
-    head = min(numel, (cols - start) % cols)
-    rows = (numel - head) // cols
-    tail = numel - head - rows * cols
-    return torch.cat([selected[start : start + head], selected.repeat(rows), selected[:tail]])

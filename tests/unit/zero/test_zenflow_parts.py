@@ -7,7 +7,18 @@ import torch
 
 from deepspeed._core.config.plan import ZenFlowPolicy
 from deepspeed._core.optim.zenflow import AutoInterval, ZenFlowUpdate
-from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_pattern, column_sq
+from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_sq
+
+
+def column_pattern(selected: torch.Tensor, first: int, numel: int) -> torch.Tensor:
+    """Reference for the tests: the ``numel`` mask values of elements ``first..`` of a row-major weight whose
+    columns ``selected`` are set."""
+    cols = selected.numel()
+    start = first % cols
+    head = min(numel, (cols - start) % cols)
+    rows = (numel - head) // cols
+    tail = numel - head - rows * cols
+    return torch.cat([selected[start : start + head], selected.repeat(rows), selected[:tail]])
 
 
 def test_column_sums_and_masks_of_a_weight_cut_mid_row() -> None:
@@ -55,7 +66,7 @@ def test_columns_are_selected_again_only_with_an_empty_accumulator() -> None:
         update.step([grad], 1.0)
         if update.selections > before:
             selected_at.append(step)
-            columns.append(update.groups[0].mask.view(4, 6)[0].nonzero().flatten().tolist())
+            columns.append(update.groups[0].split.mask().view(4, 6)[0].nonzero().flatten().tolist())
     # Asked for at steps 3 and 6; run at the first step from there with the accumulator empty (4 and 6).
     assert selected_at == [0, 4, 6]
     assert columns == [[0, 4, 5], [3, 4, 5], [0, 4, 5]]
@@ -83,7 +94,7 @@ def test_overlapped_host_update_runs_on_a_second_optimizer_and_lands_one_step_la
     for _ in range(4):
         before = master.detach().clone()
         update.step([torch.linspace(-1, 1, 24)], 1.0)
-        rest = ~update.groups[0].mask
+        rest = update.groups[0].split.mask(selected=False)
         seen.append((update.host_updates, bool((master.detach()[rest] != before[rest]).any())))
     # Submitted after steps 1 and 3; the first lands at step 2, the second is still in flight after step 3.
     assert seen == [(0, False), (0, False), (1, True), (1, False)]
@@ -111,6 +122,7 @@ def test_column_split_packs_what_the_mask_selects_in_the_same_order() -> None:
         mask[local : local + n] = column_pattern(keeps[name], first, n)
     split = ColumnSplit(numel, pieces, [keeps[name] for name, *_ in layout])
     assert split.counts == (int(mask.sum()), int((~mask).sum()))
+    assert torch.equal(split.mask(), mask) and torch.equal(split.mask(selected=False), ~mask)
     values = torch.randn(numel)
     for selected, where in ((True, mask), (False, ~mask)):
         assert torch.equal(split.take(values, selected), values[where])
