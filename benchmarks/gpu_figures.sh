@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3|largest3
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3|largest3|bounds|maxlen4
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -266,6 +266,31 @@ if want maxlen3; then
   part maxlen_ours_512k 440 $LC --impl ours --tile-mlp 8 --tile-loss 64 --act-offload --warmup-seq 8192 \
     --budget-s 430 --lengths 524288
   cp "$WORK/maxlen3.jsonl" "$OUT/"
+fi
+
+if want bounds; then
+  # The plain model's maximum length between 32K (ok) and 48K (out of device memory), in 2K steps; upstream with
+  # its own 16-bit states at 110 layers (8.8 B parameters: half of the 18.04 B this package trained with 16-bit
+  # states; upstream holds about 20 host bytes per parameter that way); the GPU tests.
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/bounds.jsonl"
+  part bounds_plain 90 $LC --impl ours --lengths 34816,36864 --budget-s 80
+  cp "$WORK/bounds.jsonl" "$OUT/"
+  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/bounds_largest.jsonl"
+  part bounds_upstream_bf16 260 $LM --impl upstream --states bf16 --bisect 110,110 --budget-s 250
+  cp "$WORK/bounds_largest.jsonl" "$OUT/" 2>/dev/null
+  part gpu_tests4 150 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
+    --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
+    python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout=140 --junitxml=$WORK/gpu_tests4.xml -m gpu \
+    tests/unit/test_activation_offload_gpu.py tests/dist/test_gpu_engine_modes.py"
+fi
+
+if want maxlen4; then
+  # This package at MAXLEN4_SEQ tokens (16x the plain model's first failing length from `bounds`), one step with
+  # no warm-up: the step alone takes most of one call at these lengths.
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/maxlen4.jsonl"
+  part maxlen_ours_16x 570 $LC --impl ours --tile-mlp 8 --tile-loss 64 --act-offload --budget-s 565 \
+    --lengths "${MAXLEN4_SEQ:?set MAXLEN4_SEQ}"
+  cp "$WORK/maxlen4.jsonl" "$OUT/" 2>/dev/null
 fi
 
 if want maxlen2; then
