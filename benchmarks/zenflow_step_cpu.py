@@ -6,11 +6,13 @@ Builds the ZeRO-1/2 ZenFlow update ([Note: zenflow]) over one fp32 master of ``-
 3B benchmark model's widths (hidden 2048, MLP 11008, 16 heads of 128, 2 kv heads) with ``DeepSpeedCPUAdam``, as
 the engine builds it at world size 1, and times (median of ``--reps`` after one warm-up): ``every_step`` (the
 selected columns stepped on the host, the rest accumulated: what each step costs the host), ``every_step_columns``
-(the same with the selected columns kept as device columns, [Note: zenflow columns], here on the CPU too),
-its parts ``columns_pack_grad`` and ``columns_accumulate`` (what stays on the host once an accelerator holds the
-columns) and ``columns_adam`` (the packed Adam step the accelerator takes over), ``host_update`` (the late
-path's update over the accumulated rest, run synchronously here) and ``plain_step`` (the same optimizer over the
-whole master, what the offloaded step without ZenFlow costs). Prints one JSON line per figure.
+(the same with the selected columns kept as device columns, [Note: zenflow columns], here on the CPU too), its
+parts ``columns_pack_grad`` and ``columns_accumulate`` (what stays on the host once an accelerator holds the
+columns) and ``columns_adam`` (the packed Adam step the accelerator takes over), ``every_step_columns_returns``
+(what ``step()`` alone holds the training thread for: the addition into the accumulators runs on the worker
+after it returns), ``host_update`` (the late path's update over the accumulated rest, run synchronously here) and
+``plain_step`` (the same optimizer over the whole master, what the offloaded step without ZenFlow costs). Prints
+one JSON line per figure.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def _median(run: Callable[[], None], reps: int) -> float:
     return statistics.median(times)
 
 
+def _stepped(update: ZenFlowUpdate, grad: torch.Tensor) -> None:
+    """One step and the accumulation it leaves to the worker: the host work one step costs."""
+    update.step([grad], 1.0)
+    update.finish_accumulating()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
@@ -75,7 +83,7 @@ def main() -> None:
 
     update = built(None)
     meta = {"numel": numel, "threads": torch.get_num_threads(), "topk_ratio": args.topk_ratio}
-    rows = [("every_step", lambda: update.step([grad], 1.0)), ("host_update", update._host_update)]
+    rows = [("every_step", lambda: _stepped(update, grad)), ("host_update", update._host_update)]
     for name, run in rows:
         print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))
     update.shutdown()
@@ -83,13 +91,22 @@ def main() -> None:
     packed = torch.randn(columns.columns[0].master.numel())
     group = columns.optimizer.param_groups[0]
     rows = [
-        ("every_step_columns", lambda: columns.step([grad], 1.0)),
+        ("every_step_columns", lambda: _stepped(columns, grad)),
         ("columns_pack_grad", lambda: columns._selected_grad(0, grad, 1.0)),
-        ("columns_accumulate", lambda: columns._accumulate([grad], 1.0, None)),
+        ("columns_accumulate", lambda: columns._add_to_accumulators([grad], 1.0)),
         ("columns_adam", lambda: columns.columns[0].step_(packed, group, columns.rule)),
     ]
     for name, run in rows:
         print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))
+    # What step() itself holds the training thread for, the addition into the accumulators left to the worker
+    # ([Note: zenflow deferred accumulation]); each timed call starts with the worker idle.
+    times = []
+    for _ in range(args.reps + 1):
+        columns.finish_accumulating()
+        begin = time.perf_counter()
+        columns.step([grad], 1.0)
+        times.append(time.perf_counter() - begin)
+    print(json.dumps({**meta, "case": "every_step_columns_returns", "seconds": statistics.median(times[1:])}))
     columns.shutdown()
     master = torch.nn.Parameter(start.clone(), requires_grad=False)
     optimizer = DeepSpeedCPUAdam([master], lr=1e-5)

@@ -249,6 +249,43 @@ def test_offload_states_brings_the_device_columns_home_and_training_continues_th
         assert torch.equal(parked["weights"][k], v), k
 
 
+def _accumulation_order(world: int) -> list[str]:
+    import time
+
+    import deepspeed
+    from deepspeed import comm as dist
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(2, {**_SPLIT, "update_interval": 3}))
+    zen = engine.optimizer.zenflow
+    events: list[str] = []
+    add = zen._add_to_accumulators
+
+    def slow_add(*args):  # a slow host: the addition is still running when the next backward begins
+        time.sleep(0.3)
+        add(*args)
+        events.append("accumulated")
+
+    zen._add_to_accumulators = slow_add
+    for step in range(3):
+        loss = engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world)))
+        loss.register_hook(lambda grad: events.append("backward") or grad)
+        engine.backward(loss)
+        engine.step()
+    zen.finish_accumulating()
+    engine.destroy()
+    return events
+
+
+def test_the_next_backward_waits_for_the_deferred_accumulation() -> None:
+    # The last step's partition gradients are read by the worker until their sums are in the accumulators; the
+    # next backward overwrites them, so it must start only after ([Note: zenflow deferred accumulation]).
+    events = run_distributed(_accumulation_order, 1, 1)[0]
+    assert events.count("accumulated") == 3, events
+    for i, event in enumerate(events):
+        if event == "backward" and i > 0:
+            assert events[i - 1] == "accumulated", events
+
+
 def _config_error(zenflow: dict, **top: object) -> str:
     from deepspeed.runtime.config import DeepSpeedConfig
 

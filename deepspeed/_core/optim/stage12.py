@@ -220,6 +220,8 @@ class ZeroOptimizer(ShardedOptimizer):
     def prepare_backward(self, kind: MicroStepKind) -> None:
         """Arm the reducer (stage 2 reduces every micro-step; stage 1 only at the boundary)."""
         self._cleared_after_step = False
+        if self.zenflow is not None:  # [Note: zenflow deferred accumulation]: the last step's gradients are free
+            self.zenflow.finish_accumulating()
         self._arm_early(kind is MicroStepKind.REDUCE and self.steps_during_backward())
         self.grad_pipeline.begin(kind)
 

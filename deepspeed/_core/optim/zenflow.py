@@ -16,6 +16,15 @@ select every element; the delayed path then starts from the step count they reac
 the inner optimizer on a packed copy of its elements (gather, step, scatter), which are elementwise
 the same operations as the plain offloaded step.
 
+[Note: zenflow deferred accumulation] Adding a step's gradient into the accumulator is a full pass over the
+partition, the largest piece of host work a step without a host update has, and nothing in the step needs its
+result: the accumulator is read only by the host update, which the worker runs after it (one worker, jobs in
+order) or which waits for it. So ``step()`` hands the addition to the worker and returns, and it runs beside the
+next forward. It reads the partition gradients the step was given, which stay as they are until the next
+backward writes them: :meth:`ZenFlowUpdate.finish_accumulating`, called before every backward and before
+anything reads the accumulators or changes the split or the schedule, waits for it. The same operations run on
+the same values, so the sums are the ones the training thread would have formed.
+
 [Note: zenflow checkpoint] A checkpoint holds everything ZenFlow keeps between steps (:meth:`ZenFlowUpdate.
 state_dict`): the accumulator, the selected columns, the counters of the schedule, both paths' step counts and a
 host update still in flight, waited for but not applied (saved as the values and moments it writes at the next
@@ -138,8 +147,7 @@ class ZenFlowUpdate:
         self.optimizer, self.policy, self.group = optimizer, policy, group
         # [Note: zenflow columns]: where the every-step path is stepped once columns are selected (the working
         # weights' device), and by which rule; None keeps it on the host.
-        self.device = device
-        self.rule = adam_rule_of(optimizer) if device is not None else None
+        self.device, self.rule = device, (adam_rule_of(optimizer) if device is not None else None)
         self.columns: dict[int, DeviceColumns] = {}
         self.groups: list[GroupSplit] = []
         self.widths: list[int] = []  # columns of every 2-D weight, in norm-vector order
@@ -156,6 +164,8 @@ class ZenFlowUpdate:
         self.pending: PendingUpdate | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._twin: torch.optim.Optimizer | None = None
+        self._accumulating: Future | None = None  # [Note: zenflow deferred accumulation]
+        self._scratch: torch.Tensor | None = None  # the addition's fp32 chunk
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._device_splits: dict[tuple[int, str], ColumnSplit] = {}
         # Whether the last step may have changed elements outside the every-step path (a host update landed, or
@@ -163,10 +173,9 @@ class ZenFlowUpdate:
         # _publish_all: the next step publishes everything (the host copies were written meanwhile).
         self.changed_all, self._publish_all = True, True
         self._stepped: dict[int, torch.Tensor] = {}  # per group: the every-step path's values after the step
-        # For tests: steps whose weights went up as the selected columns alone; group steps taken on the device.
-        self.partial_publishes, self.column_steps = 0, 0
-        self.host_updates = 0  # for tests: host updates applied
-        self.selections = 0  # for tests: column selections made
+        # For tests: steps whose weights went up as the selected columns alone, group steps taken on the device,
+        # host updates applied and column selections made.
+        self.partial_publishes = self.column_steps = self.host_updates = self.selections = 0
 
     def _pieces(self, start: int, numel: int, params: list) -> list[ColumnPiece]:
         pieces = []
@@ -214,6 +223,7 @@ class ZenFlowUpdate:
     def step(self, grads: Sequence[torch.Tensor | None], coef: Coef) -> None:
         """Apply one ZenFlow step with the partition gradients ``grads`` (one per group) scaled by ``coef``."""
         self.changed_all, self._stepped, self._publish_all = self._publish_all, {}, False
+        self.finish_accumulating()
         self.settle()
         raws = [torch.zeros(m.numel) if g is None else g for g, m in zip(grads, self.groups, strict=True)]
         warm = self.steps < self.policy.full_warm_up_rounds
@@ -296,28 +306,41 @@ class ZenFlowUpdate:
         self.changed_all, self._stepped, self._publish_all = True, {}, True
 
     def _accumulate(self, raws: Sequence[torch.Tensor], coef: Coef, norms: list[torch.Tensor] | None) -> None:
-        """Add this step's gradient (scaled by ``coef``) of the masked-out elements into the accumulators.
+        """Hand this step's gradient of the masked-out elements to the worker, to be added into the accumulators
+        ([Note: zenflow deferred accumulation])."""
+        if all(not g.split.counts[1] for g in self.groups):
+            return
+        self.accumulated += 1
+        if self.auto is not None and norms is not None:
+            self.auto.observe(norms, self._chosen)
+        self._accumulating = self._executor().submit(self._add_to_accumulators, list(raws), coef)
+
+    def finish_accumulating(self) -> None:
+        """Wait for the last step's gradients to be in the accumulators ([Note: zenflow deferred accumulation])."""
+        job, self._accumulating = self._accumulating, None
+        if job is not None:
+            job.result()
+
+    def _add_to_accumulators(self, raws: list[torch.Tensor], coef: Coef) -> None:
+        """Worker: add ``raws`` (scaled by ``coef``) into the accumulators.
 
         Every element is added, a chunk at a time through one small fp32 buffer, and the every-step path's
         elements are set back to zero after: cheaper than zeroing them in a full-size fp32 copy of the gradient,
         and the masked-out elements see the same sums."""
-        if all(not g.split.counts[1] for g in self.groups):
-            return
         for raw, group in zip(raws, self.groups, strict=True):
             if group.acc is None:
                 group.acc = torch.zeros(group.numel, dtype=torch.float32)
             if raw.dtype == torch.float32 and not scales(coef):
                 group.acc.add_(raw)
             else:
-                scratch = self._buffer(-1, "scratch", min(ACCUMULATE_CHUNK, group.numel), torch.float32)
-                for lo in range(0, group.numel, scratch.numel()):
-                    chunk = scratch[: min(scratch.numel(), group.numel - lo)]
+                numel = min(ACCUMULATE_CHUNK, group.numel)
+                if self._scratch is None or self._scratch.numel() < numel:
+                    self._scratch = torch.empty(numel, dtype=torch.float32)
+                for lo in range(0, group.numel, numel):
+                    chunk = self._scratch[: min(numel, group.numel - lo)]
                     convert_scaled(chunk, raw[lo : lo + chunk.numel()], coef)
                     group.acc[lo : lo + chunk.numel()].add_(chunk)
             group.split.fill_(group.acc, 0.0, True)
-        self.accumulated += 1
-        if self.auto is not None and norms is not None:
-            self.auto.observe(norms, self._chosen)
 
     def _host_update(self) -> None:
         """Step the masked-out elements once with the mean accumulated gradient (now, or in the background)."""
@@ -326,6 +349,7 @@ class ZenFlowUpdate:
         if self.auto is not None:
             self.auto.reset()
         if not self.policy.overlap_step:
+            self.finish_accumulating()
             for index in range(len(self.groups)):
                 self._late_in_place(index, count)
             self.host_updates += 1
@@ -544,6 +568,7 @@ class ZenFlowUpdate:
     def state_dict(self) -> dict:
         """What this rank's ZenFlow holds between steps. ``"partitions"`` maps a name to one tensor per group,
         shaped like that group's master partition; every other entry is the same on every rank."""
+        self.finish_accumulating()
         if self.pending is not None:
             self.pending.job.result()  # the worker empties the accumulators it packed: read them after it
         partitions: dict[str, list[torch.Tensor]] = {}
@@ -620,13 +645,16 @@ class ZenFlowUpdate:
             scalars.selected, scalars.host = _copied(loaded), _copied(loaded)
 
     def _drop_pending(self) -> None:
-        """Forget a host update in flight (after waiting for it: its errors surface, and no worker is left)."""
+        """Forget a host update in flight (after waiting for it and for the accumulation: their errors surface,
+        and the worker is idle)."""
+        self.finish_accumulating()
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.job.result()
 
     def shutdown(self) -> None:
         """Finish a pending host update, bring the device columns home and stop the worker."""
+        self.finish_accumulating()
         self.settle()
         self.sync_columns(drop=True)
         if self._worker is not None:

@@ -159,6 +159,40 @@ def test_a_checkpoint_taken_while_the_worker_packs_sees_the_accumulator_it_empti
     update.shutdown()
 
 
+def test_step_returns_before_the_accumulation_and_the_sums_land_after() -> None:
+    # [Note: zenflow deferred accumulation]: the masked-out gradients are added on the worker after step()
+    # returns; finish_accumulating waits for them, and the sums are the ones the synchronous addition forms.
+    import threading
+
+    grads = [torch.linspace(-1, 1, 24) * (i + 1) for i in range(3)]
+    accs = []
+    for defer in (True, False):
+        master = torch.nn.Parameter(torch.randn(24, generator=torch.Generator().manual_seed(0)))
+        policy = ZenFlowPolicy(
+            topk_ratio=0.2, select_strategy="step", select_interval=100, update_interval=100, overlap_step=False
+        )
+        update = ZenFlowUpdate(torch.optim.AdamW([master], lr=0.1), policy, [(0, 24, [(0, (4, 6))])], group=None)
+        update.step([grads[0]], 0.5)  # selects the columns, then accumulates the rest
+        update.finish_accumulating()
+        before = update.groups[0].acc.clone()
+        gate = threading.Event()
+        if defer:
+            update._executor().submit(gate.wait)  # the worker is busy: the next addition queues behind this
+        try:
+            update.step([grads[1]], 0.5)
+            if defer:
+                assert torch.equal(update.groups[0].acc, before)  # step() returned, nothing added yet
+        finally:
+            gate.set()
+        update.finish_accumulating()
+        assert not torch.equal(update.groups[0].acc, before)
+        update.step([grads[2]], 0.25)
+        update.finish_accumulating()
+        accs.append(update.groups[0].acc.clone())
+        update.shutdown()
+    assert torch.equal(accs[0], accs[1])
+
+
 def test_columns_stepped_on_the_device_match_the_host_path() -> None:
     # The every-step path stepped beside the working weights ([Note: zenflow columns]) against the same run with
     # it on the host: masters, moments and step counts agree once written back, through selections and both
