@@ -73,7 +73,7 @@ def test_offload_buffers_are_registered_at_their_own_size_and_copy_asynchronousl
     before = page_locked.registered_bytes()
     data = page_locked.lock_pages(ROWS * WIDTH * 4 + 1)  # a power of two plus one byte: rounding would double it
     assert page_locked.registered_bytes() - before == ROWS * WIDTH * 4 + 4096
-    assert data.is_pinned()
+    assert page_locked.is_page_locked(data)
     source = torch.randn(ROWS * WIDTH, device=get_accelerator().current_device_name())
     host = data[: source.numel() * 4].view(torch.float32)
     host.copy_(source, non_blocking=True)
@@ -123,7 +123,7 @@ def test_pinned_parameter_shards_are_registered_and_let_go_with_the_shard() -> N
     where = placement.ShardPlacement(torch.device("cpu"), placement.Pinning.PINNED)
     device = torch.device(get_accelerator().current_device_name())
     shard = placement.allocate_shard(3 * 2**20 + 7, torch.bfloat16, device, where)
-    assert shard.is_pinned() and not shard.any()
+    assert page_locked.is_page_locked(shard) and not shard.any()
     assert page_locked.registered_bytes() - before == -(-(3 * 2**21 + 14) // 4096) * 4096
     up = shard.to(device, non_blocking=True)
     get_accelerator().synchronize()

@@ -156,3 +156,14 @@ def test_offloaded_states_sit_in_exact_page_locked_copies_until_the_reload(
     assert not runtime.registered and len(runtime.unregistered) == 3
     for key, value in expected.items():
         assert torch.equal(optimizer.state[weight][key], value)
+
+
+def test_a_registered_buffer_and_views_inside_it_read_as_page_locked(runtime: _Accelerator) -> None:
+    # Recent PyTorch's is_pinned() asks its caching host allocator only, which never saw a registration.
+    data = page_locked.lock_pages(3 * page_locked.PAGE)
+    typed = page_locked.locked_empty(100, torch.bfloat16)
+    assert page_locked.is_page_locked(data) and page_locked.is_page_locked(data[page_locked.PAGE :])
+    assert page_locked.is_page_locked(typed)
+    assert not page_locked.is_page_locked(torch.empty(64))
+    page_locked.unlock_pages(data)
+    assert not page_locked.is_page_locked(data)

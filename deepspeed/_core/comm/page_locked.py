@@ -83,6 +83,16 @@ def unlock_pages(tensor: torch.Tensor) -> None:
     _unlock_address(tensor.data_ptr())
 
 
+def is_page_locked(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is page-locked: registered by :func:`lock_pages` or pinned the usual way.
+    (``tensor.is_pinned()`` alone may not see a registration: recent PyTorch asks its caching host allocator.)"""
+    address = tensor.data_ptr()
+    for start, view in _REGISTERED.items():
+        if start <= address < start + view.numel():
+            return True
+    return tensor.device.type == "cpu" and tensor.is_pinned()
+
+
 def registered_bytes() -> int:
     """Bytes currently page-locked through registration (for tests and memory reports)."""
     return sum(view.numel() for view in _REGISTERED.values())
