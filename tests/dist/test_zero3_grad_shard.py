@@ -139,11 +139,19 @@ def _reduce_inputs(world: int) -> dict:
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 400, "stage3_param_persistence_threshold": 0},
     }
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
-    # Every gradient the reducer receives, accumulated or routed (the embedding's): [Note: routed grads].
-    engine.zero3_manager.on_grad_ready(lambda p, s, g: grad_ptrs.__setitem__(names[id(p)], g.data_ptr()))
+    # Every gradient the reducer receives, accumulated or routed (the embedding's): [Note: routed grads]. Each is
+    # kept alive until the step ends, so that no later staging buffer can reuse its address.
+    alive: list[torch.Tensor] = []
+
+    def seen(p, s, g):  # noqa: ANN001
+        grad_ptrs[names[id(p)]] = g.data_ptr()
+        alive.append(g)
+
+    engine.zero3_manager.on_grad_ready(seen)
     engine.backward(engine(*micro_batch(0, dist.get_rank(), vocab=38)))
     engine.step()
     dist.reduce_scatter_tensor = real
+    alive.clear()
     engine.destroy()
     return {"grads": grad_ptrs, "inputs": inputs}
 
