@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3|largest3|bounds|maxlen4
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3|largest3|bounds|maxlen4|resident|zenflow2
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -291,6 +291,28 @@ if want maxlen4; then
   part maxlen_ours_16x 570 $LC --impl ours --tile-mlp 8 --tile-loss 64 --act-offload --budget-s 565 \
     --lengths "${MAXLEN4_SEQ:?set MAXLEN4_SEQ}"
   cp "$WORK/maxlen4.jsonl" "$OUT/" 2>/dev/null
+fi
+
+if want resident; then
+  # The maximum length without activation offload (tiling on, every layer input kept on the device), in
+  # increasing lengths until the first that runs out of device memory; 32K completed in call A.
+  LC="python3 benchmarks/long_context_gpu.py --out $WORK/resident.jsonl"
+  part resident_ours 330 $LC --impl ours --tile-mlp 8 --tile-loss 64 --lengths 131072,196608,262144,327680 \
+    --budget-s 320
+  cp "$WORK/resident.jsonl" "$OUT/" 2>/dev/null
+fi
+
+if want zenflow2; then
+  # The GPU tests (ZenFlow at stages 1 and 2 over NCCL among them), then ZenFlow against the GPU-resident step at
+  # 36 layers with the step's breakdown, after the segmented publish and the columns' gradient gathered on the
+  # device.
+  part gpu_tests5 160 bash -c "{ python3 -c 'import pytest_timeout' 2>/dev/null || python3 -m pip install -q \
+    --no-index --no-deps --no-compile --target /tmp/site .whl_upstream/tests/*.whl; } && DS_ACCELERATOR=cuda \
+    python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout=140 --junitxml=$WORK/gpu_tests5.xml -m gpu \
+    tests/unit/test_activation_offload_gpu.py tests/dist/test_gpu_engine_modes.py"
+  part offload_zenflow2 220 bash -c "python3 benchmarks/offload_overlap_gpu.py --layers 36 --seq 8192 --steps 6 \
+    --breakdown --breakdown-dir $WORK/offload_zenflow2_profile --cases zenflow,gpu_resident \
+    --out $WORK/offload_zenflow2.jsonl; rm -f $WORK/offload_zenflow2_profile/*.trace.json"  # traces: too large
 fi
 
 if want maxlen2; then

@@ -38,23 +38,27 @@ def _published(engine) -> dict:
     opt = engine.optimizer
     if opt.zenflow is not None:
         opt.zenflow.sync_columns()  # the masters of the columns stepped on the device, home first
-    exact = True
+    exact, segmented = True, False
     for group in opt.groups:
         writer = group.master.writer
-        part = writer.partition
-        mine = writer.flat.tensor[part.start : part.start + part.size]
+        pieces = writer.flat.pieces(writer.partition)  # one per segment of the flat buffer it spans
+        mine = torch.cat(pieces)
         exact = exact and torch.equal(mine, group.master.param.detach().to(mine.dtype))
+        segmented = segmented or len(pieces) > 1
     zen = opt.zenflow
     if zen is None:
-        return {"exact": exact, "partial": 0, "on_device": False}
-    return {"exact": exact, "partial": zen.partial_publishes, "on_device": zen.column_steps > 0}
+        return {"exact": exact, "partial": 0, "on_device": False, "segmented": segmented}
+    return {"exact": exact, "partial": zen.partial_publishes, "on_device": zen.column_steps > 0, "segmented": segmented}
 
 
-def _train(world: int, stage: int, zenflow: dict | None) -> dict:
+def _train(world: int, stage: int, zenflow: dict | None, segment_numel: int | None = None) -> dict:
     import deepspeed
     from deepspeed import comm as dist
 
-    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(stage, zenflow))
+    config = _config(stage, zenflow)
+    if segment_numel is not None:  # the flat buffers are built in segments of about this many elements
+        config["zero_optimization"]["allgather_bucket_size"] = segment_numel
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=config)
     for step in range(STEPS):
         engine.backward(engine(*micro_batch(step, engine_micro_index(0, dist.get_rank(), world))))
         engine.step()
@@ -77,6 +81,7 @@ def _runs(world: int, stage: int) -> dict:
         "all_selected": _train(world, stage, {"topk_ratio": 0.99, "update_interval": 2, "overlap_step": True}),
         "every_step": _train(world, stage, {**_SPLIT, "update_interval": 1, "overlap_step": False}),
         "delayed": _train(world, stage, {**_SPLIT, "update_interval": 2, "overlap_step": True}),
+        "delayed_segmented": _train(world, stage, {**_SPLIT, "update_interval": 2, "overlap_step": True}, 40),
     }
 
 
@@ -164,7 +169,12 @@ def test_zenflow_reduces_to_the_plain_step_and_delays_by_one_step(world: int, st
         for k in plain:
             assert torch.allclose(rank["every_step"]["weights"][k], plain[k], rtol=1e-6, atol=1e-7), k
         # Between host updates only the selected columns go up, and the weights are the masters' all the same.
-        assert rank["delayed"]["published"] == {"exact": True, "partial": STEPS // 2, "on_device": True}
+        partial = {"exact": True, "partial": STEPS // 2, "on_device": True}
+        assert rank["delayed"]["published"] == {**partial, "segmented": False}
+        # The same when the partition spans several segments of the flat buffer, with the same weights.
+        assert rank["delayed_segmented"]["published"] == {**partial, "segmented": True}
+        for k in plain:
+            assert torch.equal(rank["delayed_segmented"]["weights"][k], rank["delayed"]["weights"][k]), k
         assert not rank["all_selected"]["published"]["on_device"]  # nothing left for a late path: the host steps
         assert all(rank[run]["published"]["exact"] for run in ("all_selected", "every_step"))
         if world == 1:
@@ -175,6 +185,52 @@ def test_zenflow_reduces_to_the_plain_step_and_delays_by_one_step(world: int, st
             # Applying the host update at once instead gives other weights: the delay is visible.
             assert not _close(weights, _reference(2, delayed=False))
             assert not _close(weights, plain)
+
+
+def _gathered_or_sent(world: int, stage: int, gather: bool, rewrite: bool) -> dict:
+    """Train with the selected columns' gradient gathered on the device as it lands (``gather``), or packed on
+    the host and sent; ``rewrite``: double one weight's gradient through ``safe_set_full_grad`` before one step."""
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    config = _config(stage, {**_SPLIT, "update_interval": 3, "overlap_step": True})
+    config["gradient_accumulation_steps"] = 2
+    config["gradient_clipping"] = 0.5  # a coefficient other than one on most steps
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=config)
+    if not gather:
+        engine.optimizer.grad_pipeline.sunk = None
+    weight = next(p for p in engine.module.parameters() if p.dim() == 2)
+    for step in range(5):
+        for micro in range(2):
+            engine.backward(engine(*micro_batch(step, engine_micro_index(micro, dist.get_rank(), world))))
+            if rewrite and step == 3 and micro == 1:
+                safe_set_full_grad(weight, 2 * safe_get_full_grad(weight))
+            engine.step()
+    out = {
+        "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+        "gathered": engine.optimizer.zenflow.gathered_steps,
+        "on_device": engine.optimizer.zenflow.column_steps,
+        "selections": engine.optimizer.zenflow.selections,
+    }
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize(("world", "stage"), [(1, 2), (2, 1), (2, 2)])
+def test_the_columns_gradient_gathered_on_the_device_is_the_one_the_host_sends(world: int, stage: int) -> None:
+    # [Note: zenflow columns]: gathered from each delivered piece (added over the window's micro-steps at stage 2,
+    # copied once at stage 1), the selected gradient steps the columns to the same bits as the one packed on the
+    # host and sent; a gradient written on the host in between voids the gathered one for that step.
+    for rewrite in (False, True):
+        gathered = run_distributed(_gathered_or_sent, world, world, stage, True, rewrite)
+        sent = run_distributed(_gathered_or_sent, world, world, stage, False, rewrite)
+        for a, b in zip(gathered, sent, strict=True):
+            assert a["on_device"] == b["on_device"] > 0 and b["gathered"] == 0
+            # The step of a selection steps the new columns on a gradient gathered under none: it is sent.
+            assert a["gathered"] == a["on_device"] - a["selections"] - rewrite, (a["gathered"], a["on_device"])
+            for k, v in b["weights"].items():
+                assert torch.equal(a["weights"][k], v), (rewrite, k)
 
 
 def _safe_helpers_see_the_device_columns(world: int) -> dict:

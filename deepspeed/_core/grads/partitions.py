@@ -180,6 +180,10 @@ class PartitionGrads:
         # Told ``landed(bucket)`` once a bucket's owned values are in this rank's partition gradient (host copies
         # possibly still in flight: :meth:`HostTransfers.drain` settles them); the early host step listens here.
         self.landed: Callable[[Bucket], None] | None = None
+        # Sees every piece on its way into a partition gradient: (group index, partition-local range, piece,
+        # whether it is added to what the window holds or replaces it, the gradient's dtype). ZenFlow gathers
+        # its columns with it.
+        self.sunk: Callable[[int, Range, torch.Tensor, bool, torch.dtype], None] | None = None
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for grads in self.groups for p in grads.params
         ]
@@ -321,6 +325,10 @@ class PartitionGrads:
 
     def _sink(self, grads: GroupGrads, owned: Range, piece: torch.Tensor) -> None:
         path = self._path
+        if self.sunk is not None:
+            index = next(i for i, g in enumerate(self.groups) if g is grads)
+            adds = path in (GradPath.STAGE2_FREE, GradPath.STAGE2_RETAIN)
+            self.sunk(index, owned.shift(-grads.partition.start), piece, adds, grads.accum_dtype)
         if path is GradPath.STAGE1_ACCUMULATE:
             acc = grads.ensure_accumulator(self.partition.device)
             target = acc[owned.as_slice()]

@@ -162,6 +162,9 @@ class ZeroHpMapping:
             if self.lp_range.is_empty:
                 return
             raise ValueError(GRAD_UNAVAILABLE + ": no gradient buffer holds this parameter's fragment yet")
+        hook = getattr(self.optimizer, "before_grad_write", None)
+        if hook is not None:
+            hook()
         with torch.no_grad():
             fragment.copy_(value.detach().reshape(-1)[self.lp_range.as_slice()])
 

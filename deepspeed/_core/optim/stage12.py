@@ -146,7 +146,10 @@ class ZeroOptimizer(ShardedOptimizer):
         ]
         writer = self.groups[0].master.writer if self.groups else None
         device = writer.flat.device if isinstance(writer, GatherWriteBack) else None
-        return ZenFlowUpdate(self.optimizer, policy, layouts, self.dp_group, device=device)
+        zenflow = ZenFlowUpdate(self.optimizer, policy, layouts, self.dp_group, device=device)
+        if zenflow.gather is not None:  # [Note: zenflow columns]: the columns' gradient gathered as it lands
+            self.grad_pipeline.sunk = zenflow.gather_piece
+        return zenflow
 
     def _plan_early_step(self) -> None:
         """[Note: early host step]: which step chunks wait on which buckets; armed per boundary in
@@ -219,9 +222,11 @@ class ZeroOptimizer(ShardedOptimizer):
     # --- micro-step protocol ----------------------------------------------------------------------------
     def prepare_backward(self, kind: MicroStepKind) -> None:
         """Arm the reducer (stage 2 reduces every micro-step; stage 1 only at the boundary)."""
-        self._cleared_after_step = False
+        window_starts, self._cleared_after_step = self._cleared_after_step, False
         if self.zenflow is not None:  # [Note: zenflow deferred accumulation]: the last step's gradients are free
             self.zenflow.finish_accumulating()
+            if window_starts:
+                self.zenflow.open_window()
         self._arm_early(kind is MicroStepKind.REDUCE and self.steps_during_backward())
         self.grad_pipeline.begin(kind)
 
@@ -310,12 +315,13 @@ class ZeroOptimizer(ShardedOptimizer):
         Takes ``parts`` over: the list is emptied, so no reference to views of the accumulators outlives the step.
         """
         if self.zenflow is not None:  # [Note: zenflow]
+            # ZenFlow reads every element on the host (its accumulator is there); lean ZeRO-1 accumulates the
+            # window's gradients beside the working weights, so they come down first.
+            parts[:] = [p.to("cpu") if p is not None and p.device.type != "cpu" else p for p in parts]
             self.zenflow.step(parts, coef)
             parts.clear()
             self._clear_grads()
-            if not self._publish_stepped_columns(self.zenflow):
-                self.zenflow.sync_columns(moments=False)  # [Note: zenflow columns]: the whole master goes up
-                self.publish_weights()
+            self._publish_zenflow(self.zenflow)
             return
         if self.host_step is not None:
             self._overlapped_update(parts, coef)
@@ -406,26 +412,42 @@ class ZeroOptimizer(ShardedOptimizer):
         # Narrow dtype or host master (offload): convert and scale one chunk at a time ([Note: chunked step]).
         step_in_chunks(self.optimizer, index, part, self._step_chunk_numel, coef)
 
-    def _publish_stepped_columns(self, zenflow: ZenFlowUpdate) -> bool:
-        """After a ZenFlow step that changed only the every-step path's elements ([Note: zenflow split]): convert
-        and send up those elements alone, scatter them into this rank's partition on the device by the same column
-        indices, and all-gather the partitions. The other elements' working copies are already their masters'
-        rounded values. ``False`` (nothing done) when the whole master must go up."""
-        stepped = [zenflow.stepped_values(index) for index in range(len(self.groups))]
+    def _publish_zenflow(self, zenflow: ZenFlowUpdate) -> None:
+        """Publish after a ZenFlow step ([Note: zenflow split]). After a step that changed only the every-step
+        path's elements, only those go up: converted, sent, and scattered into this rank's partition on the device
+        by the same column indices (the other elements' working copies already hold their masters' rounded values).
+        Otherwise the host master goes up whole, and the columns stepped on the device ([Note: zenflow columns]),
+        whose host copies are stale, are scattered over it from the device: nothing crosses back. Then the
+        partitions are all-gathered."""
         writers = [group.master.writer for group in self.groups]
-        if any(v is None for v in stepped) or not all(
-            isinstance(w, GatherWriteBack) and w.flat.is_contiguous for w in writers
-        ):
-            return False
-        for index, (values, writer) in enumerate(zip(stepped, writers, strict=True)):
-            assert values is not None and isinstance(writer, GatherWriteBack)
-            part = writer.partition
-            target = writer.flat.tensor[part.start : part.start + part.size]
-            packed = values.to(target.dtype).to(target.device)
-            zenflow.split_on(index, target.device).put_(target, packed, True)
+        if not all(isinstance(w, GatherWriteBack) for w in writers):
+            zenflow.sync_columns(moments=False)
+            self.publish_weights()
+            return
+        partial = all(zenflow.stepped_values(index) is not None for index in range(len(self.groups)))
+        for index, (group, writer) in enumerate(zip(self.groups, writers, strict=True)):
+            assert isinstance(writer, GatherWriteBack)
+            if partial:
+                values = zenflow.stepped_values(index)
+            else:
+                writer.write_partition(group.master.data)
+                values = zenflow.device_values(index)
+            if values is not None:
+                self._scatter_selected(zenflow, index, writer, values)
             writer.after_publish()
-        zenflow.partial_publishes += 1
-        return True
+        zenflow.partial_publishes += int(partial)
+
+    def _scatter_selected(
+        self, zenflow: ZenFlowUpdate, index: int, writer: GatherWriteBack, values: torch.Tensor
+    ) -> None:
+        """Write group ``index``'s every-step path ``values`` (packed) into this rank's partition on the device."""
+        flat = writer.flat
+        packed = values.to(flat.dtype).to(flat.device)
+        start = 0
+        for piece in flat.pieces(writer.partition):  # one per segment the partition spans
+            offset, split = zenflow.split_on(index, flat.device, start, start + piece.numel())
+            split.put_(piece, packed[offset : offset + split.counts[0]], True)
+            start += piece.numel()
 
     def publish_weights(self) -> None:
         """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""
@@ -437,6 +459,8 @@ class ZeroOptimizer(ShardedOptimizer):
         return sum(g.grads.host_bytes() for g in self.groups)
 
     def _clear_grads(self) -> None:
+        if self.zenflow is not None:
+            self.zenflow.close_window()
         for group in self.groups:
             group.master.param.grad = None
             group.grads.release()
@@ -479,6 +503,12 @@ class ZeroOptimizer(ShardedOptimizer):
             g.master.refresh()
         if self.zenflow is not None:
             self.zenflow.drop_columns()  # the masters were just rebuilt ([Note: zenflow columns])
+
+    def before_grad_write(self) -> None:
+        """A partition gradient is about to be written on the host (``safe_set_*_grad``): what ZenFlow gathered
+        of this window on the device no longer matches it."""
+        if self.zenflow is not None:
+            self.zenflow.close_window()
 
     def before_master_access(self, write: bool) -> None:
         """Called before the masters or their optimizer state are read or written from outside a step (the

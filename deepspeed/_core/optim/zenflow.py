@@ -47,7 +47,7 @@ import torch
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.config.plan import ZenFlowPolicy
 from deepspeed._core.grads.convert import Coef, convert_scaled, scales
-from deepspeed._core.optim.zenflow_device import DeviceColumns, adam_rule_of
+from deepspeed._core.optim.zenflow_device import ColumnGradGather, ColumnGradUpload, DeviceColumns, adam_rule_of
 from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_sq
 
 ACCUMULATE_CHUNK = 1 << 22  # elements converted and scaled at a time on their way into the accumulator
@@ -145,9 +145,9 @@ class ZenFlowUpdate:
         device: torch.device | None = None,
     ) -> None:
         self.optimizer, self.policy, self.group = optimizer, policy, group
-        # [Note: zenflow columns]: where the every-step path is stepped once columns are selected (the working
-        # weights' device), and by which rule; None keeps it on the host.
+        # [Note: zenflow columns]: where and by which rule the selected columns are stepped (None: on the host)
         self.device, self.rule = device, (adam_rule_of(optimizer) if device is not None else None)
+        self.gather = ColumnGradGather() if self.rule is not None else None  # their gradient, from the backward
         self.columns: dict[int, DeviceColumns] = {}
         self.groups: list[GroupSplit] = []
         self.widths: list[int] = []  # columns of every 2-D weight, in norm-vector order
@@ -157,8 +157,7 @@ class ZenFlowUpdate:
             )
         self.scalars = [PathScalars() for _ in self.groups]
         self.steps = self.accumulated = 0
-        self.epoch_steps = policy.steps_per_epoch
-        self.selected_once, self._select_requested = False, False
+        self.epoch_steps, self.selected_once, self._select_requested = policy.steps_per_epoch, False, False
         self._chosen: list[torch.Tensor] = []
         self.auto = AutoInterval(policy.auto_ratio, len(self.widths)) if policy.update_interval == "auto" else None
         self.pending: PendingUpdate | None = None
@@ -167,15 +166,16 @@ class ZenFlowUpdate:
         self._accumulating: Future | None = None  # [Note: zenflow deferred accumulation]
         self._scratch: torch.Tensor | None = None  # the addition's fp32 chunk
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
-        self._device_splits: dict[tuple[int, str], ColumnSplit] = {}
+        self._grad_uploads: dict[int, ColumnGradUpload] = {}  # per group, while the columns stand
+        self._device_splits: dict[tuple[int, str, int, int], tuple[int, ColumnSplit]] = {}
         # Whether the last step may have changed elements outside the every-step path (a host update landed, or
         # every element was stepped): then the whole master must be published, else only the selected columns.
         # _publish_all: the next step publishes everything (the host copies were written meanwhile).
         self.changed_all, self._publish_all = True, True
         self._stepped: dict[int, torch.Tensor] = {}  # per group: the every-step path's values after the step
         # For tests: steps whose weights went up as the selected columns alone, group steps taken on the device,
-        # host updates applied and column selections made.
-        self.partial_publishes = self.column_steps = self.host_updates = self.selections = 0
+        # host updates applied, column selections made and group steps on a gradient gathered on the device.
+        self.partial_publishes = self.column_steps = self.host_updates = self.selections = self.gathered_steps = 0
 
     def _pieces(self, start: int, numel: int, params: list) -> list[ColumnPiece]:
         pieces = []
@@ -233,11 +233,10 @@ class ZenFlowUpdate:
             assert norms is not None
             self._select(norms)
         for index, raw in enumerate(raws):
-            grad = self._selected_grad(index, raw, coef)
             if self.rule is not None and self.groups[index].split.counts[1]:
-                self._step_columns(index, grad)
+                self._step_columns(index, raw, coef)
             else:
-                self._step_masked(index, grad, self.scalars[index], selected=True)
+                self._step_masked(index, self._selected_grad(index, raw, coef), self.scalars[index], selected=True)
         if not warm:
             self._accumulate(raws, coef, norms)
         if self.steps + 1 == self.policy.full_warm_up_rounds:
@@ -302,6 +301,9 @@ class ZenFlowUpdate:
         self._chosen = chosen
         self._buffers.clear()
         self._device_splits.clear()
+        for upload in self._grad_uploads.values():
+            upload.wait()  # its buffer is dropped: no copy may still read it
+        self._grad_uploads.clear()
         self.columns.clear()  # without writing back: a load replaced the host copies, or _select already did
         self.changed_all, self._stepped, self._publish_all = True, {}, True
 
@@ -403,14 +405,23 @@ class ZenFlowUpdate:
         self.host_updates += 1
 
     # --- the every-step path on the device ([Note: zenflow columns]) ----------------------------------------
-    def _step_columns(self, index: int, grad: torch.Tensor) -> None:
-        """Step group ``index``'s selected elements where the working weights live; the host keeps its step count
-        (what a checkpoint saves) but not their values until :meth:`sync_columns`."""
+    def _step_columns(self, index: int, raw: torch.Tensor, coef: Coef) -> None:
+        """Step group ``index``'s selected elements where the working weights live with ``raw``'s selected elements
+        scaled by ``coef``; the host keeps its step count (what a checkpoint saves) but not their values until
+        :meth:`sync_columns`."""
         assert self.device is not None and self.rule is not None
         columns = self.columns.get(index)
         if columns is None:
             columns = self.columns[index] = self._upload(index)
-        columns.step_(grad.to(self.device), self.optimizer.param_groups[index], self.rule)
+        gathered = None if self.gather is None else self.gather.take(index, self.groups[index].split)
+        if gathered is not None:  # [Note: zenflow columns]: gathered on the device during the backward
+            grad = gathered.float()
+            grad = grad * coef if scales(coef) else grad
+            self.gathered_steps += 1
+        else:
+            upload = self._grad_uploads.setdefault(index, ColumnGradUpload(self.device))
+            grad = upload.send(self.groups[index].split, raw, coef)
+        columns.step_(grad, self.optimizer.param_groups[index], self.rule)
         self.column_steps += 1
         self._stepped[index] = columns.master
         self.scalars[index].selected = {"step": columns.step}
@@ -463,11 +474,46 @@ class ZenFlowUpdate:
         are all that step changed, else ``None`` (publish the whole master)."""
         return None if self.changed_all else self._stepped.get(index)
 
-    def split_on(self, index: int, device: torch.device) -> ColumnSplit:
-        """Group ``index``'s split with its indices on ``device`` (kept while the columns stand)."""
-        key = (index, str(device))
+    def open_window(self) -> None:
+        """A window's first backward starts: from here the selected columns' gradient is gathered on the device as
+        it is delivered ([Note: zenflow columns]). A window closed before its step stays closed."""
+        if self.gather is not None:
+            self.gather.begin({i: g.split for i, g in enumerate(self.groups)})
+
+    def close_window(self) -> None:
+        """The window's gradients were stepped, dropped, or written on the host: what was gathered is void."""
+        if self.gather is not None:
+            self.gather.close()
+
+    def gather_piece(self, index: int, local: Any, piece: torch.Tensor, adds: bool, dtype: torch.dtype) -> None:
+        """``PartitionGrads.sunk``: the selected elements of ``piece`` (partition elements ``local``, headed for a
+        partition gradient of ``dtype``) into the device gather, when group ``index``'s columns are stepped on the
+        device."""
+        gather, split = self.gather, self.groups[index].split
+        if gather is None or not gather.open or gather.splits.get(index) is not split or not split.counts[1]:
+            return
+        offset, window = self.split_on(index, piece.device, local.start, local.end)
+        if window.counts[0]:
+            gather.buffer(index, split.counts[0], dtype, piece.device)
+            gather.land(index, (offset, offset + window.counts[0]), window.take(piece, True), adds)
+
+    def device_values(self, index: int) -> torch.Tensor | None:
+        """Group ``index``'s every-step path's master values where they are stepped on the device (packed), else
+        ``None``: the host copies of these are stale until :meth:`sync_columns`."""
+        columns = self.columns.get(index)
+        return None if columns is None else columns.master
+
+    def split_on(
+        self, index: int, device: torch.device, start: int = 0, end: int | None = None
+    ) -> tuple[int, ColumnSplit]:
+        """Group ``index``'s split of its partition's elements ``[start, end)`` (default: all) with its indices on
+        ``device``, and where their selected elements begin in the packed order (kept while the columns stand)."""
+        split = self.groups[index].split
+        end = split.numel if end is None else end
+        key = (index, str(device), start, end)
         if key not in self._device_splits:
-            self._device_splits[key] = self.groups[index].split.to(device)
+            offset, window = split.window(start, end) if (start, end) != (0, split.numel) else (0, split)
+            self._device_splits[key] = (offset, window.to(device))
         return self._device_splits[key]
 
     def _pack(self, index: int, selected: bool) -> tuple[torch.Tensor, dict]:

@@ -1,25 +1,34 @@
 """ZenFlow's every-step path stepped where the working weights live.
 
-[Note: zenflow columns] With the every-step path on the host, each step gathers the selected elements of the
-master and both moments out of the partition and scatters them back, and gathering a tenth of a weight's columns
-touches most of its cache lines: the host does about as much work per step as the plain offloaded update
+[Note: zenflow columns] With the every-step path on the host, each step gathers the selected elements of the master
+and both moments out of the partition and scatters them back, and gathering a tenth of a weight's columns touches
+most of its cache lines: the host does about as much work per step as the plain offloaded update
 ([Note: zenflow split]). So once columns are selected (and the optimizer is the host Adam with fp32 states), the
-selected elements' master and moments are kept packed beside the working weights (:class:`DeviceColumns`,
-12 bytes per selected element) and stepped there with the same rule; per step the host only packs the selected
-gradient (sent over) and adds the rest into its accumulator, and the new values go into the working weights by
-the split's indices without crossing back. The host copies of those elements are stale meanwhile:
-:meth:`~deepspeed._core.optim.zenflow.ZenFlowUpdate.sync_columns` writes them back before anything reads the
-whole master (a full publish, a new selection, a checkpoint, the ``safe_get_*`` helpers) and drops the columns
-when the host copy is replaced (a load, ``safe_set_*``). The arithmetic is the host kernel's, in the same order,
-on fp32; an accelerator may still round a fused multiply-add differently, so the two are close, not bit-equal.
+selected elements' master and moments are kept packed beside the working weights (:class:`DeviceColumns`, 12 bytes
+per selected element) and stepped there with the same rule; the host adds the rest of the gradient into its
+accumulator, and the new values go into the working weights by the split's indices without crossing back. The
+selected gradient is gathered on the device as the backward delivers each reduced piece (:class:`ColumnGradGather`,
+one more packed buffer in the partition gradient's dtype); where that cannot stand for the window's gradient (the
+step of a selection, a gradient written on the host), the host packs it and :class:`ColumnGradUpload` sends it in
+its own dtype, converted and scaled on arrival. The host copies of those elements are stale meanwhile:
+:meth:`~deepspeed._core.optim.zenflow.ZenFlowUpdate.sync_columns` writes them back before anything reads the whole
+master (a full publish, a new selection, a checkpoint, the ``safe_get_*`` helpers) and drops the columns when the
+host copy is replaced (a load, ``safe_set_*``). The arithmetic is the host kernel's, in the same order, on fp32; an
+accelerator may still round a fused multiply-add differently, so the two are close, not bit-equal.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from deepspeed._core.comm.page_locked import locked_empty
+from deepspeed._core.comm.streams import record_current
+from deepspeed._core.grads.convert import Coef, scales
+from deepspeed._core.optim.zenflow_split import ColumnSplit
 
 
 @dataclass(frozen=True)
@@ -64,3 +73,88 @@ class DeviceColumns:
         if decay and rule.decoupled:
             self.master.mul_(1.0 - lr * decay)
         self.master.add_(self.exp_avg / denom, alpha=-lr / bias1)
+
+
+class ColumnGradUpload:
+    """One group's selected gradient on its way to the device columns.
+
+    It is packed on the host in the gradient's own dtype into one buffer kept while the columns stand
+    (page-locked when ``device`` is an accelerator), sent without blocking, and converted to fp32 and scaled by
+    the step's coefficient on arrival: the same elementwise operations the host would run, on half the bytes for
+    a 16-bit gradient. The buffer is packed again only once the event recorded after its last copy has passed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._staging: torch.Tensor | None = None
+        self._sent: Any = None  # the event after the last copy out of the staging buffer
+
+    def send(self, split: ColumnSplit, raw: torch.Tensor, coef: Coef) -> torch.Tensor:
+        """``raw``'s selected elements on ``device``, in fp32, scaled by ``coef``."""
+        numel = split.counts[0]
+        self.wait()
+        if self._staging is None or self._staging.numel() != numel or self._staging.dtype != raw.dtype:
+            pinned = self.device.type != "cpu"
+            self._staging = locked_empty(numel, raw.dtype) if pinned else torch.empty(numel, dtype=raw.dtype)
+        split.take(raw, True, out=self._staging)
+        grad = self._staging.to(self.device, non_blocking=True)
+        self._sent = record_current()
+        grad = grad.float()  # a new tensor unless the gradient is fp32 already: never written in place below
+        return grad * coef if scales(coef) else grad
+
+    def wait(self) -> None:
+        """Until the last copy out of the staging buffer has left (before it is packed again or dropped)."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sent.synchronize()
+
+
+class ColumnGradGather:
+    """The selected gradient gathered where the columns are stepped, as the backward delivers it.
+
+    Each piece of a reduced gradient on its way into the partition gradient (``PartitionGrads.sunk``) gives up its
+    selected elements here, by the split of the piece's window of the partition, into one packed buffer per group
+    in the partition gradient's dtype: added like the host adds them (stage 2, zeroed at the window's start) or
+    copied (stage 1, one delivery per window). At the step the buffer holds exactly the host's
+    ``take(partition gradient)``, with no gather on the host and nothing sent up. It is used only when it was
+    gathered over the whole window under the split in force at the step; anything else (a new selection, a
+    window that began before the columns existed, a gradient written on the host) falls back to
+    :class:`ColumnGradUpload`.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.splits: dict[int, ColumnSplit] = {}  # per group: the split the buffer was gathered under
+        self.open = False  # gathering this window, from its first micro-step
+
+    def begin(self, splits: dict[int, ColumnSplit]) -> None:
+        """A window's first micro-step starts: gather from here on under ``splits``, into zeroed buffers."""
+        self.open, self.splits = True, dict(splits)
+        for buf in self.buffers.values():
+            buf.zero_()
+
+    def land(self, index: int, packed_range: tuple[int, int], taken: torch.Tensor, adds: bool) -> None:
+        """Put ``taken`` (selected elements of one piece) at ``packed_range`` of group ``index``'s buffer."""
+        lo, hi = packed_range
+        buf = self.buffers[index]
+        if adds:
+            buf[lo:hi].add_(taken)
+        else:
+            buf[lo:hi].copy_(taken)
+
+    def buffer(self, index: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Group ``index``'s buffer (zeros when new or resized)."""
+        buf = self.buffers.get(index)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = self.buffers[index] = torch.zeros(numel, dtype=dtype, device=device)
+        return buf
+
+    def take(self, index: int, split: ColumnSplit) -> torch.Tensor | None:
+        """Group ``index``'s gathered gradient if it covers this window under ``split``, else ``None``."""
+        if not self.open or self.splits.get(index) is not split or index not in self.buffers:
+            return None
+        return self.buffers[index]
+
+    def close(self) -> None:
+        """The window ended (its step ran, or its gradients were dropped or written elsewhere)."""
+        self.open = False

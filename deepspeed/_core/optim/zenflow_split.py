@@ -76,6 +76,7 @@ class ColumnSplit:
 
     def __init__(self, numel: int, pieces: Sequence[ColumnPiece], keeps: Sequence[torch.Tensor] | None) -> None:
         self.numel = numel
+        self.pieces, self.keeps = tuple(pieces), None if keeps is None else tuple(keeps)
         self.parts: list[_PieceIndex] = []
         if keeps is None:
             self.counts = (numel, 0)
@@ -148,10 +149,18 @@ class ColumnSplit:
                 view.index_copy_(1, index, values[offset : offset + n].view(view.shape[0], index.numel()))
             offset += n
 
+    def window(self, start: int, end: int) -> tuple[int, ColumnSplit]:
+        """The split of the partition's elements ``[start, end)`` alone, and where their selected elements begin
+        in :meth:`take`'s packed order (for a partition stored in several pieces: a segmented flat buffer)."""
+        if self.keeps is None:
+            return start, ColumnSplit(end - start, (), None)
+        before = ColumnSplit(start, *_clipped(self.pieces, self.keeps, 0, start))
+        return before.counts[0], ColumnSplit(end - start, *_clipped(self.pieces, self.keeps, start, end))
+
     def to(self, device: torch.device) -> ColumnSplit:
         """The same split with its indices on ``device`` (to scatter into a device copy of the partition)."""
         out = ColumnSplit(self.numel, (), None)
-        out.counts = self.counts
+        out.counts, out.pieces, out.keeps = self.counts, self.pieces, self.keeps
         out.parts = [
             dataclasses.replace(
                 part,
@@ -176,6 +185,21 @@ class ColumnSplit:
                 view.fill_(value)
             else:
                 view.index_fill_(0 if kind == "pos" else 1, index, value)
+
+
+def _clipped(
+    pieces: Sequence[ColumnPiece], keeps: Sequence[torch.Tensor], start: int, end: int
+) -> tuple[list[ColumnPiece], list[torch.Tensor]]:
+    """The pieces' parts inside the partition's elements ``[start, end)``, in that window's coordinates, with their
+    weights' selected columns."""
+    out: tuple[list[ColumnPiece], list[torch.Tensor]] = ([], [])
+    for piece, keep in zip(pieces, keeps, strict=True):
+        lo, hi = max(piece.local, start), min(piece.local + piece.numel, end)
+        if hi > lo:
+            moved = lo - piece.local
+            out[0].append(dataclasses.replace(piece, local=lo - start, first=piece.first + moved, numel=hi - lo))
+            out[1].append(keep)
+    return out
 
 
 def column_sq(piece: torch.Tensor, first: int, cols: int, coef: Coef = 1.0) -> torch.Tensor:

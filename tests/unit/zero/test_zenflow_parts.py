@@ -135,6 +135,18 @@ def test_column_split_packs_what_the_mask_selects_in_the_same_order() -> None:
         assert torch.equal(got, values.masked_fill(where, 0.0))
     everything = ColumnSplit(numel, pieces, None)
     assert torch.equal(everything.take(values, True), values) and everything.take(values, False).numel() == 0
+    # A partition stored in several pieces (a segmented flat buffer): each window's split packs its share of the
+    # whole packing, found at the offset it names, and scatters it back the same way.
+    for whole in (split, everything):
+        packed = whole.take(values, True)
+        for start, end in ((0, 56), (0, 10), (10, 33), (33, 50), (50, 56), (5, 6), (20, 20)):
+            offset, window = whole.window(start, end)
+            count = window.counts[0]
+            assert torch.equal(window.take(values[start:end], True), packed[offset : offset + count]), (start, end)
+            got, expected = values.clone(), values.clone()
+            window.put_(got[start:end], -packed[offset : offset + count], True)
+            expected[start:end] = torch.where(whole.mask()[start:end], -values[start:end], values[start:end])
+            assert torch.equal(got, expected), (start, end)
 
 
 def test_a_checkpoint_taken_while_the_worker_packs_sees_the_accumulator_it_emptied() -> None:
@@ -221,3 +233,23 @@ def test_columns_stepped_on_the_device_match_the_host_path() -> None:
         assert host[2] == on_device[2]
         torch.testing.assert_close(on_device[0], host[0], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(on_device[1], host[1], rtol=1e-6, atol=1e-7)
+
+
+def test_the_selected_gradient_is_sent_in_its_own_dtype_and_scaled_on_arrival() -> None:
+    # [Note: zenflow columns]: the packed gradient goes over in its dtype and is converted and scaled where the
+    # columns live; the values are the host path's (convert, then multiply in fp32), bit for bit.
+    from deepspeed._core.grads.convert import convert_scaled
+    from deepspeed._core.optim.zenflow_device import ColumnGradUpload
+
+    torch.manual_seed(0)
+    keep = torch.rand(6) < 0.5
+    keep[0] = True
+    split = ColumnSplit(30, [ColumnPiece(0, 0, 24, 6, 0)], [keep])
+    upload = ColumnGradUpload(torch.device("cpu"))
+    for dtype, coef in ((torch.bfloat16, 0.37), (torch.bfloat16, 1.0), (torch.float32, 0.5), (torch.float32, 1.0)):
+        raw = torch.randn(30).to(dtype)
+        sent = upload.send(split, raw, coef)
+        expected = torch.empty(split.counts[0])
+        convert_scaled(expected, split.take(raw, True), coef)
+        assert sent.dtype == torch.float32 and torch.equal(sent, expected), (dtype, coef)
+    upload.wait()
