@@ -412,6 +412,7 @@ class ZeroOptimizer(ShardedOptimizer):
         # Narrow dtype or host master (offload): convert and scale one chunk at a time ([Note: chunked step]).
         step_in_chunks(self.optimizer, index, part, self._step_chunk_numel, coef)
 
+    @torch.no_grad()
     def _publish_zenflow(self, zenflow: ZenFlowUpdate) -> None:
         """Publish after a ZenFlow step ([Note: zenflow split]). After a step that changed only the every-step
         path's elements, only those go up: converted, sent, and scattered into this rank's partition on the device
