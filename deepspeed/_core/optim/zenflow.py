@@ -47,6 +47,7 @@ import torch
 from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.config.plan import ZenFlowPolicy
 from deepspeed._core.grads.convert import Coef, convert_scaled, scales
+from deepspeed._core.layout.shards import Range
 from deepspeed._core.optim.zenflow_device import ColumnGradGather, ColumnGradUpload, DeviceColumns, adam_rule_of
 from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_sq
 
@@ -485,7 +486,7 @@ class ZenFlowUpdate:
         if self.gather is not None:
             self.gather.close()
 
-    def gather_piece(self, index: int, local: Any, piece: torch.Tensor, adds: bool, dtype: torch.dtype) -> None:
+    def gather_piece(self, index: int, local: Range, piece: torch.Tensor, adds: bool, dtype: torch.dtype) -> None:
         """``PartitionGrads.sunk``: the selected elements of ``piece`` (partition elements ``local``, headed for a
         partition gradient of ``dtype``) into the device gather, when group ``index``'s columns are stepped on the
         device."""

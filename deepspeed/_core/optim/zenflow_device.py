@@ -151,9 +151,10 @@ class ColumnGradGather:
 
     def take(self, index: int, split: ColumnSplit) -> torch.Tensor | None:
         """Group ``index``'s gathered gradient if it covers this window under ``split``, else ``None``."""
-        if not self.open or self.splits.get(index) is not split or index not in self.buffers:
-            return None
-        return self.buffers[index]
+        buf = self.buffers.get(index)
+        if not self.open or self.splits.get(index) is not split or buf is None or buf.numel() != split.counts[0]:
+            return None  # (a buffer of another size: no piece with selected elements landed since the split)
+        return buf
 
     def close(self) -> None:
         """The window ended (its step ran, or its gradients were dropped or written elsewhere)."""
