@@ -420,14 +420,10 @@ class ZeroOptimizer(ShardedOptimizer):
         Otherwise the host master goes up whole, and the columns stepped on the device ([Note: zenflow columns]),
         whose host copies are stale, are scattered over it from the device: nothing crosses back. Then the
         partitions are all-gathered."""
-        writers = [group.master.writer for group in self.groups]
-        if not all(isinstance(w, GatherWriteBack) for w in writers):
-            zenflow.sync_columns(moments=False)
-            self.publish_weights()
-            return
         partial = all(zenflow.stepped_values(index) is not None for index in range(len(self.groups)))
-        for index, (group, writer) in enumerate(zip(self.groups, writers, strict=True)):
-            assert isinstance(writer, GatherWriteBack)
+        for index, group in enumerate(self.groups):
+            writer = group.master.writer
+            assert isinstance(writer, GatherWriteBack)  # a ZeRO-1/2 master is a partition of a flat buffer
             if partial:
                 values = zenflow.stepped_values(index)
             else:

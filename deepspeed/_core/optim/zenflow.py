@@ -48,7 +48,13 @@ from deepspeed._core.comm.collectives import sum_over
 from deepspeed._core.config.plan import ZenFlowPolicy
 from deepspeed._core.grads.convert import Coef, convert_scaled, scales
 from deepspeed._core.layout.shards import Range
-from deepspeed._core.optim.zenflow_device import ColumnGradGather, ColumnGradUpload, DeviceColumns, adam_rule_of
+from deepspeed._core.optim.zenflow_device import (
+    ColumnGradGather,
+    ColumnGradUpload,
+    DeviceColumns,
+    adam_rule_of,
+    scaled_fp32,
+)
 from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_sq
 
 ACCUMULATE_CHUNK = 1 << 22  # elements converted and scaled at a time on their way into the accumulator
@@ -416,8 +422,7 @@ class ZenFlowUpdate:
             columns = self.columns[index] = self._upload(index)
         gathered = None if self.gather is None else self.gather.take(index, self.groups[index].split)
         if gathered is not None:  # [Note: zenflow columns]: gathered on the device during the backward
-            grad = gathered.float()
-            grad = grad * coef if scales(coef) else grad
+            grad = scaled_fp32(gathered, coef)
             self.gathered_steps += 1
         else:
             upload = self._grad_uploads.setdefault(index, ColumnGradUpload(self.device))
@@ -444,23 +449,19 @@ class ZenFlowUpdate:
         moments = [state.get(key) if step else None for key in ("exp_avg", "exp_avg_sq")]
         return DeviceColumns(packed(master.data), packed(moments[0]), packed(moments[1]), step)
 
-    def sync_columns(self, drop: bool = False, moments: bool = True) -> None:
-        """Write the device columns' master and (with ``moments``) moments back into the host copies, and forget
-        the columns with ``drop``: before anything reads the whole master or its state. A full publish needs
-        the master alone."""
+    def sync_columns(self, drop: bool = False) -> None:
+        """Write the device columns' master and moments back into the host copies, and forget the columns with
+        ``drop``: before anything reads the whole master or its state on the host."""
         for index, columns in self.columns.items():
             split, master = self.groups[index].split, self.optimizer.param_groups[index]["params"][0]
             state = self.optimizer.state.setdefault(master, {})
             split.put_(master.data, columns.master.to(master.device), True)
-            if not moments:
-                continue
             for key, value in (("exp_avg", columns.exp_avg), ("exp_avg_sq", columns.exp_avg_sq)):
                 if key not in state:
                     state[key] = torch.zeros(master.numel(), dtype=torch.float32)
                 split.put_(state[key], value.to(master.device), True)
             state["step"] = columns.step
         if drop:
-            assert moments, "dropping the columns needs their moments written back"
             self.drop_columns()
 
     def drop_columns(self) -> None:
@@ -495,8 +496,7 @@ class ZenFlowUpdate:
             return
         offset, window = self.split_on(index, piece.device, local.start, local.end)
         if window.counts[0]:
-            gather.buffer(index, split.counts[0], dtype, piece.device)
-            gather.land(index, (offset, offset + window.counts[0]), window.take(piece, True), adds)
+            gather.land(index, split.counts[0], dtype, offset, window.take(piece, True), adds)
 
     def device_values(self, index: int) -> torch.Tensor | None:
         """Group ``index``'s every-step path's master values where they are stepped on the device (packed), else

@@ -99,8 +99,7 @@ class ColumnGradUpload:
         split.take(raw, True, out=self._staging)
         grad = self._staging.to(self.device, non_blocking=True)
         self._sent = record_current()
-        grad = grad.float()  # a new tensor unless the gradient is fp32 already: never written in place below
-        return grad * coef if scales(coef) else grad
+        return scaled_fp32(grad, coef)
 
     def wait(self) -> None:
         """Until the last copy out of the staging buffer has left (before it is packed again or dropped)."""
@@ -133,21 +132,17 @@ class ColumnGradGather:
         for buf in self.buffers.values():
             buf.zero_()
 
-    def land(self, index: int, packed_range: tuple[int, int], taken: torch.Tensor, adds: bool) -> None:
-        """Put ``taken`` (selected elements of one piece) at ``packed_range`` of group ``index``'s buffer."""
-        lo, hi = packed_range
-        buf = self.buffers[index]
-        if adds:
-            buf[lo:hi].add_(taken)
-        else:
-            buf[lo:hi].copy_(taken)
-
-    def buffer(self, index: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Group ``index``'s buffer (zeros when new or resized)."""
+    def land(self, index: int, numel: int, dtype: torch.dtype, offset: int, taken: torch.Tensor, adds: bool) -> None:
+        """Put ``taken`` (selected elements of one piece) at ``offset`` of group ``index``'s buffer of ``numel``
+        elements of ``dtype`` (zeros when new or resized)."""
         buf = self.buffers.get(index)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-            buf = self.buffers[index] = torch.zeros(numel, dtype=dtype, device=device)
-        return buf
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != taken.device:
+            buf = self.buffers[index] = torch.zeros(numel, dtype=dtype, device=taken.device)
+        window = buf[offset : offset + taken.numel()]
+        if adds:
+            window.add_(taken)
+        else:
+            window.copy_(taken)
 
     def take(self, index: int, split: ColumnSplit) -> torch.Tensor | None:
         """Group ``index``'s gathered gradient if it covers this window under ``split``, else ``None``."""
@@ -159,3 +154,10 @@ class ColumnGradGather:
     def close(self) -> None:
         """The window ended (its step ran, or its gradients were dropped or written elsewhere)."""
         self.open = False
+
+
+def scaled_fp32(grad: torch.Tensor, coef: Coef) -> torch.Tensor:
+    """``grad`` in fp32 times ``coef`` (the host's conversion, then its product in fp32), never in place: ``grad``
+    may be a buffer that is read again."""
+    grad = grad.float()
+    return grad * coef if scales(coef) else grad
