@@ -10,14 +10,18 @@ selected columns stepped on the host, the rest accumulated: what each step costs
 parts ``columns_pack_grad`` and ``columns_accumulate`` (what stays on the host once an accelerator holds the
 columns) and ``columns_adam`` (the packed Adam step the accelerator takes over), ``every_step_columns_returns``
 (what ``step()`` alone holds the training thread for: the addition into the accumulators runs on the worker
-after it returns), ``host_update`` (the late path's update over the accumulated rest, run synchronously here) and
-``plain_step`` (the same optimizer over the whole master, what the offloaded step without ZenFlow costs). Prints
+after it returns), ``host_update`` (the late path's update over the accumulated rest, run synchronously here),
+``background_packed`` / ``settle_packed`` and ``background_in_place`` / ``settle_in_place`` (the same update with
+``overlap_step``: what the worker spends on it, and what applying it at the next step boundary holds the training
+thread for, with the every-step path on the host and with device columns, [Note: zenflow in-place host update])
+and ``plain_step`` (the same optimizer over the whole master, what the offloaded step without ZenFlow costs). Prints
 one JSON line per figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -59,6 +63,23 @@ def _stepped(update: ZenFlowUpdate, grad: torch.Tensor) -> None:
     update.finish_accumulating()
 
 
+def _overlapped(update: ZenFlowUpdate, grad: torch.Tensor, reps: int) -> tuple[float, float]:
+    """Median seconds the worker spends on one background host update, and the median of its settling."""
+    worker, settle = [], []
+    for _ in range(reps + 1):
+        _stepped(update, grad)  # one more step accumulated
+        update._host_update()
+        update.start_host_update()
+        assert update.pending is not None
+        begin = time.perf_counter()
+        update.pending.job.result()
+        worker.append(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        update.settle()
+        settle.append(time.perf_counter() - begin)
+    return statistics.median(worker[1:]), statistics.median(settle[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
@@ -73,11 +94,12 @@ def main() -> None:
     grad = torch.randn(numel, dtype=torch.bfloat16) * 1e-3
     start = torch.randn(numel) * 0.02
 
-    def built(device: torch.device | None) -> ZenFlowUpdate:
+    def built(device: torch.device | None, overlap: bool = False) -> ZenFlowUpdate:
         """A ZenFlow update over a master and optimizer of its own, past the warm-up and its first selection."""
         master = torch.nn.Parameter(start.clone(), requires_grad=False)
-        update = ZenFlowUpdate(DeepSpeedCPUAdam([master], lr=1e-5), policy, [(0, numel, params)], None, device)
-        for _ in range(policy.full_warm_up_rounds + 1):
+        used = dataclasses.replace(policy, overlap_step=overlap, full_warm_up_rounds=1)
+        update = ZenFlowUpdate(DeepSpeedCPUAdam([master], lr=1e-5), used, [(0, numel, params)], None, device)
+        for _ in range(used.full_warm_up_rounds + 1):
             update.step([grad], 1.0)
         return update
 
@@ -108,6 +130,13 @@ def main() -> None:
         times.append(time.perf_counter() - begin)
     print(json.dumps({**meta, "case": "every_step_columns_returns", "seconds": statistics.median(times[1:])}))
     columns.shutdown()
+    for route, device in (("packed", None), ("in_place", torch.device("cpu"))):
+        update = built(device, overlap=True)
+        worker, settle = _overlapped(update, grad, args.reps)
+        assert (update.in_place_updates > 0) == (route == "in_place")
+        update.shutdown()
+        print(json.dumps({**meta, "case": f"background_{route}", "seconds": worker}))
+        print(json.dumps({**meta, "case": f"settle_{route}", "seconds": settle}))
     master = torch.nn.Parameter(start.clone(), requires_grad=False)
     optimizer = DeepSpeedCPUAdam([master], lr=1e-5)
 

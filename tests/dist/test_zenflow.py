@@ -38,14 +38,20 @@ def _published(engine) -> dict:
     opt = engine.optimizer
     if opt.zenflow is not None:
         opt.zenflow.sync_columns()  # the masters of the columns stepped on the device, home first
+    zen = opt.zenflow
+    # An in-place host update in flight is in the masters already and reaches the working weights at the next
+    # step ([Note: zenflow in-place host update]): only the other elements compare then.
+    in_flight = zen is not None and zen.pending is not None and zen.pending.in_place
     exact, segmented = True, False
-    for group in opt.groups:
+    for index, group in enumerate(opt.groups):
         writer = group.master.writer
         pieces = writer.flat.pieces(writer.partition)  # one per segment of the flat buffer it spans
-        mine = torch.cat(pieces)
-        exact = exact and torch.equal(mine, group.master.param.detach().to(mine.dtype))
+        mine, expected = torch.cat(pieces), group.master.param.detach()
+        if in_flight:
+            keep = zen.groups[index].split.mask(selected=True)
+            mine, expected = mine[keep], expected[keep]
+        exact = exact and torch.equal(mine, expected.to(mine.dtype))
         segmented = segmented or len(pieces) > 1
-    zen = opt.zenflow
     if zen is None:
         return {"exact": exact, "partial": 0, "on_device": False, "segmented": segmented}
     return {"exact": exact, "partial": zen.partial_publishes, "on_device": zen.column_steps > 0, "segmented": segmented}
@@ -342,6 +348,36 @@ def test_the_next_backward_waits_for_the_deferred_accumulation() -> None:
             assert events[i - 1] == "accumulated", events
 
 
+def _refresh_in_flight(world: int) -> dict:
+    import deepspeed
+    from deepspeed import comm as dist
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=_config(2, _RESUME))
+    _train_steps(engine, range(4), world)  # the second host update (in place) is in flight after step 4
+    zen, opt = engine.optimizer.zenflow, engine.optimizer
+    in_flight = zen.pending is not None and zen.pending.in_place
+    opt.refresh_fp32_params()  # applies it first, then rebuilds the masters from the working weights
+    out = {
+        "in_flight": in_flight,
+        "applied": (zen.pending is None, zen.host_updates, zen.in_place_updates),
+        "masters_are_working": all(
+            torch.equal(g.master.param.detach(), torch.cat(g.master.writer.flat.pieces(g.master.writer.partition)))
+            for g in opt.groups
+        ),
+    }
+    loss = engine(*micro_batch(4, engine_micro_index(0, dist.get_rank(), world)))
+    engine.backward(loss)
+    engine.step()
+    out["trains_on"] = math.isfinite(float(loss))
+    engine.destroy()
+    return out
+
+
+def test_refresh_fp32_params_applies_a_host_update_in_flight_first() -> None:
+    for rank in run_distributed(_refresh_in_flight, 2, 2):
+        assert rank == {"in_flight": True, "applied": (True, 2, 1), "masters_are_working": True, "trains_on": True}
+
+
 def _config_error(zenflow: dict, **top: object) -> str:
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -424,7 +460,7 @@ def test_zenflow_bf16_with_accumulation_and_auto_interval_on_two_ranks() -> None
 # flight. A run of 6 steps ends with an update in flight again.
 _RESUME = {**_SPLIT, "select_interval": 2, "update_interval": 2, "overlap_step": True}
 RESUME_STEPS = 6
-TAGS = {"in_flight": 2, "mid_interval": 3}
+TAGS = {"in_flight": 2, "mid_interval": 3, "in_flight_later": 4}
 
 
 def _zen_engine(zenflow: dict | None = _RESUME, gas: int = 1, universal: bool = False):
@@ -457,16 +493,27 @@ def _zen_state(engine) -> dict:
 
 def _snapshot(engine) -> dict:
     opt = engine.optimizer
+    zen = _zen_state(engine)  # first: it waits for a host update in flight, which may be writing the masters
     return {
         "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
         "masters": [g.master.param.detach().clone() for g in opt.groups],
         "moments": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()],
-        "zenflow": _zen_state(engine),
+        "zenflow": zen,
     }
 
 
-def _resume_runs(world: int, folder: str) -> dict:
+def _use_route(route: str) -> None:
+    """``"packed"``: this process's host updates take the packed route, the one an every-step path on the host
+    takes, instead of stepping in place ([Note: zenflow in-place host update])."""
+    if route == "packed":
+        from deepspeed._core.optim.zenflow import ZenFlowUpdate
+
+        ZenFlowUpdate._in_place_ok = lambda self: False  # type: ignore[method-assign]
+
+
+def _resume_runs(world: int, folder: str, route: str = "in_place") -> dict:
     """An uninterrupted run saving at ``TAGS``, then a fresh engine resumed from each tag to the same end."""
+    _use_route(route)
     engine = _zen_engine()
     saved = {}
     for step in range(RESUME_STEPS):
@@ -475,7 +522,9 @@ def _resume_runs(world: int, folder: str) -> dict:
             if step + 1 == done:
                 engine.save_checkpoint(folder, tag=tag)
                 saved[tag] = _zen_state(engine)
+    zen = engine.optimizer.zenflow
     out: dict = {"saved": saved, "final": _snapshot(engine), "resumed": {}, "loaded": {}}
+    out["updates"] = {"all": zen.host_updates, "in_place": zen.in_place_updates}
     engine.destroy()
     for tag, done in TAGS.items():
         engine = _zen_engine()
@@ -506,23 +555,34 @@ def _same(a: object, b: object, where: str = "") -> None:
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
-    """``get(world)``: the checkpoint folder and per-rank results of :func:`_resume_runs` (run once per world)."""
+    """``get(world, route)``: the checkpoint folder and per-rank results of :func:`_resume_runs` (run once each)."""
     cache: dict = {}
 
-    def get(world: int) -> tuple:
-        if world not in cache:
-            folder = tmp_path_factory.mktemp(f"zenflow_w{world}")
-            cache[world] = (str(folder), run_distributed(_resume_runs, world, world, str(folder)))
-        return cache[world]
+    def get(world: int, route: str = "in_place") -> tuple:
+        if (world, route) not in cache:
+            folder = tmp_path_factory.mktemp(f"zenflow_w{world}_{route}")
+            cache[world, route] = (str(folder), run_distributed(_resume_runs, world, world, str(folder), route))
+        return cache[world, route]
 
     return get
 
 
+@pytest.mark.parametrize("route", ["in_place", "packed"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_zenflow_resume_is_bit_exact_mid_interval_and_with_an_update_in_flight(resume_runs, world: int) -> None:
-    _, ranks = resume_runs(world)
+def test_zenflow_resume_is_bit_exact_mid_interval_and_with_an_update_in_flight(
+    resume_runs, world: int, route: str
+) -> None:
+    _, ranks = resume_runs(world, route)
     for rank in ranks:
+        # Host updates after steps 2 and 4 applied (one in flight at the end). The first is packed either way (the
+        # late path's moments start from zero); the second steps in place unless the route is packed.
+        assert rank["updates"] == {"all": 2, "in_place": 1 if route == "in_place" else 0}
         saved = rank["saved"]
+        # An update in flight is saved as the values it writes (packed) or as the working partitions it has not
+        # reached (in place); either way the resumed run applies it at its next step.
+        for tag, in_place in (("in_flight", False), ("in_flight_later", route == "in_place")):
+            in_flight = saved[tag]["partitions"]
+            assert ("pending_working" in in_flight) == in_place and ("pending_values" in in_flight) != in_place
         # What the two checkpoints hold: an update in flight (not yet applied), then a non-empty accumulator.
         assert saved["in_flight"]["pending_host_step_counts"] is not None
         assert not saved["in_flight"]["partitions"]["accumulator"][0].any()

@@ -322,6 +322,8 @@ class ZeroOptimizer(ShardedOptimizer):
             parts.clear()
             self._clear_grads()
             self._publish_zenflow(self.zenflow)
+            # [Note: zenflow in-place host update]: it may write the master once the publish has read it.
+            self.zenflow.start_host_update()
             return
         if self.host_step is not None:
             self._overlapped_update(parts, coef)
@@ -447,9 +449,15 @@ class ZeroOptimizer(ShardedOptimizer):
             start += piece.numel()
 
     def publish_weights(self) -> None:
-        """Write the fp32 masters into the working flat buffers and all-gather every rank's partition."""
-        for group in self.groups:
-            group.master.write_back()
+        """Write the fp32 masters into the working flat buffers and all-gather every rank's partition; after a load
+        that brought a ZenFlow update in flight, the working partitions it saved instead
+        ([Note: zenflow checkpoint])."""
+        working = self.zenflow.take_loaded_working() if self.zenflow is not None else None
+        for index, group in enumerate(self.groups):
+            if working is None:
+                group.master.write_back()
+            else:
+                group.master.writer.write(working[index])
 
     def host_grad_bytes(self) -> int:
         """Host partition gradients (offloaded optimizer), kept storage included."""
@@ -495,7 +503,10 @@ class ZeroOptimizer(ShardedOptimizer):
         stage12_checkpoint.check_zenflow_shards(self, state_dict_list)
 
     def refresh_fp32_params(self) -> None:
-        """Rebuild the fp32 masters from the current (e.g. just loaded) working weights."""
+        """Rebuild the fp32 masters from the current (e.g. just loaded) working weights (a ZenFlow host update in
+        flight is applied first, so that the rebuilt masters are final)."""
+        if self.zenflow is not None:
+            self.zenflow.settle()
         for g in self.groups:
             g.master.refresh()
         if self.zenflow is not None:

@@ -82,12 +82,20 @@ def shard_state_dict(opt: Any, version: str) -> dict:
 
 def _zenflow_shard(opt: Any) -> dict:
     """ZenFlow's state ([Note: zenflow checkpoint]), its partition-shaped tensors without the padding."""
-    state = opt.zenflow.state_dict()
+    state = opt.zenflow.state_dict(working=lambda index: _working_partition(opt.groups[index]))
     state["partitions"] = {
         key: [_valid(g.flat.layout, g.rank, t) for g, t in zip(opt.groups, tensors, strict=True)]
         for key, tensors in state["partitions"].items()
     }
     return state
+
+
+def _working_partition(group: Any) -> torch.Tensor:
+    """This rank's partition of ``group``'s working flat buffer, in the working dtype, on the host."""
+    writer = group.master.writer
+    out = torch.empty(writer.partition.size, dtype=writer.flat.dtype)
+    writer.read(out)
+    return out
 
 
 def _valid(layout: GroupLayout, rank: int, partition: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,27 @@ backward writes them: :meth:`ZenFlowUpdate.finish_accumulating`, called before e
 anything reads the accumulators or changes the split or the schedule, waits for it. The same operations run on
 the same values, so the sums are the ones the training thread would have formed.
 
+[Note: zenflow in-place host update] Once the selected columns are stepped where the working weights live
+([Note: zenflow columns]), the training thread neither reads nor writes the host master or its moments between
+two syncs of the columns, and the host copies of the selected elements are stale until the next sync overwrites
+them. So the background host update steps the whole partition in place with the accumulator (zero on the
+selected elements) and the late path's step count: the late elements get their update, the selected elements' host
+copies stay stale (stepped with a zero gradient) until that sync. Packing the late elements instead, and scattering
+them back at the next step boundary on the training thread, moved about nine tenths of the partition three times
+each way and held packed copies of the master and both moments for the duration. Applying an in-place update at the
+boundary is only bookkeeping: the step count, and a full publish. It starts once the step's weights are published
+(:meth:`ZenFlowUpdate.start_host_update`), since a full publish reads the master, and anything that reads or writes
+the host master or its moments from outside a step (the columns' sync, a save, ``safe_get_*``) waits for it first.
+A master read then already holds the update; the working weights get it at the next step boundary, as before. With
+the every-step path on the host, or before the late path's first update (its moments start from zero), the update
+is packed and scattered as above.
+
 [Note: zenflow checkpoint] A checkpoint holds everything ZenFlow keeps between steps (:meth:`ZenFlowUpdate.
 state_dict`): the accumulator, the selected columns, the counters of the schedule, both paths' step counts and a
-host update still in flight, waited for but not applied (saved as the values and moments it writes at the next
-step boundary, so that the resumed run applies it one step late as the uninterrupted one does). The accumulator
+host update still in flight, waited for but not applied, so that the resumed run applies it one step late as the
+uninterrupted one does. A packed update is saved as the values and moments it writes at the next step boundary; an
+in-place one has already written them into the master and moments the checkpoint holds, so the checkpoint also
+holds this rank's working partition, which the load publishes instead of the master until that boundary. The accumulator
 and the update in flight are partition-shaped and are re-sliced like the master on loading, so a checkpoint loads
 at any data-parallel size; the split is rebuilt from the (global) selected columns.
 """
@@ -37,7 +54,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +72,20 @@ from deepspeed._core.optim.zenflow_device import (
     adam_rule_of,
     scaled_fp32,
 )
+from deepspeed._core.optim.zenflow_schedule import AutoInterval
 from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_sq
+from deepspeed._core.optim.zenflow_state import (
+    ACCUMULATOR,
+    PENDING_REST,
+    PENDING_STATE,
+    PENDING_VALUES,
+    PENDING_WORKING,
+    STATE_FORMAT,
+    PendingUpdate,
+    copied,
+    restored_pending,
+    unpacked,
+)
 
 ACCUMULATE_CHUNK = 1 << 22  # elements converted and scaled at a time on their way into the accumulator
 
@@ -69,58 +99,6 @@ class GroupSplit:
     pieces: list[ColumnPiece]
     split: ColumnSplit
     acc: torch.Tensor | None = None
-
-
-@dataclass
-class PendingUpdate:
-    """A host update computed in the background: new values of the masked-out elements, applied at the next step."""
-
-    job: Future
-
-
-class AutoInterval:
-    """``update_interval: "auto"``: a weight is due once the mean column norm accumulated in its unselected
-    columns since the last host update reaches the mean norm of its selected columns per step (averaged over the
-    same steps); the host update runs once at least ``auto_ratio`` of the 2-D weights are due."""
-
-    def __init__(self, ratio: float, weights: int) -> None:
-        self.ratio, self.weights = ratio, weights
-        self.selected = torch.zeros(weights, dtype=torch.float64)
-        self.rest = torch.zeros(weights, dtype=torch.float64)
-        self.steps = 0
-
-    def observe(self, norms: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:
-        """One step's column norms and selections, one per 2-D weight."""
-        for i, (norm, chosen) in enumerate(zip(norms, masks, strict=True)):
-            self.selected[i] += norm[chosen].mean().double() if chosen.any() else 0.0
-            self.rest[i] += norm[~chosen].mean().double() if (~chosen).any() else 0.0
-        self.steps += 1
-
-    def due(self) -> bool:
-        """Whether enough weights are due for a host update."""
-        if not self.weights or not self.steps:
-            return False
-        ready = int((self.rest >= self.selected / self.steps).sum())
-        return ready >= max(1, math.ceil(self.ratio * self.weights))
-
-    def reset(self) -> None:
-        """A host update was applied."""
-        self.selected.zero_()
-        self.rest.zero_()
-        self.steps = 0
-
-    def state_dict(self) -> dict:
-        """The sums observed since the last host update (the same on every rank)."""
-        return {"selected": self.selected.clone(), "rest": self.rest.clone(), "steps": self.steps}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        """Restore :meth:`state_dict` (``None``, e.g. saved with a fixed interval: start counting afresh)."""
-        if state is None or state["selected"].numel() != self.weights:
-            self.reset()
-            return
-        self.selected.copy_(state["selected"])
-        self.rest.copy_(state["rest"])
-        self.steps = int(state["steps"])
 
 
 @dataclass
@@ -175,14 +153,14 @@ class ZenFlowUpdate:
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._grad_uploads: dict[int, ColumnGradUpload] = {}  # per group, while the columns stand
         self._device_splits: dict[tuple[int, str, int, int], tuple[int, ColumnSplit]] = {}
-        # Whether the last step may have changed elements outside the every-step path (a host update landed, or
-        # every element was stepped): then the whole master must be published, else only the selected columns.
-        # _publish_all: the next step publishes everything (the host copies were written meanwhile).
+        # Whether the last step may have changed elements outside the every-step path (a host update landed, every
+        # element was stepped), and so publishes the whole master; _publish_all: the next step does (host copies set).
         self.changed_all, self._publish_all = True, True
         self._stepped: dict[int, torch.Tensor] = {}  # per group: the every-step path's values after the step
-        # For tests: steps whose weights went up as the selected columns alone, group steps taken on the device,
-        # host updates applied, column selections made and group steps on a gradient gathered on the device.
-        self.partial_publishes = self.column_steps = self.host_updates = self.selections = self.gathered_steps = 0
+        # For tests: steps publishing the selected columns alone, group steps on the device (and on a gradient
+        # gathered there), host updates applied (and of them in place), column selections made.
+        self.partial_publishes = self.column_steps = self.gathered_steps = self.selections = 0
+        self.host_updates = self.in_place_updates = 0
 
     def _pieces(self, start: int, numel: int, params: list) -> list[ColumnPiece]:
         pieces = []
@@ -365,7 +343,37 @@ class ZenFlowUpdate:
             self.changed_all = True
             return
         snapshot = [dict(g) for g in self.optimizer.param_groups]  # this step's hyperparameters
-        self.pending = PendingUpdate(self._executor().submit(self._background, count, snapshot))
+        if self._in_place_ok():  # [Note: zenflow in-place host update]: started once the weights are published
+            self.pending = PendingUpdate(None, in_place=True, due=(count, snapshot))
+        else:
+            self.pending = PendingUpdate(self._executor().submit(self._background, count, snapshot))
+
+    def _in_place_ok(self) -> bool:
+        """Whether the background update may step the host master in place: the every-step path is off the host
+        and the late path has its moments ([Note: zenflow in-place host update])."""
+        late = [index for index, group in enumerate(self.groups) if group.split.counts[1]]
+        return self.rule is not None and all(self.scalars[index].host for index in late)
+
+    def take_loaded_working(self) -> list[torch.Tensor] | None:
+        """The working partitions a load brought with an in-place update in flight (once): published instead of the
+        masters, which hold the update already ([Note: zenflow checkpoint])."""
+        if self.pending is None:
+            return None
+        working, self.pending.working = self.pending.working, None
+        return working
+
+    def start_host_update(self) -> None:
+        """Start an in-place host update this step made due; called once the step's weights are published."""
+        pending = self.pending
+        if pending is not None and pending.due is not None:
+            pending.job, pending.due = self._executor().submit(self._update_in_place, *pending.due), None
+
+    def _wait_in_place(self) -> None:
+        """Before the training thread touches the host master or its moments: an in-place update is done with them."""
+        self.start_host_update()
+        if self.pending is not None and self.pending.in_place:
+            assert self.pending.job is not None
+            self.pending.job.result()
 
     def _late_in_place(self, index: int, count: int) -> None:
         """The late path's update of group ``index`` on the training thread, over the whole master at once.
@@ -399,8 +407,17 @@ class ZenFlowUpdate:
 
     def settle(self) -> None:
         """Apply the background host update of the previous step, if any (waits for it)."""
+        self.start_host_update()
         pending, self.pending = self.pending, None
         if pending is None:
+            return
+        assert pending.job is not None  # started above
+        if pending.in_place:  # the master and moments hold it already: only its step counts are left
+            for index, scalars in pending.job.result():
+                self.scalars[index].host = scalars
+            self.changed_all = True
+            self.host_updates += 1
+            self.in_place_updates += 1
             return
         # No selection runs between the update's start and here, so the late path's elements are still the
         # ones it packed.
@@ -437,6 +454,7 @@ class ZenFlowUpdate:
     def _upload(self, index: int) -> DeviceColumns:
         """Group ``index``'s selected master and moments (zero moments on the path's first step), packed and sent."""
         assert self.device is not None
+        self._wait_in_place()
         split, master = self.groups[index].split, self.optimizer.param_groups[index]["params"][0]
         state = self.optimizer.state.get(master, {})
 
@@ -452,6 +470,7 @@ class ZenFlowUpdate:
     def sync_columns(self, drop: bool = False) -> None:
         """Write the device columns' master and moments back into the host copies, and forget the columns with
         ``drop``: before anything reads the whole master or its state on the host."""
+        self._wait_in_place()
         for index, columns in self.columns.items():
             split, master = self.groups[index].split, self.optimizer.param_groups[index]["params"][0]
             state = self.optimizer.state.setdefault(master, {})
@@ -585,6 +604,32 @@ class ZenFlowUpdate:
             out.append((index, new_values, new_state, new_scalars))
         return out
 
+    def _update_in_place(self, count: int, snapshot: list[dict]) -> list[tuple[int, dict]]:
+        """Worker: step every group's late elements in place with the mean accumulated gradient on the twin
+        optimizer with ``snapshot``'s hyperparameters ([Note: zenflow in-place host update]); returns each stepped
+        group's new step count."""
+        twin = self._twin_optimizer()
+        out = []
+        for index, group in enumerate(self.groups):
+            split = group.split
+            if group.acc is None or not split.counts[1]:
+                continue
+            master = self.optimizer.param_groups[index]["params"][0]
+            state = self.optimizer.state.get(master, {})
+            per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
+            twin.param_groups[0].update({k: v for k, v in snapshot[index].items() if k != "params"})
+            grad = group.acc.div_(count)
+            new_values, new_state, scalars = _step_packed(
+                twin, 0, master.data, per_element, self.scalars[index].host, grad
+            )
+            assert new_values.data_ptr() == master.data_ptr()
+            for key, value in new_state.items():  # an optimizer that replaced a moment instead of updating it
+                if value.data_ptr() != per_element[key].data_ptr():
+                    per_element[key].copy_(value)
+            group.acc.zero_()
+            out.append((index, scalars))
+        return out
+
     def _twin_optimizer(self) -> torch.optim.Optimizer:
         """A second instance of the inner optimizer's class for the worker, so that the training thread's
         optimizer (and a scheduler changing its learning rate) is never touched from the worker."""
@@ -612,11 +657,15 @@ class ZenFlowUpdate:
         return self._worker
 
     # --- checkpoints ([Note: zenflow checkpoint]) ---------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, working: Callable[[int], torch.Tensor] | None = None) -> dict:
         """What this rank's ZenFlow holds between steps. ``"partitions"`` maps a name to one tensor per group,
-        shaped like that group's master partition; every other entry is the same on every rank."""
+        shaped like that group's master partition; every other entry is the same on every rank.
+
+        ``working(index)``: group ``index``'s working partition on the host, saved with an in-place update in flight
+        ([Note: zenflow checkpoint]); required then."""
         self.finish_accumulating()
-        if self.pending is not None:
+        self.start_host_update()
+        if self.pending is not None and self.pending.job is not None:  # started above
             self.pending.job.result()  # the worker empties the accumulators it packed: read them after it
         partitions: dict[str, list[torch.Tensor]] = {}
         accs = [g.acc for g in self.groups]
@@ -630,27 +679,35 @@ class ZenFlowUpdate:
             "selected_once": self.selected_once,
             "select_requested": self._select_requested,
             "selected_columns": [c.clone() for c in self._chosen],
-            "step_counts": [{"selected": _copied(s.selected), "host": _copied(s.host)} for s in self.scalars],
+            "step_counts": [{"selected": copied(s.selected), "host": copied(s.host)} for s in self.scalars],
             "auto_interval": None if self.auto is None else self.auto.state_dict(),
-            "pending_host_step_counts": self._save_pending(partitions),
+            "pending_host_step_counts": self._save_pending(partitions, working),
             "host_updates": self.host_updates,
             "selections": self.selections,
             "partitions": partitions,
         }
 
-    def _save_pending(self, partitions: dict[str, list[torch.Tensor]]) -> list[dict] | None:
-        """Put a host update in flight into ``partitions`` (unpacked to partition shape); its step counts."""
-        if self.pending is None:
+    def _save_pending(
+        self, partitions: dict[str, list[torch.Tensor]], working: Callable[[int], torch.Tensor] | None
+    ) -> list[dict] | None:
+        """Put a host update in flight into ``partitions`` (unpacked to partition shape, or for an in-place one the
+        working partitions it is not published to yet); its step counts."""
+        if self.pending is None or self.pending.job is None:
             return None
+        if self.pending.in_place:
+            assert working is not None, "an in-place host update in flight is saved with the working partitions"
+            stepped = dict(self.pending.job.result())
+            partitions[PENDING_WORKING] = [working(index) for index in range(len(self.groups))]
+            return [copied(stepped.get(index, scalars.host)) for index, scalars in enumerate(self.scalars)]
         counts: list[dict] = []
         for index, values, state, scalars in self.pending.job.result():
             rest = self.groups[index].split.mask(selected=False)  # the split it was packed under still stands
             assert index == len(counts)  # the worker returns every group, in order
             partitions.setdefault(PENDING_REST, []).append(rest.clone())
-            partitions.setdefault(PENDING_VALUES, []).append(_unpacked(rest, values))
+            partitions.setdefault(PENDING_VALUES, []).append(unpacked(rest, values))
             for key, value in state.items():
-                partitions.setdefault(PENDING_STATE + key, []).append(_unpacked(rest, value))
-            counts.append(_copied(scalars))
+                partitions.setdefault(PENDING_STATE + key, []).append(unpacked(rest, value))
+            counts.append(copied(scalars))
         return counts
 
     def load_state_dict(self, state: dict) -> None:
@@ -668,10 +725,10 @@ class ZenFlowUpdate:
         parts = state["partitions"]
         for index, group in enumerate(self.groups):
             group.acc = parts[ACCUMULATOR][index].float().clone() if ACCUMULATOR in parts else None
-        self.scalars = [PathScalars(_copied(s["selected"]), _copied(s["host"])) for s in state["step_counts"]]
+        self.scalars = [PathScalars(copied(s["selected"]), copied(s["host"])) for s in state["step_counts"]]
         if self.auto is not None:
             self.auto.load_state_dict(state.get("auto_interval"))
-        self.pending = _restored_pending(parts, state.get("pending_host_step_counts"))
+        self.pending = restored_pending(parts, state.get("pending_host_step_counts"))
         self.host_updates, self.selections = int(state["host_updates"]), int(state["selections"])
 
     def start_fresh(self) -> None:
@@ -689,14 +746,14 @@ class ZenFlowUpdate:
             master = self.optimizer.param_groups[index]["params"][0]
             state = self.optimizer.state.get(master, {})
             loaded = {k: v for k, v in state.items() if not _per_element(v, master.numel())}
-            scalars.selected, scalars.host = _copied(loaded), _copied(loaded)
+            scalars.selected, scalars.host = copied(loaded), copied(loaded)
 
     def _drop_pending(self) -> None:
         """Forget a host update in flight (after waiting for it and for the accumulation: their errors surface,
         and the worker is idle)."""
         self.finish_accumulating()
         pending, self.pending = self.pending, None
-        if pending is not None:
+        if pending is not None and pending.job is not None:  # one never started is simply dropped
             pending.job.result()
 
     def shutdown(self) -> None:
@@ -707,36 +764,6 @@ class ZenFlowUpdate:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-
-
-STATE_FORMAT = 1
-ACCUMULATOR = "accumulator"
-PENDING_REST = "pending_rest"
-PENDING_VALUES = "pending_values"
-PENDING_STATE = "pending_state."
-
-
-def _copied(scalars: dict) -> dict:
-    return {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
-
-
-def _unpacked(mask: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``packed`` (the values under ``mask``) written into zeros shaped like ``mask``."""
-    return torch.zeros(mask.numel(), dtype=packed.dtype).masked_scatter_(mask, packed)
-
-
-def _restored_pending(parts: dict, counts: list[dict] | None) -> PendingUpdate | None:
-    """The saved host update in flight, as an already finished job that the next step applies."""
-    if counts is None:
-        return None
-    results = []
-    for index, scalars in enumerate(counts):
-        rest = parts[PENDING_REST][index].to(torch.bool)
-        state = {k[len(PENDING_STATE) :]: v[index][rest] for k, v in parts.items() if k.startswith(PENDING_STATE)}
-        results.append((index, parts[PENDING_VALUES][index][rest], state, _copied(scalars)))
-    job: Future = Future()
-    job.set_result(results)
-    return PendingUpdate(job)
 
 
 def _per_element(value: Any, numel: int) -> bool:

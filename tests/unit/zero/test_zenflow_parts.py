@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from deepspeed._core.config.plan import ZenFlowPolicy
-from deepspeed._core.optim.zenflow import AutoInterval, ZenFlowUpdate
+from deepspeed._core.optim.zenflow import ZenFlowUpdate
+from deepspeed._core.optim.zenflow_schedule import AutoInterval
 from deepspeed._core.optim.zenflow_split import ColumnPiece, ColumnSplit, column_sq
 
 
@@ -253,3 +254,53 @@ def test_the_selected_gradient_is_sent_in_its_own_dtype_and_scaled_on_arrival() 
         convert_scaled(expected, split.take(raw, True), coef)
         assert sent.dtype == torch.float32 and torch.equal(sent, expected), (dtype, coef)
     upload.wait()
+
+
+def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_it() -> None:
+    # [Note: zenflow in-place host update]: with the selected columns stepped apart (here on the CPU too), the
+    # background update steps the host master in place: it starts only when asked (after the publish read the
+    # master), a sync of the columns waits for it, and its late elements equal the synchronous update's.
+    import threading
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    grads = [torch.linspace(-1, 1, 24) * (1 + 0.1 * i) for i in range(3)]
+    masters = {}
+    for overlap in (False, True):
+        master = torch.nn.Parameter(torch.randn(24, generator=torch.Generator().manual_seed(0)), requires_grad=False)
+        policy = ZenFlowPolicy(
+            topk_ratio=0.2,
+            select_strategy="step",
+            select_interval=100,
+            update_interval=2,
+            overlap_step=overlap,
+            full_warm_up_rounds=1,
+        )
+        update = ZenFlowUpdate(
+            DeepSpeedCPUAdam([master], lr=0.1), policy, [(0, 24, [(0, (4, 6))])], None, torch.device("cpu")
+        )
+        for grad in grads:  # warm-up, then two accumulated steps: the host update is due after the third
+            update.step([grad], 1.0)
+        rest = update.groups[0].split.mask(selected=False)
+        if overlap:
+            # Due, not started: the publish comes first.
+            assert update.pending is not None and update.pending.job is None and update.pending.in_place
+            before = master.detach()[rest].clone()
+            gate = threading.Event()
+            update._executor().submit(gate.wait)  # the worker is busy: the update queues behind this
+            update.start_host_update()
+            assert update.pending is not None and update.pending.in_place
+            synced = threading.Thread(target=update.sync_columns)
+            synced.start()
+            synced.join(0.3)
+            waited = synced.is_alive()  # the sync is held back by the update still to run
+            gate.set()
+            synced.join()
+            assert waited
+            assert not torch.equal(master.detach()[rest], before)
+        else:
+            assert update.pending is None and update.host_updates == 1
+        masters[overlap] = master.detach()[rest].clone()
+        update.shutdown()
+        assert update.host_updates == 1 and update.in_place_updates == int(overlap)
+    assert torch.equal(masters[True], masters[False])
