@@ -2,7 +2,7 @@
 # The GPU figures of docs/long_context.md, docs/offload.md, docs/nvme.md, docs/observability.md and
 # docs/checkpoints.md, in groups whose part limits each sum to under one device call's 600 s. Run a group through
 # the device entry point, which installs the carried wheels first:
-#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3|largest3|bounds|maxlen4|resident|zenflow2
+#   bash benchmarks/device_run.sh benchmarks/gpu_figures.sh long|offload|more|final|diag|spfake|extra|recheck|next|core|late|baselines|step|tiled|gil|hostdiag|delayed|resume|maxlen|disk|route|verify|maxlen2|smoke|largest|verify2|verify3|maxlen3|largest3|bounds|maxlen4|resident|zenflow2|largest4
 #   (no argument: all; several groups comma-separated, e.g. delayed,baselines)
 # Each part has its own time limit so one slow part cannot starve the others; each part's outputs land in
 # $OUT/<part>.tgz as soon as it ends, and $OUT/summary.txt collects the last lines of each part's log.
@@ -342,6 +342,17 @@ if want largest3; then
   part largest_upstream_fp32_74 210 $LM --impl upstream --states fp32 --bisect 74,74 --budget-s 200
   part largest_ours_fp32_140 130 $LM --impl ours --states fp32 --bisect 140,140 --budget-s 120
   cp "$WORK/largest3.jsonl" "$OUT/" 2>/dev/null
+fi
+
+if want largest4; then
+  # The largest model with 16-bit states on both sides, now that one rank keeps each parameter built on the device
+  # as its own shard: upstream one trial past its 110 layers (call R, 101 GiB host), ours from 250 layers up (call D:
+  # 230 layers ok, its 67.9 GiB device peak the copy initialize made). A 250-layer step is 19.6 B parameters, 2x
+  # upstream at 124 layers.
+  LM="python3 benchmarks/largest_model_gpu.py --out $WORK/largest4.jsonl"
+  part largest_upstream_bf16_125 240 $LM --impl upstream --states bf16 --bisect 125,125 --budget-s 230
+  part largest_ours_bf16 300 $LM --impl ours --states bf16 --bisect 250,300 --budget-s 290
+  cp "$WORK/largest4.jsonl" "$OUT/" 2>/dev/null
 fi
 
 if want route; then

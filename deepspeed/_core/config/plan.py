@@ -211,7 +211,8 @@ class LeanPolicy:
     """The memory-lean mechanisms; each one off reproduces upstream's behaviour for A/B runs.
 
     Attributes:
-        inplace_flatten: ZeRO-1/2 flatten parameters on the device in chunks, never via host memory.
+        inplace_flatten: ZeRO-1/2 flatten parameters on the device in chunks, never via host memory; ZeRO-3 on one
+            rank keeps a parameter already in place as its own shard.
         eager_grad_release: autograd ``.grad`` buffers are folded into accumulators/buckets and freed
             as each bucket is reduced.
         stream_ordered_release: ZeRO-3 gathered partitions are freed on an event-ordered schedule,

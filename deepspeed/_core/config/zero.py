@@ -250,7 +250,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     lean_inplace_flatten: bool = True
     """deepspeed-lean: ZeRO-1/2 flatten parameters into their flat buffer on the accelerator, chunk by chunk,
-    never through host memory. ``false`` reproduces upstream's copy-through-CPU path (for A/B comparisons)."""
+    never through host memory; ZeRO-3 on one rank keeps a parameter that already lies on the accelerator in the
+    working dtype in its own storage as its shard, instead of copying the model. ``false`` reproduces upstream's
+    copy-through-CPU path and ZeRO-3's copy of every parameter (for A/B comparisons)."""
 
     lean_eager_grad_release: bool = True
     """deepspeed-lean: free each autograd ``.grad`` as soon as it is folded into its reduction bucket, instead of

@@ -226,7 +226,7 @@ class ZenFlowUpdate:
             self._accumulate(raws, coef, norms)
         if self.steps + 1 == self.policy.full_warm_up_rounds:
             for scalars in self.scalars:  # every element had every warm-up update: the host path starts there
-                scalars.host = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.selected.items()}
+                scalars.host = copied(scalars.selected)
         self.steps += 1
         if self._host_due():
             self._host_update()
@@ -579,9 +579,7 @@ class ZenFlowUpdate:
         if selected:
             scalars.selected = new_scalars
             # The optimizer's own state of the master carries the every-step path's scalars (what a checkpoint saves).
-            self.optimizer.state[master].update(
-                {k: v.clone() if torch.is_tensor(v) else v for k, v in new_scalars.items()}
-            )
+            self.optimizer.state[master].update(copied(new_scalars))
         else:
             scalars.host = new_scalars
 
@@ -615,7 +613,8 @@ class ZenFlowUpdate:
             if group.acc is None or not split.counts[1]:
                 continue
             master = self.optimizer.param_groups[index]["params"][0]
-            state = self.optimizer.state.get(master, {})
+            # A copy taken at once: the training thread may set the state's step count meanwhile.
+            state = dict(self.optimizer.state.get(master, {}))
             per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
             twin.param_groups[0].update({k: v for k, v in snapshot[index].items() if k != "params"})
             grad = group.acc.div_(count)
@@ -778,7 +777,7 @@ def _step_packed(
     group = optimizer.param_groups[index]
     view = torch.nn.Parameter(values, requires_grad=False)
     if scalars:
-        optimizer.state[view] = {**state, **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
+        optimizer.state[view] = {**state, **copied(scalars)}
     saved = group["params"]
     try:
         view.grad = grad

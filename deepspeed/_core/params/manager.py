@@ -259,7 +259,7 @@ class ZeroParamManager:
         self._configure_swap(module, storage)
         # [Note: routed grads]: only the lean gradient path routes uses; off, every gradient reaches param.grad.
         self._route_grads = lean.eager_grad_release
-        self._adopt_parameters(module.parameters(), arena=storage.shards is ShardAllocation.ARENA)
+        self._adopt_parameters(module.parameters(), storage.shards, own=lean.inplace_flatten)
         self._mark_persistent()
         self.hooks = ModuleHooks(self)
         self.register_module(module)
@@ -313,17 +313,41 @@ class ZeroParamManager:
         self.states.setdefault(state.ds_id, state)
         return state
 
-    def _adopt_parameters(self, params: Iterable[nn.Parameter], arena: bool = False) -> None:
-        """Adopt or partition every parameter; with ``arena`` the new shards are cut from one buffer per dtype and
-        device ([Note: shard arena])."""
+    def _adopt_parameters(
+        self,
+        params: Iterable[nn.Parameter],
+        allocation: ShardAllocation = ShardAllocation.PER_PARAMETER,
+        own: bool = False,
+    ) -> None:
+        """Adopt or partition every parameter. With ``ShardAllocation.ARENA`` the new shards are cut from one buffer
+        per dtype and device ([Note: shard arena]); with ``own``, on one rank, a parameter that already lies where
+        and as its shard would keeps its own storage as its shard ([Note: own storage as shard])."""
         params = list(params)
         shards: dict[int, torch.Tensor] = {}
-        if arena and self.gatherer.placement.device is None:
-            fresh = [p for p in params if zero_state(p) is None]
-            cut = arena_shards([self.gatherer.shard_request(p, self.group, self.target) for p in fresh])
-            shards = {id(p): shard for p, shard in zip(fresh, cut, strict=True)}
+        if self.gatherer.placement.device is None:  # shards on the compute device, not offloaded
+            if own and self.group.world_size == 1:
+                shards = self._own_storage_shards(params)
+            if allocation is ShardAllocation.ARENA:
+                fresh = [p for p in params if zero_state(p) is None and id(p) not in shards]
+                cut = arena_shards([self.gatherer.shard_request(p, self.group, self.target) for p in fresh])
+                shards.update({id(p): shard for p, shard in zip(fresh, cut, strict=True)})
         for param in params:
             self._adopt(param, shards.pop(id(param), None))
+
+    def _own_storage_shards(self, params: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+        """One rank: each parameter not yet partitioned whose data is already its shard in all but name (contiguous,
+        on the shard's device, in the working dtype, alone in its storage) keeps that storage as its shard
+        ([Note: own storage as shard] in ``placement.py``)."""
+        by_storage: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for param in {id(p): p for p in params}.values():
+            data = param.data
+            if zero_state(param) is not None:
+                continue
+            numel, dtype, device = self.gatherer.shard_request(param, self.group, self.target)
+            alone = data.storage_offset() == 0 and data.untyped_storage().nbytes() == data.numel() * data.element_size()
+            if alone and data.is_contiguous() and (data.numel(), data.dtype, data.device) == (numel, dtype, device):
+                by_storage.setdefault(data.data_ptr(), []).append((id(param), data.view(-1)))
+        return {key: shard for owners in by_storage.values() if len(owners) == 1 for key, shard in owners}
 
     def _mark_persistent(self) -> None:
         budget = self.policy.model_persistence_threshold

@@ -15,6 +15,14 @@ keeps its master elsewhere) one buffer holds them all, laid out from the sizes b
 the shards are replaced by views of the device master later, or live in page-locked host memory (whose allocator
 rounds every block up to a power of two), each keeps its own allocation. A shard cut from an arena is never freed
 on its own (``free_storage`` refuses a view of a larger buffer); the arena goes when its last shard does.
+
+[Note: own storage as shard] On one rank a parameter's shard is the whole parameter. A model built on the
+accelerator in the working dtype and handed to ``initialize`` therefore already holds every shard; copying them
+into new storage (an arena, or one allocation each) doubles the model's accelerator memory until the copies are
+done, the largest peak such a run has. So a parameter whose data is contiguous, on the shard's device, in the
+working dtype and alone in its storage keeps that storage as its shard, and nothing is allocated. A tensor that
+shares its storage with anything else (a view of a larger buffer, one storage behind two parameters) is copied as
+before, so no two shards alias. Switch: ``zero_optimization.lean_inplace_flatten``.
 """
 
 from __future__ import annotations

@@ -51,15 +51,18 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.norm(self.a(x)))).square().mean()
 
 
-def _grads_and_loss(arena: bool) -> tuple[int, float, dict[str, torch.Tensor]]:
+def _grads_and_loss(arena: bool, own: bool = False) -> tuple[int, float, dict[str, torch.Tensor]]:
+    """``own``: parameters keep their storage as their shards ([Note: own storage as shard]); else they are
+    copied into an arena or one allocation each."""
     torch.manual_seed(0)
     model = Net()
     names = {id(p): n for n, p in model.named_parameters()}
+    before = {n: p.data.data_ptr() for n, p in model.named_parameters()}
     manager = ZeroParamManager(
         model,
         WORLD1,
         Stage3Policy(param_persistence_threshold=10),  # the norm's parameters stay gathered
-        LeanPolicy(),
+        LeanPolicy(inplace_flatten=own),
         target=ParamTarget(CPU, torch.float32),
         storage=ParamStorage(shards=ShardAllocation.ARENA if arena else ShardAllocation.PER_PARAMETER),
     )
@@ -73,14 +76,42 @@ def _grads_and_loss(arena: bool) -> tuple[int, float, dict[str, torch.Tensor]]:
     loss = model(x)
     loss.backward()
     storages = len({s.shard.untyped_storage().data_ptr() for s in manager.states.values()})
+    kept = sum(before[names[id(s.param)]] == s.shard.data_ptr() for s in manager.states.values())
     manager.destroy()
-    return storages, float(loss.detach()), grads
+    return (storages, kept), float(loss.detach()), grads
 
 
 def test_manager_with_an_arena_computes_the_same() -> None:
     storages, loss, grads = _grads_and_loss(arena=True)
     ref_storages, ref_loss, ref_grads = _grads_and_loss(arena=False)
-    assert storages == 1 and ref_storages == len(ref_grads) == 6
-    assert loss == ref_loss and grads.keys() == ref_grads.keys()
-    for name, grad in ref_grads.items():
-        assert torch.equal(grads[name], grad), name
+    own_storages, own_loss, own_grads = _grads_and_loss(arena=True, own=True)
+    assert storages == (1, 0) and ref_storages == (6, 0) and len(ref_grads) == 6
+    assert own_storages == (6, 6)  # every shard is its parameter's own storage: nothing was allocated
+    for got, got_loss in ((grads, loss), (own_grads, own_loss)):
+        assert got_loss == ref_loss and got.keys() == ref_grads.keys()
+        for name, grad in ref_grads.items():
+            assert torch.equal(got[name], grad), name
+
+
+def test_only_a_parameter_alone_in_its_storage_keeps_it_as_its_shard() -> None:
+    # [Note: own storage as shard]: a view of a larger buffer, two parameters on one storage and a parameter in
+    # another dtype than the working one are copied; the others keep their storage.
+    model = Net()
+    base = torch.randn(200)
+    model.a.weight = nn.Parameter(base[:63].view(9, 7))  # a view of a larger buffer
+    model.b.bias = nn.Parameter(model.norm.bias.data)  # one storage behind two parameters
+    model.norm.weight = nn.Parameter(model.norm.weight.data.double())  # cast to the working dtype on the way
+    before = {id(p): p.data.data_ptr() for p in model.parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    manager = ZeroParamManager(
+        model,
+        WORLD1,
+        Stage3Policy(),
+        LeanPolicy(),
+        target=ParamTarget(CPU, torch.float32),
+        storage=ParamStorage(shards=ShardAllocation.ARENA),
+    )
+    kept = sorted(names[id(s.param)] for s in manager.states.values() if before[id(s.param)] == s.shard.data_ptr())
+    assert kept == ["a.bias", "b.weight"]
+    assert all(s.shard.dtype == torch.float32 for s in manager.states.values())
+    manager.destroy()
