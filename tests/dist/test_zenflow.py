@@ -463,11 +463,13 @@ RESUME_STEPS = 6
 TAGS = {"in_flight": 2, "mid_interval": 3, "in_flight_later": 4}
 
 
-def _zen_engine(zenflow: dict | None = _RESUME, gas: int = 1, universal: bool = False):
+def _zen_engine(zenflow: dict | None = _RESUME, gas: int = 1, universal: bool = False, bf16: bool = False):
     import deepspeed
 
     cfg = _config(2, zenflow)
     cfg["gradient_accumulation_steps"] = gas
+    if bf16:  # the working weights in bf16: a checkpoint's working partition is saved in bf16
+        cfg["bf16"] = {"enabled": True}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=make_model(7), config=cfg)  # the checkpoint overwrites this init
@@ -512,9 +514,11 @@ def _use_route(route: str) -> None:
 
 
 def _resume_runs(world: int, folder: str, route: str = "in_place") -> dict:
-    """An uninterrupted run saving at ``TAGS``, then a fresh engine resumed from each tag to the same end."""
+    """An uninterrupted run saving at ``TAGS``, then a fresh engine resumed from each tag to the same end
+    (``route`` ``"bf16"``: in place, with bf16 working weights)."""
     _use_route(route)
-    engine = _zen_engine()
+    bf16 = route == "bf16"
+    engine = _zen_engine(bf16=bf16)
     saved = {}
     for step in range(RESUME_STEPS):
         _train_steps(engine, range(step, step + 1), world)
@@ -527,7 +531,7 @@ def _resume_runs(world: int, folder: str, route: str = "in_place") -> dict:
     out["updates"] = {"all": zen.host_updates, "in_place": zen.in_place_updates}
     engine.destroy()
     for tag, done in TAGS.items():
-        engine = _zen_engine()
+        engine = _zen_engine(bf16=bf16)
         engine.load_checkpoint(folder, tag=tag)
         assert engine.global_steps == done
         out["loaded"][tag] = _zen_state(engine)
@@ -567,8 +571,9 @@ def resume_runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("route", ["in_place", "packed"])
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(
+    ("world", "route"), [(1, "in_place"), (2, "in_place"), (1, "packed"), (2, "packed"), (1, "bf16")]
+)
 def test_zenflow_resume_is_bit_exact_mid_interval_and_with_an_update_in_flight(
     resume_runs, world: int, route: str
 ) -> None:
@@ -576,13 +581,15 @@ def test_zenflow_resume_is_bit_exact_mid_interval_and_with_an_update_in_flight(
     for rank in ranks:
         # Host updates after steps 2 and 4 applied (one in flight at the end). The first is packed either way (the
         # late path's moments start from zero); the second steps in place unless the route is packed.
-        assert rank["updates"] == {"all": 2, "in_place": 1 if route == "in_place" else 0}
+        assert rank["updates"] == {"all": 2, "in_place": 0 if route == "packed" else 1}
         saved = rank["saved"]
         # An update in flight is saved as the values it writes (packed) or as the working partitions it has not
         # reached (in place); either way the resumed run applies it at its next step.
-        for tag, in_place in (("in_flight", False), ("in_flight_later", route == "in_place")):
+        for tag, in_place in (("in_flight", False), ("in_flight_later", route != "packed")):
             in_flight = saved[tag]["partitions"]
             assert ("pending_working" in in_flight) == in_place and ("pending_values" in in_flight) != in_place
+        if route == "bf16":  # the working partition is saved as the working weights hold it
+            assert all(t.dtype == torch.bfloat16 for t in saved["in_flight_later"]["partitions"]["pending_working"])
         # What the two checkpoints hold: an update in flight (not yet applied), then a non-empty accumulator.
         assert saved["in_flight"]["pending_host_step_counts"] is not None
         assert not saved["in_flight"]["partitions"]["accumulator"][0].any()
