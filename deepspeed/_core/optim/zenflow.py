@@ -45,9 +45,9 @@ state_dict`): the accumulator, the selected columns, the counters of the schedul
 host update still in flight, waited for but not applied, so that the resumed run applies it one step late as the
 uninterrupted one does. A packed update is saved as the values and moments it writes at the next step boundary; an
 in-place one has already written them into the master and moments the checkpoint holds, so the checkpoint also
-holds this rank's working partition, which the load publishes instead of the master until that boundary. The accumulator
-and the update in flight are partition-shaped and are re-sliced like the master on loading, so a checkpoint loads
-at any data-parallel size; the split is rebuilt from the (global) selected columns.
+holds this rank's working partition, which the load publishes instead of the master until that boundary. The
+accumulator and the update in flight are partition-shaped and are re-sliced like the master on loading, so a
+checkpoint loads at any data-parallel size; the split is rebuilt from the (global) selected columns.
 """
 
 from __future__ import annotations
