@@ -10,7 +10,8 @@ selected columns stepped on the host, the rest accumulated: what each step costs
 parts ``columns_pack_grad`` and ``columns_accumulate`` (what stays on the host once an accelerator holds the
 columns) and ``columns_adam`` (the packed Adam step the accelerator takes over), ``every_step_columns_returns``
 (what ``step()`` alone holds the training thread for: the addition into the accumulators runs on the worker
-after it returns), ``host_update`` (the late path's update over the accumulated rest, run synchronously here),
+after it returns), ``host_update`` and ``host_update_columns`` (the late path's update over the accumulated rest,
+run synchronously, with the every-step path on the host and as device columns),
 ``background_packed`` / ``settle_packed`` and ``background_in_place`` / ``settle_in_place`` (the same update with
 ``overlap_step``: what the worker spends on it, and what applying it at the next step boundary holds the training
 thread for, with the every-step path on the host and with device columns, [Note: zenflow in-place host update])
@@ -63,6 +64,12 @@ def _stepped(update: ZenFlowUpdate, grad: torch.Tensor) -> None:
     update.finish_accumulating()
 
 
+def _host_update(update: ZenFlowUpdate) -> None:
+    """The synchronous host update over one accumulated step (the accumulator's sums as they stand)."""
+    update.accumulated = 1
+    update._host_update()
+
+
 def _overlapped(update: ZenFlowUpdate, grad: torch.Tensor, reps: int) -> tuple[float, float]:
     """Median seconds the worker spends on one background host update, and the median of its settling."""
     worker, settle = [], []
@@ -105,7 +112,7 @@ def main() -> None:
 
     update = built(None)
     meta = {"numel": numel, "threads": torch.get_num_threads(), "topk_ratio": args.topk_ratio}
-    rows = [("every_step", lambda: _stepped(update, grad)), ("host_update", update._host_update)]
+    rows = [("every_step", lambda: _stepped(update, grad)), ("host_update", lambda: _host_update(update))]
     for name, run in rows:
         print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))
     update.shutdown()
@@ -117,6 +124,7 @@ def main() -> None:
         ("columns_pack_grad", lambda: columns._selected_grad(0, grad, 1.0)),
         ("columns_accumulate", lambda: columns._add_to_accumulators([grad], 1.0)),
         ("columns_adam", lambda: columns.columns[0].step_(packed, group, columns.rule)),
+        ("host_update_columns", lambda: _host_update(columns)),
     ]
     for name, run in rows:
         print(json.dumps({**meta, "case": name, "seconds": _median(run, args.reps)}))

@@ -379,9 +379,10 @@ class ZenFlowUpdate:
         """The late path's update of group ``index`` on the training thread, over the whole master at once.
 
         Packing the late path's elements (most of them) would fault in fresh pages for four near-partition-size
-        copies. Instead the every-step path's elements of the master and its state are set aside in the kept
-        buffers, the inner optimizer steps the whole partition with the accumulator (zero on those elements) as
-        its gradient and the late path's step count, and the set-aside elements are written back. Elementwise
+        copies. Instead the inner optimizer steps the whole partition with the accumulator (zero on the every-step
+        path's elements) as its gradient and the late path's step count. With the every-step path on the host its
+        elements of the master and its state are set aside in the kept buffers first and written back after;
+        with device columns their host copies are stale anyway ([Note: zenflow in-place host update]). Elementwise
         this is the late path's packed step. The late path's first update (no step count yet, its moments start
         from zero) is packed instead.
         """
@@ -394,16 +395,27 @@ class ZenFlowUpdate:
             return
         master = self.optimizer.param_groups[index]["params"][0]
         state = self.optimizer.state.get(master, {})
-        per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
-        values, kept = self._pack(index, selected=True)
-        new_values, _, scalars.host = _step_packed(
-            self.optimizer, index, master.data, per_element, scalars.host, group.acc.div_(count)
-        )
-        assert new_values.data_ptr() == master.data_ptr()
-        split.put_(master.data, values, True)
-        for key, value in kept.items():
-            split.put_(state[key], value, True)
+        kept = self._pack(index, selected=True) if self.rule is None else None
+        scalars.host = self._step_whole(self.optimizer, index, index, scalars.host, group.acc.div_(count))
+        if kept is not None:
+            split.put_(master.data, kept[0], True)
+            for key, value in kept[1].items():
+                split.put_(state[key], value, True)
         group.acc.zero_()
+
+    def _step_whole(self, optimizer: torch.optim.Optimizer, slot: int, index: int, scalars: dict, grad: Any) -> dict:
+        """Step group ``index``'s whole master and moments in place on ``optimizer``'s param group ``slot`` with
+        ``grad`` and the late path's ``scalars``; returns the new scalars."""
+        master = self.optimizer.param_groups[index]["params"][0]
+        # A copy taken at once: on the worker, the training thread may set the state's step count meanwhile.
+        state = dict(self.optimizer.state.get(master, {}))
+        per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
+        new_values, new_state, new_scalars = _step_packed(optimizer, slot, master.data, per_element, scalars, grad)
+        assert new_values.data_ptr() == master.data_ptr()
+        for key, value in new_state.items():  # an optimizer that replaced a moment instead of updating it
+            if value.data_ptr() != per_element[key].data_ptr():
+                per_element[key].copy_(value)
+        return new_scalars
 
     def settle(self) -> None:
         """Apply the background host update of the previous step, if any (waits for it)."""
@@ -609,22 +621,10 @@ class ZenFlowUpdate:
         twin = self._twin_optimizer()
         out = []
         for index, group in enumerate(self.groups):
-            split = group.split
-            if group.acc is None or not split.counts[1]:
+            if group.acc is None or not group.split.counts[1]:
                 continue
-            master = self.optimizer.param_groups[index]["params"][0]
-            # A copy taken at once: the training thread may set the state's step count meanwhile.
-            state = dict(self.optimizer.state.get(master, {}))
-            per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
             twin.param_groups[0].update({k: v for k, v in snapshot[index].items() if k != "params"})
-            grad = group.acc.div_(count)
-            new_values, new_state, scalars = _step_packed(
-                twin, 0, master.data, per_element, self.scalars[index].host, grad
-            )
-            assert new_values.data_ptr() == master.data_ptr()
-            for key, value in new_state.items():  # an optimizer that replaced a moment instead of updating it
-                if value.data_ptr() != per_element[key].data_ptr():
-                    per_element[key].copy_(value)
+            scalars = self._step_whole(twin, 0, index, self.scalars[index].host, group.acc.div_(count))
             group.acc.zero_()
             out.append((index, scalars))
         return out

@@ -259,14 +259,15 @@ def test_the_selected_gradient_is_sent_in_its_own_dtype_and_scaled_on_arrival() 
 def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_it() -> None:
     # [Note: zenflow in-place host update]: with the selected columns stepped apart (here on the CPU too), the
     # background update steps the host master in place: it starts only when asked (after the publish read the
-    # master), a sync of the columns waits for it, and its late elements equal the synchronous update's.
+    # master), a sync of the columns waits for it, and its late elements equal the synchronous update's, with the
+    # columns apart (no set-aside of the selected elements, whose host copies are stale) or on the host.
     import threading
 
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     grads = [torch.linspace(-1, 1, 24) * (1 + 0.1 * i) for i in range(3)]
     masters = {}
-    for overlap in (False, True):
+    for overlap, device in ((False, None), (False, torch.device("cpu")), (True, torch.device("cpu"))):
         master = torch.nn.Parameter(torch.randn(24, generator=torch.Generator().manual_seed(0)), requires_grad=False)
         policy = ZenFlowPolicy(
             topk_ratio=0.2,
@@ -276,9 +277,7 @@ def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_i
             overlap_step=overlap,
             full_warm_up_rounds=1,
         )
-        update = ZenFlowUpdate(
-            DeepSpeedCPUAdam([master], lr=0.1), policy, [(0, 24, [(0, (4, 6))])], None, torch.device("cpu")
-        )
+        update = ZenFlowUpdate(DeepSpeedCPUAdam([master], lr=0.1), policy, [(0, 24, [(0, (4, 6))])], None, device)
         for grad in grads:  # warm-up, then two accumulated steps: the host update is due after the third
             update.step([grad], 1.0)
         rest = update.groups[0].split.mask(selected=False)
@@ -300,7 +299,11 @@ def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_i
             assert not torch.equal(master.detach()[rest], before)
         else:
             assert update.pending is None and update.host_updates == 1
-        masters[overlap] = master.detach()[rest].clone()
+            # With the columns apart nothing was set aside: no kept buffer of the selected master exists (on the
+            # host, the every-step path packs into one each step anyway).
+            assert ((0, "master") in update._buffers) == (device is None)
+        masters[overlap, device] = master.detach()[rest].clone()
         update.shutdown()
         assert update.host_updates == 1 and update.in_place_updates == int(overlap)
-    assert torch.equal(masters[True], masters[False])
+    first, *others = masters.values()
+    assert all(torch.equal(first, other) for other in others)
