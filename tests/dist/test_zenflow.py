@@ -255,7 +255,8 @@ def _safe_helpers_see_the_device_columns(world: int) -> dict:
             engine.step()
 
     # Columns chosen at step 0; step 1 publishes them alone (their host masters go stale), and so would step 2:
-    # the first host update is submitted at step 2 and lands at step 3.
+    # the first host update is submitted at step 2 and lands at step 3 (in the masters at once: it steps them in
+    # place, [Note: zenflow in-place host update]).
     train(range(2))
     named = dict(engine.module.named_parameters())
     read = {n: safe_get_full_fp32_param(p) for n, p in named.items()}
@@ -267,7 +268,8 @@ def _safe_helpers_see_the_device_columns(world: int) -> dict:
     name = next(n for n, p in named.items() if p.dim() == 2)
     safe_set_full_fp32_param(named[name], torch.zeros_like(read[name]))
     out["set_kept"] = torch.equal(safe_get_full_fp32_param(named[name]), torch.zeros_like(read[name]))
-    train(range(2, 3))  # the step after the write sends the whole master up, the written value with it
+    # The step after the write sends the whole master up, the written value with it; the next one the host update.
+    train(range(2, 4))
     again = {n: safe_get_full_fp32_param(p) for n, p in named.items()}
     out["weights_are_masters"] = all(torch.equal(again[n], p.detach()) for n, p in named.items())
     engine.destroy()
@@ -375,7 +377,7 @@ def _refresh_in_flight(world: int) -> dict:
 
 def test_refresh_fp32_params_applies_a_host_update_in_flight_first() -> None:
     for rank in run_distributed(_refresh_in_flight, 2, 2):
-        assert rank == {"in_flight": True, "applied": (True, 2, 1), "masters_are_working": True, "trains_on": True}
+        assert rank == {"in_flight": True, "applied": (True, 2, 2), "masters_are_working": True, "trains_on": True}
 
 
 def _config_error(zenflow: dict, **top: object) -> str:
@@ -579,13 +581,13 @@ def test_zenflow_resume_is_bit_exact_mid_interval_and_with_an_update_in_flight(
 ) -> None:
     _, ranks = resume_runs(world, route)
     for rank in ranks:
-        # Host updates after steps 2 and 4 applied (one in flight at the end). The first is packed either way (the
-        # late path's moments start from zero); the second steps in place unless the route is packed.
-        assert rank["updates"] == {"all": 2, "in_place": 0 if route == "packed" else 1}
+        # Host updates after steps 2 and 4 applied (one in flight at the end), in place unless the route is packed.
+        assert rank["updates"] == {"all": 2, "in_place": 0 if route == "packed" else 2}
         saved = rank["saved"]
         # An update in flight is saved as the values it writes (packed) or as the working partitions it has not
         # reached (in place); either way the resumed run applies it at its next step.
-        for tag, in_place in (("in_flight", False), ("in_flight_later", route != "packed")):
+        in_place = route != "packed"
+        for tag in ("in_flight", "in_flight_later"):  # the late path's first host update, and its second
             in_flight = saved[tag]["partitions"]
             assert ("pending_working" in in_flight) == in_place and ("pending_values" in in_flight) != in_place
         if route == "bf16":  # the working partition is saved as the working weights hold it

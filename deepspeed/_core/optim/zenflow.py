@@ -36,9 +36,9 @@ each way and held packed copies of the master and both moments for the duration.
 boundary is only bookkeeping: the step count, and a full publish. It starts once the step's weights are published
 (:meth:`ZenFlowUpdate.start_host_update`), since a full publish reads the master, and anything that reads or writes
 the host master or its moments from outside a step (the columns' sync, a save, ``safe_get_*``) waits for it first.
-A master read then already holds the update; the working weights get it at the next step boundary, as before. With
-the every-step path on the host, or before the late path's first update (its moments start from zero), the update
-is packed and scattered as above.
+A master read then already holds the update; the working weights get it at the next step boundary, as before. The
+late path's first update starts from zero moments, created afresh over the whole partition. With the every-step path
+on the host, the background update is packed and scattered as above.
 
 [Note: zenflow checkpoint] A checkpoint holds everything ZenFlow keeps between steps (:meth:`ZenFlowUpdate.
 state_dict`): the accumulator, the selected columns, the counters of the schedule, both paths' step counts and a
@@ -350,9 +350,8 @@ class ZenFlowUpdate:
 
     def _in_place_ok(self) -> bool:
         """Whether the background update may step the host master in place: the every-step path is off the host
-        and the late path has its moments ([Note: zenflow in-place host update])."""
-        late = [index for index, group in enumerate(self.groups) if group.split.counts[1]]
-        return self.rule is not None and all(self.scalars[index].host for index in late)
+        ([Note: zenflow in-place host update])."""
+        return self.rule is not None
 
     def take_loaded_working(self) -> list[torch.Tensor] | None:
         """The working partitions a load brought with an in-place update in flight (once): published instead of the
@@ -383,21 +382,16 @@ class ZenFlowUpdate:
         path's elements) as its gradient and the late path's step count. With the every-step path on the host its
         elements of the master and its state are set aside in the kept buffers first and written back after;
         with device columns their host copies are stale anyway ([Note: zenflow in-place host update]). Elementwise
-        this is the late path's packed step. The late path's first update (no step count yet, its moments start
-        from zero) is packed instead.
+        this is the late path's packed step, its first one (no step count yet) included (:meth:`_step_whole`).
         """
         group, split, scalars = self.groups[index], self.groups[index].split, self.scalars[index]
         if group.acc is None or not split.counts[1]:
             return  # every element of this group is on the every-step path
-        if not scalars.host:
-            self._step_masked(index, split.take(group.acc, False).div_(count), scalars, selected=False)
-            group.acc.zero_()
-            return
         master = self.optimizer.param_groups[index]["params"][0]
-        state = self.optimizer.state.get(master, {})
         kept = self._pack(index, selected=True) if self.rule is None else None
         scalars.host = self._step_whole(self.optimizer, index, index, scalars.host, group.acc.div_(count))
         if kept is not None:
+            state = self.optimizer.state[master]
             split.put_(master.data, kept[0], True)
             for key, value in kept[1].items():
                 split.put_(state[key], value, True)
@@ -405,15 +399,26 @@ class ZenFlowUpdate:
 
     def _step_whole(self, optimizer: torch.optim.Optimizer, slot: int, index: int, scalars: dict, grad: Any) -> dict:
         """Step group ``index``'s whole master and moments in place on ``optimizer``'s param group ``slot`` with
-        ``grad`` and the late path's ``scalars``; returns the new scalars."""
+        ``grad`` and the late path's ``scalars``; returns the new scalars.
+
+        The late path's first step (no ``scalars`` yet) starts from zero moments: the master's moments are dropped
+        first (the late elements' are zero until then, the every-step path's are set aside by the caller or stale),
+        and the ones the optimizer creates afresh, partition-sized, become the master's."""
         master = self.optimizer.param_groups[index]["params"][0]
+        own = self.optimizer.state.setdefault(master, {})
         # A copy taken at once: on the worker, the training thread may set the state's step count meanwhile.
-        state = dict(self.optimizer.state.get(master, {}))
+        state = dict(own)
         per_element = {k: v for k, v in state.items() if _per_element(v, master.numel())}
+        if not scalars:
+            for key in per_element:
+                own.pop(key, None)
+            per_element = {}
         new_values, new_state, new_scalars = _step_packed(optimizer, slot, master.data, per_element, scalars, grad)
         assert new_values.data_ptr() == master.data_ptr()
-        for key, value in new_state.items():  # an optimizer that replaced a moment instead of updating it
-            if value.data_ptr() != per_element[key].data_ptr():
+        for key, value in new_state.items():
+            if key not in per_element:
+                own[key] = value  # created afresh over the whole partition
+            elif value.data_ptr() != per_element[key].data_ptr():  # an optimizer that replaced a moment
                 per_element[key].copy_(value)
         return new_scalars
 

@@ -3,6 +3,7 @@ any element (a ZeRO partition boundary falls mid-row), the ``"auto"`` interval r
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deepspeed._core.config.plan import ZenFlowPolicy
@@ -256,18 +257,22 @@ def test_the_selected_gradient_is_sent_in_its_own_dtype_and_scaled_on_arrival() 
     upload.wait()
 
 
-def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_it() -> None:
+@pytest.mark.parametrize("warm_up", [0, 1])
+def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_it(warm_up: int) -> None:
     # [Note: zenflow in-place host update]: with the selected columns stepped apart (here on the CPU too), the
     # background update steps the host master in place: it starts only when asked (after the publish read the
     # master), a sync of the columns waits for it, and its late elements equal the synchronous update's, with the
-    # columns apart (no set-aside of the selected elements, whose host copies are stale) or on the host.
+    # columns apart (no set-aside of the selected elements, whose host copies are stale) or on the host, and the
+    # packed background update's (the every-step path on the host, with overlap_step). Without a warm-up it is the
+    # late path's first update: its moments start from zero, created over the whole partition.
     import threading
 
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    grads = [torch.linspace(-1, 1, 24) * (1 + 0.1 * i) for i in range(3)]
+    grads = [torch.linspace(-1, 1, 24) * (1 + 0.1 * i) for i in range(warm_up + 2)]
     masters = {}
-    for overlap, device in ((False, None), (False, torch.device("cpu")), (True, torch.device("cpu"))):
+    cpu = torch.device("cpu")
+    for overlap, device in ((False, None), (False, cpu), (True, cpu), (True, None)):
         master = torch.nn.Parameter(torch.randn(24, generator=torch.Generator().manual_seed(0)), requires_grad=False)
         policy = ZenFlowPolicy(
             topk_ratio=0.2,
@@ -275,13 +280,16 @@ def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_i
             select_interval=100,
             update_interval=2,
             overlap_step=overlap,
-            full_warm_up_rounds=1,
+            full_warm_up_rounds=warm_up,
         )
         update = ZenFlowUpdate(DeepSpeedCPUAdam([master], lr=0.1), policy, [(0, 24, [(0, (4, 6))])], None, device)
-        for grad in grads:  # warm-up, then two accumulated steps: the host update is due after the third
+        for grad in grads:  # the warm-up, then two accumulated steps: the host update is due after them
             update.step([grad], 1.0)
         rest = update.groups[0].split.mask(selected=False)
-        if overlap:
+        if overlap and device is None:  # packed: started at once, its values written into the master when settled
+            assert update.pending is not None and not update.pending.in_place
+            update.settle()
+        elif overlap:
             # Due, not started: the publish comes first.
             assert update.pending is not None and update.pending.job is None and update.pending.in_place
             before = master.detach()[rest].clone()
@@ -303,7 +311,10 @@ def test_an_in_place_host_update_starts_after_the_publish_and_a_sync_waits_for_i
             # host, the every-step path packs into one each step anyway).
             assert ((0, "master") in update._buffers) == (device is None)
         masters[overlap, device] = master.detach()[rest].clone()
+        for key in ("exp_avg", "exp_avg_sq"):  # the late path's moments, whatever route stepped them
+            masters[overlap, device, key] = update.optimizer.state[master][key][rest].clone()
         update.shutdown()
-        assert update.host_updates == 1 and update.in_place_updates == int(overlap)
-    first, *others = masters.values()
-    assert all(torch.equal(first, other) for other in others)
+        assert update.host_updates == 1 and update.in_place_updates == int(overlap and device is not None)
+    for what in ((), ("exp_avg",), ("exp_avg_sq",)):
+        first, *others = [v for k, v in masters.items() if k[2:] == what]
+        assert len(others) == 3 and all(torch.equal(first, other) for other in others), what
