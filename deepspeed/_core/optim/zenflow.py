@@ -221,7 +221,7 @@ class ZenFlowUpdate:
             if self.rule is not None and self.groups[index].split.counts[1]:
                 self._step_columns(index, raw, coef)
             else:
-                self._step_masked(index, self._selected_grad(index, raw, coef), self.scalars[index], selected=True)
+                self._step_selected(index, self._selected_grad(index, raw, coef), self.scalars[index])
         if not warm:
             self._accumulate(raws, coef, norms)
         if self.steps + 1 == self.policy.full_warm_up_rounds:
@@ -578,27 +578,22 @@ class ZenFlowUpdate:
             if value is not state[key]:
                 self.groups[index].split.put_(state[key], value, selected)
 
-    def _step_masked(self, index: int, grad: torch.Tensor, scalars: PathScalars, selected: bool) -> None:
-        """Step group ``index``'s elements on one path with ``grad`` (packed) on the training thread."""
+    def _step_selected(self, index: int, grad: torch.Tensor, scalars: PathScalars) -> None:
+        """Step group ``index``'s every-step path with ``grad`` (packed) on the host, on the training thread."""
         if not grad.numel():
             return
-        values, state = self._pack(index, selected)
-        own = scalars.selected if selected else scalars.host
-        new_values, new_state, new_scalars = _step_packed(self.optimizer, index, values, state, own, grad)
+        values, state = self._pack(index, selected=True)
+        new_values, new_state, new_scalars = _step_packed(self.optimizer, index, values, state, scalars.selected, grad)
         master = self.optimizer.param_groups[index]["params"][0]
         if new_values.data_ptr() != master.data_ptr():
-            self.groups[index].split.put_(master.data, new_values, selected)
-            if selected:
-                self._stepped[index] = new_values
+            self.groups[index].split.put_(master.data, new_values, True)
+            self._stepped[index] = new_values
         else:
             self.changed_all = True  # the whole master was stepped in place
-        self._scatter_state(index, new_state, selected)
-        if selected:
-            scalars.selected = new_scalars
-            # The optimizer's own state of the master carries the every-step path's scalars (what a checkpoint saves).
-            self.optimizer.state[master].update(copied(new_scalars))
-        else:
-            scalars.host = new_scalars
+        self._scatter_state(index, new_state, selected=True)
+        scalars.selected = new_scalars
+        # The optimizer's own state of the master carries the every-step path's scalars (what a checkpoint saves).
+        self.optimizer.state[master].update(copied(new_scalars))
 
     def _background(self, count: int, snapshot: list[dict]) -> list:
         """Worker: pack every group's masked-out elements and their mean accumulated gradient, and step them on
