@@ -47,7 +47,7 @@ from deepspeed._core.params.param import (
     ZeroParam,
     zero_state,
 )
-from deepspeed._core.params.placement import ShardPlacement, arena_shards
+from deepspeed._core.params.placement import ShardPlacement, arena_segments, arena_shards
 from deepspeed._core.params.prefetch import PrefetchBudget, StepTrace
 from deepspeed._core.params.swap import ParamSwapper
 
@@ -324,14 +324,22 @@ class ZeroParamManager:
         and as its shard would keeps its own storage as its shard ([Note: own storage as shard])."""
         params = list(params)
         shards: dict[int, torch.Tensor] = {}
+        segments: list[list[nn.Parameter]] = []
         if self.gatherer.placement.device is None:  # shards on the compute device, not offloaded
             if own and self.group.world_size == 1:
                 shards = self._own_storage_shards(params)
             if allocation is ShardAllocation.ARENA:
                 fresh = [p for p in params if zero_state(p) is None and id(p) not in shards]
-                cut = arena_shards([self.gatherer.shard_request(p, self.group, self.target) for p in fresh])
-                shards.update({id(p): shard for p, shard in zip(fresh, cut, strict=True)})
+                segments = arena_segments(fresh, lambda p: self.gatherer.shard_request(p, self.group, self.target))
+        segment_of = {id(p): k for k, segment in enumerate(segments) for p in segment}
         for param in params:
+            k = segment_of.pop(id(param), None)
+            if k is not None and id(param) not in shards:
+                # Cut when its first parameter comes up: the earlier segments' parameters have freed their full
+                # storage by then ([Note: shard arena]).
+                segment = segments[k]
+                requests = [self.gatherer.shard_request(p, self.group, self.target) for p in segment]
+                shards.update(zip([id(p) for p in segment], arena_shards(requests), strict=True))
             self._adopt(param, shards.pop(id(param), None))
 
     def _own_storage_shards(self, params: list[nn.Parameter]) -> dict[int, torch.Tensor]:

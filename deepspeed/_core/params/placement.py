@@ -11,7 +11,10 @@ this design needs.
 each is rounded up by the caching allocator (to 2 MiB above 1 MiB, into 20 MiB segments between 1 and 10 MiB): for
 the 3B model's ~250 bf16 shards that left reserved 2.4 % above allocated after ``initialize`` on the H200, and none
 with one buffer (docs/benchmarks.md). When the shards stay for the whole run (the optimizer
-keeps its master elsewhere) one buffer holds them all, laid out from the sizes before anything is allocated. Where
+keeps its master elsewhere) a few buffers hold them all, laid out from the sizes before anything is allocated, in
+segments of about :data:`ARENA_SEGMENT_BYTES` in parameter order. A segment is allocated only when its first
+parameter is partitioned, after every parameter before it has freed its full storage: a model built on the
+accelerator then peaks at its own size plus one segment during ``initialize``, not plus all of its shards. Where
 the shards are replaced by views of the device master later, or live in page-locked host memory (whose allocator
 rounds every block up to a power of two), each keeps its own allocation. A shard cut from an arena is never freed
 on its own (``free_storage`` refuses a view of a larger buffer); the arena goes when its last shard does.
@@ -28,7 +31,7 @@ before, so no two shards alias. Switch: ``zero_optimization.lean_inplace_flatten
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,9 +89,30 @@ def allocate_shard(
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
+ARENA_SEGMENT_BYTES = 1 << 28
+"""An arena is cut in segments of about this many bytes of shards, each allocated once the parameters before it are
+partitioned ([Note: shard arena])."""
+
 SHARD_ALIGN_BYTES = 256
 """Each shard cut from an arena starts on this byte boundary, as a separately allocated one would (vectorised
 copy and cast kernels want aligned starts); the padding costs under 256 bytes per parameter."""
+
+
+def arena_segments(
+    params: Sequence[torch.nn.Parameter], request: Callable[[torch.nn.Parameter], tuple[int, torch.dtype, torch.device]]
+) -> list[list[torch.nn.Parameter]]:
+    """``params`` in order, cut into runs whose shards (``request(param)``: numel, dtype, device) add up to at least
+    :data:`ARENA_SEGMENT_BYTES` each (the last run: whatever is left)."""
+    segments: list[list[torch.nn.Parameter]] = [[]]
+    size = 0
+    for param in params:
+        if size >= ARENA_SEGMENT_BYTES:
+            segments.append([])
+            size = 0
+        numel, dtype, _ = request(param)
+        segments[-1].append(param)
+        size += numel * torch.empty((), dtype=dtype).element_size()
+    return [segment for segment in segments if segment]
 
 
 def arena_shards(requests: Sequence[tuple[int, torch.dtype, torch.device]]) -> list[torch.Tensor]:

@@ -115,3 +115,34 @@ def test_only_a_parameter_alone_in_its_storage_keeps_it_as_its_shard() -> None:
     assert kept == ["a.bias", "b.weight"]
     assert all(s.shard.dtype == torch.float32 for s in manager.states.values())
     manager.destroy()
+
+
+def test_arena_segments_are_cut_once_the_parameters_before_them_are_partitioned(monkeypatch) -> None:
+    # [Note: shard arena]: a segment is allocated when its first parameter comes up, after the parameters before it
+    # freed their full storage, so a model built where its shards go never holds all its shards beside itself.
+    import deepspeed._core.params.manager as manager_module
+    import deepspeed._core.params.placement as placement
+    from deepspeed._core.params.param import zero_state
+
+    monkeypatch.setattr(placement, "ARENA_SEGMENT_BYTES", 64 * 4)  # 64 fp32 elements of shards at least
+    model = Net()
+    order = list(model.parameters())  # a.weight 63, a.bias 9 | norm 9 + 9, b.weight 27, b.bias 3
+    partitioned_at_cut = []
+    real = manager_module.arena_shards
+
+    def spy(requests):
+        partitioned_at_cut.append([zero_state(p) is not None for p in order])
+        return real(requests)
+
+    monkeypatch.setattr(manager_module, "arena_shards", spy)
+    manager = ZeroParamManager(
+        model,
+        WORLD1,
+        Stage3Policy(),
+        LeanPolicy(inplace_flatten=False),  # every parameter is copied into the arena
+        target=ParamTarget(CPU, torch.float32),
+        storage=ParamStorage(shards=ShardAllocation.ARENA),
+    )
+    assert partitioned_at_cut == [[False] * 6, [True, True] + [False] * 4]
+    assert len({s.shard.untyped_storage().data_ptr() for s in manager.states.values()}) == 2
+    manager.destroy()
