@@ -319,9 +319,10 @@ class ZeroParamManager:
         allocation: ShardAllocation = ShardAllocation.PER_PARAMETER,
         own: bool = False,
     ) -> None:
-        """Adopt or partition every parameter. With ``ShardAllocation.ARENA`` the new shards are cut from one buffer
-        per dtype and device ([Note: shard arena]); with ``own``, on one rank, a parameter that already lies where
-        and as its shard would keeps its own storage as its shard ([Note: own storage as shard])."""
+        """Adopt or partition every parameter, in order. With ``ShardAllocation.ARENA`` the new shards are cut from
+        buffers per dtype and device, a segment at a time ([Note: shard arena]); with ``own``, on one rank, a
+        parameter that already lies where and as its shard would keeps its own storage as its shard
+        ([Note: own storage as shard])."""
         params = list(params)
         shards: dict[int, torch.Tensor] = {}
         segments: list[list[nn.Parameter]] = []
