@@ -297,8 +297,8 @@ if want resident; then
   # The maximum length without activation offload (tiling on, every layer input kept on the device), in
   # increasing lengths until the first that runs out of device memory; 32K completed in call A.
   LC="python3 benchmarks/long_context_gpu.py --out $WORK/resident.jsonl"
-  part resident_ours 330 $LC --impl ours --tile-mlp 8 --tile-loss 64 --lengths 131072,196608,262144,327680 \
-    --budget-s 320
+  part resident_ours 330 $LC --impl ours --tile-mlp 8 --tile-loss 64 \
+    --lengths "${RESIDENT_LENGTHS:-131072,196608,262144,327680}" --budget-s 320
   cp "$WORK/resident.jsonl" "$OUT/" 2>/dev/null
 fi
 
