@@ -38,8 +38,8 @@ Builds the Qwen2-shaped decoder of ``benchmarks/models.py`` (random weights, bf1
 
 With ``--breakdown`` each engine case also records where the host time of its step goes: wall seconds per thread
 in the optimizer's phases (gradient flush, norm, each chunk's gradient fetch, the inner optimizer, the
-write-back's conversion and copies), summed over the timed steps, and one profiled step's operator table
-(``--breakdown-dir``).
+write-back's conversion and copies), summed over the timed steps, and one profiled step's operator tables, the
+last grouped by the Python lines that issued each operator (``--breakdown-dir``).
 
 Engine cases also record host bytes per parameter (the optimizer's own count and the process's resident set) and
 the disk bytes read and written per step (the process's I/O counters). ``--cases`` picks what runs.
@@ -197,14 +197,17 @@ def _timed_phases(step_parts: Callable[[], list[float]], steps: int, spans: _Spa
 def _profile_one(run: Callable[[], object], path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         run()
         torch.cuda.synchronize()
     table = prof.key_averages()
+    by_site = prof.key_averages(group_by_stack_n=5)  # which Python lines issue the host operators
     path.write_text(
         table.table(sort_by="self_cpu_time_total", row_limit=40)
         + "\n\n"
         + table.table(sort_by="self_device_time_total", row_limit=25)
+        + "\n\n"
+        + by_site.table(sort_by="self_cpu_time_total", row_limit=30)
     )
     prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
 
