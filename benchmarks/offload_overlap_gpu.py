@@ -197,7 +197,11 @@ def _timed_phases(step_parts: Callable[[], list[float]], steps: int, spans: _Spa
 def _profile_one(run: Callable[[], object], path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    # Python stacks reach key_averages() only with the verbose experimental config (with_stack alone records none).
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, experimental_config=stacks
+    ) as prof:
         run()
         torch.cuda.synchronize()
     table = prof.key_averages()
